@@ -1,0 +1,33 @@
+"""Engine configuration, parsed once at the edge (CLI or tests) and never changed afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "smollm2"  # smollm2 | tiny-random | a path to an HF Llama-family dir (safetensors)
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU (no native bf16 there), bfloat16 on CUDA
+    block_size: int = 16  # tokens per KV cache block
+    pool_mb: int = 512  # memory budget of the KV block pool
+    max_batch_tokens: int = 2048  # tokens computed per engine step (chunked prefill budget)
+    max_num_seqs: int = 128  # requests running at once
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    served_model_name: str | None = None  # None: derived from `model`
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.pool_mb < 1:
+            raise ValueError("pool_mb must be >= 1")
+        if self.max_batch_tokens < 1:
+            raise ValueError("max_batch_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -1,0 +1,31 @@
+"""What the engine hands back to its callers after each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """The change to one request in one engine step (a delta, never the whole text so far)."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens generated this step (may be empty, e.g. on abort)
+    new_text: str  # text safe to show now; text that may be the start of a stop string is held back
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished, else None
+    num_prompt_tokens: int
+    num_output_tokens: int  # generated so far, including new_token_ids
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # aligned with new_token_ids
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for metrics and /readyz."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int

@@ -1,0 +1,151 @@
+"""One generation request and its sampling parameters.
+
+A `Request` is the single object that carries a sequence through the engine: its prompt and output
+tokens, how many of them already have K/V in the cache (`num_computed_tokens`), its KV blocks, priority,
+sampling parameters and status. The scheduler decides, the runner computes, and only
+`Scheduler.update_from_output` changes a request's tokens or status.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Priority(enum.IntEnum):
+    """Lower value is served first (CONTRACT.md `X-Priority`)."""
+
+    CRITICAL = 0
+    STANDARD = 1
+    SHEDDABLE = 2
+
+    @classmethod
+    def parse(cls, value: str | None) -> Priority:
+        """Parse an `X-Priority` header value; `None` or empty gives STANDARD."""
+        if value is None or value.strip() == "":
+            return cls.STANDARD
+        try:
+            return cls[value.strip().upper()]
+        except KeyError:
+            names = ", ".join(p.name.lower() for p in cls)
+            raise ValueError(f"X-Priority must be one of {names}, got {value!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling parameters (OpenAI's plus the vLLM extras). Validated at the edge."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # in (0, 1]
+    top_k: int | None = None  # None: no top-k filter
+    seed: int | None = None  # None: not reproducible
+    stop: tuple[str, ...] = ()  # cut before the first occurrence; never returned
+    stop_token_ids: tuple[int, ...] = ()  # finish after emitting one of these (not returned as text)
+    ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids are suppressed before this many outputs
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # HF/vLLM style, applied over prompt and output tokens
+    logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus the top k
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field if a value is out of range."""
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError("top_k must be >= 1 (or -1/null to disable)")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be between 0 and max_tokens")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError("presence_penalty must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError("frequency_penalty must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be in [0, 20]")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context length reached
+    FINISHED_ABORTED = "abort"  # the client went away or the request was cancelled
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The sampled token's log-probability and the top alternatives, from the raw model logits."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token_id, logprob), best first
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: Priority = Priority.STANDARD
+    adapter_id: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Tokens whose K/V are in the cache. Invariant: 0 <= num_computed_tokens <= num_tokens.
+    num_computed_tokens: int = 0
+    # KV cache blocks in order; block i holds positions [i*block_size, (i+1)*block_size).
+    block_ids: list[int] = field(default_factory=list)
+    # Per-request RNG so a seeded request samples the same tokens whatever else is in the batch.
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.seed is not None and not self.sampling_params.greedy:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_id_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

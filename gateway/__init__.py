@@ -1,0 +1,1 @@
+"""loragate gateway: tenant auth, rate limits, admission and routing in front of engine replicas."""

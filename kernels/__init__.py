@@ -1,0 +1,1 @@
+"""Batched-LoRA kernels (Triton) and their pure-torch twins."""

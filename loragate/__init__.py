@@ -1,0 +1,1 @@
+"""The `loragate` command line: starts engines and gateways."""
