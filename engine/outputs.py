@@ -22,6 +22,14 @@ class RequestOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    """One step's samples, aligned with `SchedulerOutput.requests`."""
+
+    sampled: list[int | None]  # None: the request only computed part of its prompt
+    logprobs: list[TokenLogprob | None]  # None: not asked for, or nothing sampled
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot for metrics and /readyz."""
 

@@ -1,0 +1,158 @@
+"""Runs the synchronous LLMEngine in one background thread and streams its outputs to asyncio tasks.
+
+The HTTP event loop never blocks on a forward pass: requests and aborts cross into the engine thread
+through a thread-safe inbox, and each step's outputs come back with one `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.request import Priority, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed or was shut down while a request was in flight."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: Priority
+    adapter_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = threading.Event()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="loragate-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._inbox.put(None)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        for stream in self._streams.values():
+            stream.put_nowait(EngineDeadError("the engine is shutting down"))
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 priority: Priority = Priority.STANDARD, adapter_id: str | None = None
+                 ) -> AsyncIterator[RequestOutput]:
+        """Validate now (ValueError, KeyError for an unknown adapter), then stream the request's outputs.
+
+        Closing the iterator early (client gone, task cancelled) aborts the request and frees its blocks.
+        """
+        if adapter_id is not None:
+            raise KeyError(adapter_id)
+        params.validate()
+        self.engine.check_request(prompt_token_ids, params)
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        return self._stream(_Add(request_id, list(prompt_token_ids), params, priority, adapter_id))
+
+    async def _stream(self, add: _Add) -> AsyncIterator[RequestOutput]:
+        if not self.running:
+            raise EngineDeadError("the engine is not running")
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[add.request_id] = stream
+        self._inbox.put(add)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(add.request_id, None)
+            if not finished:
+                self._inbox.put(_Abort(add.request_id))
+
+    # ---- the engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping.is_set():
+            block = not engine.has_unfinished_requests()
+            if not self._drain_inbox(block):
+                break
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # a bug in a step must not hang every client
+                logger.exception("engine step failed; aborting all requests in flight")
+                self._fail_all(exc)
+                continue
+            if outputs:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued adds/aborts; wait for one if `block`. False when asked to stop."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if item is None:
+                return False
+            if isinstance(item, _Abort):
+                self.engine.abort_request(item.request_id)
+                continue
+            try:
+                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params,
+                                        item.priority, item.adapter_id)
+            except (ValueError, KeyError) as exc:
+                self._loop.call_soon_threadsafe(self._fail, item.request_id, exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in list(self.engine.scheduler.requests):
+            self.engine.abort_request(request_id)
+            self._loop.call_soon_threadsafe(self._fail, request_id,
+                                            EngineDeadError(f"engine step failed: {exc}"))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(exc)

@@ -1,0 +1,155 @@
+"""The synchronous engine: owns the scheduler, the runner and detokenization; one `step()` at a time.
+
+Data flow of one step:  Scheduler.schedule -> ModelRunner.execute -> Scheduler.update_from_output ->
+detokenize (stop strings) -> RequestOutput deltas. Only the scheduler changes request state.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.memory import BlockPool, KVCacheManager
+from engine.model.attention import allocate_kv_cache, kv_bytes_per_block
+from engine.model.loader import load_model
+from engine.model.sources import load_tokenizer, resolve_model
+from engine.outputs import EngineStats, RequestOutput, RunnerOutput
+from engine.request import Priority, Request, RequestStatus, SamplingParams
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(config: EngineConfig) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.float32 if config.device == "cpu" else torch.bfloat16
+    return _DTYPES[config.dtype]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        resolved = resolve_model(config.model)
+        self.model_name = config.served_model_name or resolved.name
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(resolved.path)
+        device = torch.device(config.device)
+        dtype = resolve_dtype(config)
+        self.model = load_model(resolved.path, dtype, device)
+        mc = self.model.config
+        self.vocab_size = mc.vocab_size
+        self.max_model_len = self._max_model_len(config, mc.max_position_embeddings)
+
+        num_blocks = (config.pool_mb << 20) // kv_bytes_per_block(mc, config.block_size, dtype)
+        if num_blocks < 1:
+            raise ValueError(f"--pool-mb {config.pool_mb} holds no KV block of this model")
+        self.pool = BlockPool(num_blocks)
+        kv = KVCacheManager(self.pool, config.block_size)
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_batch_tokens, config.max_num_seqs, self.max_model_len),
+            kv, self.eos_token_ids)
+        kv_cache = allocate_kv_cache(mc, num_blocks, config.block_size, dtype, device)
+        self.runner = ModelRunner(self.model, kv_cache, config.block_size,
+                                  Sampler(self.eos_token_ids), device)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        logger.info("engine ready: model=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
+                    self.model_name, dtype, num_blocks, config.block_size, self.max_model_len)
+
+    @staticmethod
+    def _max_model_len(config: EngineConfig, model_max: int) -> int:
+        if config.max_model_len is None:
+            return model_max
+        if config.max_model_len > model_max:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {model_max}")
+        return config.max_model_len
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if this request could never run here."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: must not be empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size})")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"context length of {self.max_model_len} tokens")
+        blocks = self.scheduler.kv.blocks_for(n + params.max_tokens)
+        if blocks > self.pool.num_blocks:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {blocks} "
+                             f"KV blocks; the pool holds {self.pool.num_blocks} (raise --pool-mb)")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: Priority = Priority.STANDARD, adapter_id: str | None = None) -> Request:
+        params.validate()
+        self.check_request(prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params, priority, adapter_id)
+        self.scheduler.add_request(request)
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                                params)
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request and free its blocks; False if it was unknown or already finished."""
+        self._detokenizers.pop(request_id, None)
+        return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           self.pool.num_blocks, self.pool.num_free)
+
+    # ---- the step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty():
+            return []
+        result = self.runner.execute(batch)
+        self.scheduler.update_from_output(batch, result)
+        return self._make_outputs(batch, result)
+
+    def _make_outputs(self, batch: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        outputs = []
+        for request, token, logprob in zip(batch.requests, result.sampled, result.logprobs):
+            if token is None:
+                continue
+            detok = self._detokenizers[request.request_id]
+            ends_on_token = (request.status is RequestStatus.FINISHED_STOPPED)
+            text, stop_hit = detok.update([] if ends_on_token else [token])
+            if stop_hit and not request.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if request.is_finished:
+                if not stop_hit:
+                    text += detok.flush()
+                del self._detokenizers[request.request_id]
+            outputs.append(RequestOutput(
+                request_id=request.request_id,
+                new_token_ids=[token],
+                new_text=text,
+                finished=request.is_finished,
+                finish_reason=(("stop" if stop_hit else request.status.value)
+                               if request.is_finished else None),
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_output_tokens=request.num_output_tokens,
+                new_logprobs=[logprob] if logprob is not None else [],
+            ))
+        return outputs

@@ -1,0 +1,91 @@
+"""The model runner: turns a scheduled step into one flat forward pass and samples the next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.attention import AttentionMetadata, PrefillSeq
+from engine.model.llama import LlamaForCausalLM
+from engine.outputs import RunnerOutput
+from engine.request import Request, TokenLogprob
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
+                 sampler: Sampler, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.block_size = block_size
+        self.sampler = sampler
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        """Compute one step and sample a token for every request whose known tokens are all computed."""
+        order = self._batch_order(batch)
+        requests = [batch.requests[i] for i in order]
+        num_tokens = [batch.num_tokens[i] for i in order]
+        input_ids, positions, attn, last_rows, sample_idx = self._prepare(requests, num_tokens)
+        hidden = self.model(input_ids, positions, self.kv_cache, attn)  # [T, hidden]
+        sampled: list[int | None] = [None] * len(order)
+        logprobs: list[TokenLogprob | None] = [None] * len(order)
+        if sample_idx:
+            logits = self.model.compute_logits(hidden[last_rows])  # [S, vocab]
+            out = self.sampler(logits.float(), [requests[i] for i in sample_idx])
+            for i, token, logprob in zip(sample_idx, out.token_ids, out.logprobs):
+                sampled[order[i]] = token
+                logprobs[order[i]] = logprob
+        return RunnerOutput(sampled, logprobs)
+
+    @staticmethod
+    def _batch_order(batch: SchedulerOutput) -> list[int]:
+        """Decodes (one token) first, then prefill chunks, as AttentionMetadata requires."""
+        decodes = [i for i, n in enumerate(batch.num_tokens) if n == 1]
+        prefills = [i for i, n in enumerate(batch.num_tokens) if n != 1]
+        return decodes + prefills
+
+    def _prepare(self, requests: list[Request], num_tokens: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
+        bs = self.block_size
+        token_ids: list[int] = []
+        pos_list: list[int] = []
+        slots: list[int] = []
+        last_rows: list[int] = []  # the row whose logits give each sampling request its next token
+        sample_idx: list[int] = []  # which requests sample this step
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSeq] = []
+        for i, (request, n) in enumerate(zip(requests, num_tokens)):
+            start = request.num_computed_tokens
+            end = start + n
+            row = len(token_ids)
+            all_ids = request.all_token_ids
+            token_ids.extend(all_ids[start:end])
+            pos_list.extend(range(start, end))
+            blocks = request.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            if end == request.num_tokens:
+                last_rows.append(row + n - 1)
+                sample_idx.append(i)
+            if n == 1:
+                decode_tables.append(blocks[: -(-end // bs)])
+                decode_lens.append(end)
+            else:
+                table = torch.tensor(blocks[: -(-end // bs)], dtype=torch.long, device=self.device)
+                prefills.append(PrefillSeq(row, n, end, table))
+        width = max((len(t) for t in decode_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in decode_tables]
+        attn = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decode_tokens=len(decode_lens),
+            decode_block_tables=self._tensor(padded).reshape(len(padded), width),
+            decode_context_lens=self._tensor(decode_lens),
+            prefills=tuple(prefills),
+        )
+        return (self._tensor(token_ids), self._tensor(pos_list), attn,
+                self._tensor(last_rows), sample_idx)
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

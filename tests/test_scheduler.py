@@ -1,0 +1,198 @@
+"""Scheduler and block-pool behaviour with fake runner outputs (no model): cheap edge cases."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.memory import BlockPool, KVCacheManager
+from engine.outputs import RunnerOutput
+from engine.request import Priority, Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+EOS = 0
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_batch_tokens: int = 64,
+                   max_num_seqs: int = 16, max_model_len: int = 256) -> Scheduler:
+    kv = KVCacheManager(BlockPool(num_blocks), block_size)
+    return Scheduler(SchedulerConfig(max_batch_tokens, max_num_seqs, max_model_len), kv, (EOS,))
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int = 4, priority: Priority = Priority.STANDARD,
+                 arrival: float = 0.0, **params: object) -> Request:
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
+    return Request(rid, list(range(1, prompt_len + 1)), sp, priority, arrival_time=arrival)
+
+
+def fake_token(request: Request) -> int:
+    """A deterministic 'model': the next token depends only on the sequence so far."""
+    return 1 + (sum(request.all_token_ids) * 31 + request.num_tokens) % 97
+
+
+def fake_run(batch: SchedulerOutput) -> RunnerOutput:
+    sampled = [fake_token(r) if r.num_computed_tokens + n == r.num_tokens else None
+               for r, n in zip(batch.requests, batch.num_tokens)]
+    return RunnerOutput(sampled, [None] * len(sampled))
+
+
+def check_invariants(s: Scheduler) -> None:
+    pool = s.kv.pool
+    owners = pool.owners()
+    assert pool.num_free + len(owners) == pool.num_blocks  # pages conserved
+    held = [b for r in s.requests.values() for b in r.block_ids]
+    assert len(held) == len(set(held))  # no block owned twice
+    assert sorted(held) == sorted(owners)
+    for r in s.requests.values():
+        assert owners.keys() >= set(r.block_ids)
+        assert all(owners[b] == r.request_id for b in r.block_ids)
+        assert 0 <= r.num_computed_tokens <= r.num_tokens
+        assert len(r.block_ids) >= s.kv.blocks_for(r.num_computed_tokens)
+    assert len(s.running) <= s.config.max_num_seqs
+
+
+def run_to_completion(s: Scheduler, max_steps: int = 10_000) -> list[SchedulerOutput]:
+    steps = []
+    while s.has_unfinished():
+        batch = s.schedule()
+        assert not batch.is_empty(), "scheduler stalled with unfinished requests"
+        assert batch.total_tokens <= s.config.max_batch_tokens
+        s.update_from_output(batch, fake_run(batch))
+        check_invariants(s)
+        steps.append(batch)
+        assert len(steps) < max_steps
+    return steps
+
+
+def test_priority_then_arrival_order() -> None:
+    s = make_scheduler(max_num_seqs=1)
+    s.add_request(make_request("late-critical", 3, priority=Priority.CRITICAL, arrival=3.0))
+    s.add_request(make_request("early-standard", 3, arrival=1.0))
+    s.add_request(make_request("sheddable", 3, priority=Priority.SHEDDABLE, arrival=0.0))
+    s.add_request(make_request("mid-standard", 3, arrival=2.0))
+    order = []
+    for batch in run_to_completion(s):
+        for r in batch.requests:
+            if r.request_id not in order:
+                order.append(r.request_id)
+    assert order == ["late-critical", "early-standard", "mid-standard", "sheddable"]
+
+
+def test_decodes_go_first_and_long_prompt_is_chunked() -> None:
+    s = make_scheduler(max_batch_tokens=8)
+    s.add_request(make_request("short", 2, max_tokens=20))
+    first = s.schedule()
+    s.update_from_output(first, fake_run(first))
+    s.add_request(make_request("long", 30, max_tokens=2))
+    chunks = []
+    while "long" in s.requests and s.requests["long"].num_computed_tokens < 30:
+        batch = s.schedule()
+        ids = [r.request_id for r in batch.requests]
+        assert ids[0] == "short" and batch.num_tokens[0] == 1  # the decode is never stalled
+        chunks.append(batch.num_tokens[ids.index("long")])
+        s.update_from_output(batch, fake_run(batch))
+    assert chunks == [7, 7, 7, 7, 2]
+    assert s.requests["long"].num_output_tokens == 1  # sampled exactly once, after the last chunk
+
+
+def test_stop_conditions() -> None:
+    s = make_scheduler()
+    r = make_request("a", 3, max_tokens=5)
+    s.add_request(r)
+    run_to_completion(s)
+    assert r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 5
+    # A stop token id ends it as soon as it is sampled (after min_tokens).
+    s = make_scheduler()
+    probe = make_request("p", 3, max_tokens=1)
+    s.add_request(probe)
+    run_to_completion(s)
+    first = probe.output_token_ids[0]
+    s = make_scheduler()
+    r = make_request("b", 3, max_tokens=5, stop_token_ids=(first,))
+    s.add_request(r)
+    run_to_completion(s)
+    assert r.status is RequestStatus.FINISHED_STOPPED and r.output_token_ids == [first]
+    s = make_scheduler()
+    r = make_request("c", 3, max_tokens=5, min_tokens=2, stop_token_ids=(first,))
+    s.add_request(r)
+    run_to_completion(s)
+    assert r.num_output_tokens >= 2
+    # The context length caps output too.
+    s = make_scheduler(max_model_len=6)
+    r = make_request("d", 4, max_tokens=50)
+    s.add_request(r)
+    run_to_completion(s)
+    assert r.status is RequestStatus.FINISHED_LENGTH and r.num_tokens == 6
+
+
+def test_preemption_by_recompute_keeps_outputs() -> None:
+    reference = make_scheduler(num_blocks=256)
+    tight = make_scheduler(num_blocks=12)  # 48 token slots for 6 requests of up to 18 tokens
+    for s in (reference, tight):
+        for i in range(6):
+            s.add_request(make_request(f"r{i}", 6 + i, max_tokens=8, arrival=float(i)))
+    ref_requests = dict(reference.requests)
+    tight_requests = dict(tight.requests)
+    run_to_completion(reference)
+    steps = run_to_completion(tight)
+    assert sum(len(b.preempted) for b in steps) > 0, "the pool was meant to run out"
+    for rid, r in ref_requests.items():
+        assert tight_requests[rid].output_token_ids == r.output_token_ids
+    assert tight.kv.pool.num_free == tight.kv.pool.num_blocks
+
+
+def test_victim_is_lowest_priority_most_recent() -> None:
+    s = make_scheduler(num_blocks=6, block_size=4)
+    s.add_request(make_request("crit", 4, max_tokens=12, priority=Priority.CRITICAL, arrival=0))
+    s.add_request(make_request("shed-old", 4, max_tokens=12, priority=Priority.SHEDDABLE, arrival=1))
+    s.add_request(make_request("shed-new", 4, max_tokens=12, priority=Priority.SHEDDABLE, arrival=2))
+    preempted = []
+    for batch in run_to_completion(s):
+        preempted += [r.request_id for r in batch.preempted]
+    assert preempted and preempted[0] == "shed-new"
+    assert "crit" not in preempted
+
+
+def test_max_num_seqs_bounds_running() -> None:
+    s = make_scheduler(max_num_seqs=3)
+    for i in range(10):
+        s.add_request(make_request(f"r{i}", 3, max_tokens=3))
+    for batch in run_to_completion(s):
+        assert len(batch.requests) <= 3
+
+
+def test_duplicate_id_rejected_and_abort_frees_blocks() -> None:
+    s = make_scheduler()
+    s.add_request(make_request("x", 9))
+    with pytest.raises(ValueError, match="duplicate"):
+        s.add_request(make_request("x", 3))
+    batch = s.schedule()
+    s.update_from_output(batch, fake_run(batch))
+    assert s.kv.pool.num_used > 0
+    s.finish_request("x", RequestStatus.FINISHED_ABORTED)
+    assert s.kv.pool.num_used == 0 and not s.has_unfinished()
+    assert s.finish_request("x", RequestStatus.FINISHED_ABORTED) is None
+
+
+def test_randomized_invariants_with_aborts() -> None:
+    rng = random.Random(1234)
+    s = make_scheduler(num_blocks=40, block_size=4, max_batch_tokens=24, max_num_seqs=8)
+    submitted = finished = aborted = 0
+    for step in range(3000):
+        if rng.random() < 0.4 and submitted < 1000:
+            s.add_request(make_request(f"q{submitted}", rng.randint(1, 30), rng.randint(1, 20),
+                                       Priority(rng.randint(0, 2)), arrival=float(step)))
+            submitted += 1
+        if s.requests and rng.random() < 0.05:
+            rid = rng.choice(sorted(s.requests))
+            assert s.finish_request(rid, RequestStatus.FINISHED_ABORTED) is not None
+            aborted += 1
+        if s.has_unfinished():
+            batch = s.schedule()
+            assert not batch.is_empty()
+            finished += len(s.update_from_output(batch, fake_run(batch)))
+        check_invariants(s)
+    run_to_completion(s)
+    assert s.kv.pool.num_free == s.kv.pool.num_blocks
+    assert submitted > 500 and aborted > 10
