@@ -12,6 +12,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU (no native bf16 there), bfloat16 on CUDA
     block_size: int = 16  # tokens per KV cache block
     pool_mb: int = 512  # memory budget of the KV block pool
+    num_kv_blocks: int | None = None  # overrides the count derived from pool_mb (tests, tuning)
     max_batch_tokens: int = 2048  # tokens computed per engine step (chunked prefill budget)
     max_num_seqs: int = 128  # requests running at once
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -23,6 +24,8 @@ class EngineConfig:
             raise ValueError("block_size must be >= 1")
         if self.pool_mb < 1:
             raise ValueError("pool_mb must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
         if self.max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
         if self.max_num_seqs < 1:

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.memory import BlockPool, KVCacheManager
-from engine.model.attention import allocate_kv_cache, kv_bytes_per_block
+from engine.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
 from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
 from engine.outputs import EngineStats, RequestOutput, RunnerOutput
@@ -50,7 +50,8 @@ class LLMEngine:
         self.vocab_size = mc.vocab_size
         self.max_model_len = self._max_model_len(config, mc.max_position_embeddings)
 
-        num_blocks = (config.pool_mb << 20) // kv_bytes_per_block(mc, config.block_size, dtype)
+        num_blocks = config.num_kv_blocks or (
+            (config.pool_mb << 20) // kv_cache_bytes_per_block(mc, config.block_size, dtype))
         if num_blocks < 1:
             raise ValueError(f"--pool-mb {config.pool_mb} holds no KV block of this model")
         self.pool = BlockPool(num_blocks)

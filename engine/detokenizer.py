@@ -1,0 +1,115 @@
+"""Turn a request's generated tokens into text deltas, one step at a time, and find its stop strings.
+
+Incremental decoding uses two offsets into `tokens` (a few prompt tokens of context, then the output):
+
+    tokens[prefix_offset:read_offset]   already shown; decoded only as context for what follows
+    tokens[read_offset:]                not shown yet
+
+Each step decodes the short window `tokens[prefix_offset:]` and shows what it adds after the context's
+text. Decoding a window instead of a single token keeps the tokenizer's leading-space and merge rules
+right, and decoding a window instead of everything keeps each step O(1) in the output length. While the
+window's text ends in U+FFFD, its last token holds only part of a UTF-8 sequence: nothing is shown and
+the offsets stay put, so the character is shown whole once its remaining bytes arrive.
+
+Stop strings are matched on the shown text. The longest tail that could still begin a stop string is
+held back, so a stop string split over several tokens is cut exactly and never shown.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.request import SamplingParams
+
+# Prompt tokens decoded as context before the first output token (enough for leading-space rules).
+_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+                 params: SamplingParams) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = params.skip_special_tokens
+        self._stops = tuple(params.stop)
+        self._max_hold = max((len(s) for s in self._stops), default=1) - 1
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        # A prompt that ends inside a UTF-8 sequence would glue its bytes to the first output token's;
+        # the output text must decode on its own, so such a prompt gives no context.
+        if self._decode(context).endswith(_REPLACEMENT):
+            context = []
+        self._tokens: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text = self._decode(context)  # text of tokens[prefix_offset:read_offset]
+        self._pending = ""  # decoded, but held back: it may be the start of a stop string
+        self._parts: list[str] = []  # text returned so far
+        self._stopped = False
+
+    @property
+    def text(self) -> str:
+        """The output text decoded so far, including text held back for stop matching (not an
+        incomplete UTF-8 tail); once a stop string is hit, exactly the text before it."""
+        return "".join(self._parts) + self._pending
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string was hit."""
+        return self._stopped
+
+    def update(self, new_token_ids: list[int]) -> tuple[str, bool]:
+        """Append generated tokens; return (text delta now safe to show, stop_string_hit)."""
+        if self._stopped:
+            return "", True
+        self._tokens.extend(new_token_ids)
+        return self._scan(self._decode_new(), final=False)
+
+    def flush(self) -> str:
+        """On a finish for any other reason: the text still held back (an incomplete UTF-8 tail is
+        shown as the tokenizer decodes it, with U+FFFD), cut at a stop string if it holds one."""
+        if self._stopped:
+            return ""
+        tail = self._decode(self._tokens[self._prefix_offset:])[len(self._prefix_text):]
+        self._prefix_offset = self._read_offset = len(self._tokens)
+        self._prefix_text = ""
+        delta, _ = self._scan(tail, final=True)
+        return delta
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special)
+
+    def _decode_new(self) -> str:
+        """The text the unread tokens add, or "" while it is not complete yet."""
+        window_text = self._decode(self._tokens[self._prefix_offset:])
+        if len(window_text) <= len(self._prefix_text) or window_text.endswith(_REPLACEMENT):
+            return ""
+        new_text = window_text[len(self._prefix_text):]
+        # The shown tokens become the next window's context.
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+        self._prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+        return new_text
+
+    def _scan(self, new_text: str, final: bool) -> tuple[str, bool]:
+        """Match stop strings over pending + new_text; return (text to show, stop_string_hit)."""
+        buffer = self._pending + new_text
+        cut = min((i for i in (buffer.find(s) for s in self._stops) if i >= 0), default=None)
+        if cut is not None:
+            self._stopped = True
+            self._pending = ""
+            self._parts.append(buffer[:cut])
+            return buffer[:cut], True
+        hold = 0 if final else self._hold_length(buffer)
+        shown, self._pending = buffer[:len(buffer) - hold], buffer[len(buffer) - hold:]
+        if shown:
+            self._parts.append(shown)
+        return shown, False
+
+    def _hold_length(self, buffer: str) -> int:
+        """Length of the longest tail of `buffer` that is a proper prefix of some stop string."""
+        # Invariant: no stop string occurs in buffer (checked by the caller), and earlier text was
+        # shown only when no stop string could start in it, so a match can start only in the tail.
+        for length in range(min(self._max_hold, len(buffer)), 0, -1):
+            tail = buffer[-length:]
+            if any(s.startswith(tail) for s in self._stops):
+                return length
+        return 0

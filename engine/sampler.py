@@ -1,0 +1,255 @@
+"""Turn one step's logits into one next token per request (vLLM / OpenAI sampling conventions).
+
+Per row, in order: logprobs are taken from the raw logits; then min_tokens masks EOS and the stop token
+ids; then the repetition penalty (HF: over prompt + output tokens), then presence / frequency penalties
+(OpenAI: over output tokens); greedy rows take the argmax, the others are divided by the temperature,
+filtered by top-k then top-p and drawn from the softmax.
+
+A seeded request draws its own uniform from `request.generator`, so it samples the same tokens whatever
+else shares the batch; every other row draws from the sampler's shared generator. The draw itself is an
+inverse-CDF lookup batched over rows, so the per-row Python loop only produces one float per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request, TokenLogprob
+
+_NEG_INF = float("-inf")
+# Top-p looks for the nucleus among this many most likely tokens before falling back to a full sort.
+_CANDIDATES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprob | None]  # per row; None where the request asked for none
+
+
+def _is_plain_greedy(request: Request) -> bool:
+    """True when the row's token is just the argmax of its raw logits."""
+    p = request.sampling_params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and request.num_output_tokens >= p.min_tokens)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...], *, seed: int | None = None) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+        # Shared by every row without its own generator. Unseeded: a fresh random seed per sampler, so
+        # unseeded requests do not repeat the same draws after each restart.
+        self._generator = torch.Generator()
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """Sample one token per row. logits: [B, V], row i belongs to requests[i]."""
+        assert logits.dim() == 2 and logits.shape[0] == len(requests), (logits.shape, len(requests))
+        if all(_is_plain_greedy(r) for r in requests):
+            # Hot path: one batched argmax, no copies.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+        raw = logits.float()
+        processed = self.process(raw, requests)  # [B, V]
+        token_ids = self._draw(processed, requests)  # [B]
+        return SamplerOutput(token_ids.tolist(), _logprobs(raw, token_ids, requests))
+
+    def process(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """The logits each row is drawn from; does not modify its input.
+
+        Shapes: logits [B, V] -> [B, V] float32. Greedy rows are masked and penalised but not scaled or
+        filtered (their token is the argmax); sampled rows are also divided by the temperature and have
+        -inf outside their top-k / top-p set, so softmax(row) is the row's sampling distribution.
+        """
+        out = logits.float().clone()  # [B, V]
+        self._mask_below_min_tokens(out, requests)
+        _apply_repetition_penalty(out, requests)
+        _apply_presence_frequency_penalties(out, requests)
+        rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if not rows:
+            return out
+        params = [requests[i].sampling_params for i in rows]
+        index = torch.tensor(rows, device=out.device)
+        temperature = torch.tensor([p.temperature for p in params], device=out.device)  # [S]
+        scaled = out[index] / temperature[:, None]  # [S, V]
+        top_k = top_p = None
+        if any(p.top_k is not None for p in params):
+            vocab = out.shape[1]
+            top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=out.device)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=out.device)
+        out[index] = apply_top_k_top_p(scaled, top_k, top_p)
+        return out
+
+    def _mask_below_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        vocab = logits.shape[1]
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                banned = [t for t in self.eos_token_ids + p.stop_token_ids if 0 <= t < vocab]
+                if banned:
+                    logits[i, banned] = _NEG_INF
+
+    def _draw(self, processed: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """processed: [B, V] from `process`. Returns [B] int64 token ids."""
+        token_ids = processed.argmax(dim=-1)  # [B]; the answer for greedy rows
+        rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if not rows:
+            return token_ids
+        index = torch.tensor(rows, device=processed.device)
+        probs = torch.softmax(processed[index], dim=-1)  # [S, V]
+        u = self._uniforms([requests[i] for i in rows]).to(processed.device)  # [S]
+        token_ids[index] = sample_inverse_cdf(probs, u)
+        return token_ids
+
+    def _uniforms(self, requests: Sequence[Request]) -> torch.Tensor:
+        """One U[0, 1) float64 per row: from the row's own generator if seeded, else the shared one."""
+        u = torch.empty(len(requests), dtype=torch.float64)
+        shared = [i for i, r in enumerate(requests) if r.generator is None]
+        if shared:
+            u[shared] = torch.rand(len(shared), generator=self._generator, dtype=torch.float64)
+        for i, r in enumerate(requests):
+            if r.generator is not None:
+                u[i] = torch.rand((), generator=r.generator, dtype=torch.float64)
+        return u
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """Set to -inf every logit outside the row's top-k, then outside its top-p nucleus.
+
+    Semantics (per row, HF TopKLogitsWarper then TopPLogitsWarper):
+        keep = logits >= logits.topk(k).values[-1]                   # ties with the k-th are kept
+        probs = softmax(logits masked to keep), sorted descending
+        keep only tokens whose probability mass above them is < p    # smallest set with mass >= p
+    Shapes: logits [B, V] float; top_k [B] int64 in [1, V] (V: no filter) or None;
+    top_p [B] float in (0, 1] or None. Returns a new [B, V] tensor.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    kth = _kth_largest(logits, top_k)  # [B, 1]
+    if top_p is None:
+        return logits.masked_fill(logits < kth, _NEG_INF)
+    # A full sort of the vocabulary is slow on CPU, and the nucleus is usually small: look for it among
+    # the top candidates first; rows whose nucleus (or top-k set) reaches past them are sorted in full.
+    masked = logits if top_k is None else logits.masked_fill(logits < kth, _NEG_INF)  # [B, V]
+    num = min(logits.shape[1], _CANDIDATES)
+    values, ids = masked.topk(num, dim=-1)  # [B, num], descending
+    top = values[:, :1]  # [B, 1]
+    total = torch.exp(masked - top).sum(dim=-1, keepdim=True)  # [B, 1]
+    probs = (torch.exp(values - top) / total).double()  # [B, num]
+    mass_above = probs.cumsum(dim=-1) - probs  # [B, num]
+    keep = (values > _NEG_INF) & (mass_above < top_p.double()[:, None])
+    keep[:, 0] = True  # always keep the most probable token
+    out = torch.full_like(logits, _NEG_INF).scatter_(1, ids, values.masked_fill(~keep, _NEG_INF))
+    if num < logits.shape[1]:
+        # Covered rows drop their last candidate, and with it every less likely token.
+        rows = keep[:, -1].nonzero().squeeze(1)  # [U]
+        if rows.numel() > 0:
+            out[rows] = _top_p_sorted(masked[rows], top_p[rows])
+    return out
+
+
+def _kth_largest(logits: torch.Tensor, top_k: torch.Tensor | None) -> torch.Tensor:
+    """[B, 1]: each row's k-th largest logit, or -inf where the row has no top-k (k == V or None)."""
+    vocab = logits.shape[1]
+    if top_k is None or bool((top_k >= vocab).all()):
+        return torch.full((logits.shape[0], 1), _NEG_INF, device=logits.device, dtype=logits.dtype)
+    max_k = int(top_k[top_k < vocab].max())
+    values = logits.topk(max_k, dim=-1).values  # [B, max_k]
+    kth = values.gather(1, (top_k.clamp(max=max_k) - 1)[:, None])  # [B, 1]
+    return kth.masked_fill((top_k >= vocab)[:, None], _NEG_INF)
+
+
+def _top_p_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p by a full ascending sort, as HF's TopPLogitsWarper. logits [R, V], top_p [R] -> [R, V]."""
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [R, V]
+    drop = cum <= (1.0 - top_p)[:, None]
+    drop[:, -1] = False  # always keep the most probable token
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, _NEG_INF))
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw one index per row: the first j with cdf[j] > u * cdf[-1].
+
+    Shapes: probs [S, V] (rows need not be normalised), u [S] float64 in [0, 1). Returns [S] int64.
+    Never returns an index of zero probability: the found j has cdf[j-1] <= target < cdf[j]. The target
+    is kept below the total, which u * total could round up to.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # [S, V]
+    total = cdf[:, -1]  # [S]
+    target = torch.minimum(u.double() * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)  # [S]
+
+
+def _token_matrix(lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged non-empty token lists as ([R, L] int64 ids, [R, L] float32 weights).
+
+    Short rows repeat their first id with weight 0, so gathers and scatters over the matrix touch only
+    the row's own tokens (a repeated id reads and writes the same value).
+    """
+    width = max(len(ids) for ids in lists)
+    ids = [row + [row[0]] * (width - len(row)) for row in lists]
+    weights = [[1.0] * len(row) + [0.0] * (width - len(row)) for row in lists]
+    return (torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(weights, dtype=torch.float32, device=device))
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """HF semantics, in place: for tokens seen in prompt or output, logit > 0 -> logit / p, else * p."""
+    rows = [i for i, r in enumerate(requests)
+            if r.sampling_params.repetition_penalty != 1.0 and r.num_tokens > 0]
+    if not rows:
+        return
+    ids, _ = _token_matrix([requests[i].all_token_ids for i in rows], logits.device)  # [R, L]
+    row_index = torch.tensor(rows, device=logits.device)[:, None].expand_as(ids)  # [R, L]
+    penalty = torch.tensor([requests[i].sampling_params.repetition_penalty for i in rows],
+                           device=logits.device)[:, None]  # [R, 1]
+    seen = logits[row_index, ids]  # [R, L]
+    logits[row_index, ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+
+
+def _apply_presence_frequency_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """OpenAI semantics, in place, over output tokens: logit -= presence * (n > 0) + frequency * n."""
+    rows = [i for i, r in enumerate(requests)
+            if r.output_token_ids and (r.sampling_params.presence_penalty != 0.0
+                                       or r.sampling_params.frequency_penalty != 0.0)]
+    if not rows:
+        return
+    ids, weights = _token_matrix([requests[i].output_token_ids for i in rows], logits.device)  # [R, L]
+    counts = torch.zeros(len(rows), logits.shape[1], device=logits.device)
+    counts = counts.scatter_add_(1, ids, weights).gather(1, ids)  # [R, L]: n of each listed token
+    params = [requests[i].sampling_params for i in rows]
+    presence = torch.tensor([p.presence_penalty for p in params], device=logits.device)[:, None]
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=logits.device)[:, None]
+    row_index = torch.tensor(rows, device=logits.device)[:, None].expand_as(ids)  # [R, L]
+    # Every listed token occurs (n > 0), so the presence term applies to all of them.
+    logits[row_index, ids] = logits[row_index, ids] - (presence + frequency * counts)
+
+
+def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
+              requests: Sequence[Request]) -> list[TokenLogprob | None]:
+    """From the raw logits [B, V]: each asking row's sampled-token logprob and its top-k, best first."""
+    result: list[TokenLogprob | None] = [None] * len(requests)
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    if not rows:
+        return result
+    index = torch.tensor(rows, device=raw.device)
+    logprobs = torch.log_softmax(raw[index], dim=-1)  # [R, V]
+    chosen_ids = token_ids[index]  # [R]
+    chosen = logprobs.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
+    max_k = max(requests[i].sampling_params.logprobs for i in rows)
+    top_values, top_ids = logprobs.topk(max_k, dim=-1)  # [R, max_k], sorted best first
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        k = requests[i].sampling_params.logprobs
+        top = tuple(zip(top_ids[j][:k], top_values[j][:k]))
+        result[i] = TokenLogprob(token_id=int(chosen_ids[j]), logprob=chosen[j], top=top)
+    return result
