@@ -56,6 +56,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
 
     # ---- queue management -------------------------------------------------------------------------
 
@@ -136,6 +137,7 @@ class Scheduler:
         """Free `request`'s blocks and requeue it for recompute; returns budget it gives back."""
         self.running.remove(request)
         self.kv.free(request)
+        self.num_preemptions += 1
         request.num_computed_tokens = 0  # recompute: prompt and outputs so far are prefilled again
         out.preempted.append(request)
         self._enqueue(request)

@@ -76,6 +76,7 @@ def test_greedy_matches_hf_generate(prompts, hf_outputs, max_batch_tokens, block
     ours = engine_outputs(engine, prompts)
     for i, (a, b) in enumerate(zip(ours, hf_outputs)):
         assert a == b, f"prompt {i} (length {len(prompts[i])}) diverged"
+    assert (engine.scheduler.num_preemptions > 0) == (num_kv_blocks is not None)
 
 
 def test_staggered_arrivals_match_hf(prompts, hf_outputs) -> None:

@@ -1,0 +1,119 @@
+"""Prometheus metrics of one engine server, kept in the server's own registry.
+
+Each `EngineMetrics` owns a `CollectorRegistry` (never prometheus-client's global default), so several
+servers in one process (tests) do not collide. Counters and histograms are fed by the HTTP layer from
+the timing of each request's output stream; the gauges are read from `LLMEngine.stats()` at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               generate_latest)
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from engine.outputs import EngineStats, RequestOutput
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class _EngineStatsCollector:
+    """Gauges computed from an `EngineStats` snapshot each time /metrics is scraped."""
+
+    def __init__(self) -> None:
+        self.stats: Callable[[], EngineStats] | None = None
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        if self.stats is None:
+            return
+        stats = self.stats()
+        gauges = (
+            ("loragate_engine_requests_running", "Requests being computed.", stats.num_running),
+            ("loragate_engine_requests_waiting", "Requests queued for admission.", stats.num_waiting),
+            ("loragate_engine_kv_blocks_used", "KV cache blocks in use.",
+             stats.kv_blocks_total - stats.kv_blocks_free),
+            ("loragate_engine_kv_blocks_free", "KV cache blocks free.", stats.kv_blocks_free),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "loragate_engine_requests", "Requests by outcome: a finish reason (stop, length, abort) "
+            "or an HTTP error class (4xx, 5xx).", ["status"], registry=r)
+        self.prompt_tokens = Counter("loragate_engine_prompt_tokens", "Prompt tokens of finished "
+                                     "requests.", registry=r)
+        self.generation_tokens = Counter("loragate_engine_generation_tokens", "Tokens generated.",
+                                         registry=r)
+        self.ttft = Histogram("loragate_engine_time_to_first_token_seconds", "From arrival to the "
+                              "first generated token.", buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("loragate_engine_time_per_output_token_seconds", "Mean time between "
+                              "output tokens after the first, per request.", buckets=_TPOT_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("loragate_engine_e2e_request_latency_seconds", "From arrival to the last "
+                             "output.", buckets=_E2E_BUCKETS, registry=r)
+        self._stats_collector = _EngineStatsCollector()
+        r.register(self._stats_collector)
+
+    def bind_stats(self, stats: Callable[[], EngineStats]) -> None:
+        """Read the running/waiting/KV gauges from `stats` (normally `LLMEngine.stats`)."""
+        self._stats_collector.stats = stats
+
+    def start_request(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def count_error(self, status_code: int) -> None:
+        self.requests.labels(status=f"{status_code // 100}xx").inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTracker:
+    """Times one request's output stream and records it once, when it ends."""
+
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self._metrics = metrics
+        self._arrival = time.monotonic()
+        self._first_token: float | None = None
+        self._last: RequestOutput | None = None
+        self._last_time = self._arrival
+        self._done = False
+
+    def on_output(self, out: RequestOutput) -> None:
+        if self._first_token is None and out.new_token_ids:
+            self._first_token = time.monotonic()
+            self._metrics.ttft.observe(self._first_token - self._arrival)
+        self._last = out
+        self._last_time = time.monotonic()
+
+    def finish(self, status: str | None = None) -> None:
+        """Record the request; `status` defaults to the last output's finish reason (else abort)."""
+        if self._done:
+            return
+        self._done = True
+        last = self._last
+        if status is None:
+            status = last.finish_reason if last is not None and last.finish_reason else "abort"
+        m = self._metrics
+        m.requests.labels(status=status).inc()
+        if last is None:
+            m.e2e.observe(time.monotonic() - self._arrival)
+            return
+        m.e2e.observe(self._last_time - self._arrival)
+        m.prompt_tokens.inc(last.num_prompt_tokens)
+        m.generation_tokens.inc(last.num_output_tokens)
+        if self._first_token is not None and last.num_output_tokens > 1:
+            m.tpot.observe((self._last_time - self._first_token) / (last.num_output_tokens - 1))

@@ -1,0 +1,409 @@
+"""The engine's OpenAI-compatible HTTP API (Starlette), and `serve()`, which runs it under uvicorn.
+
+One request's path: read and validate the JSON body (400 naming the field) -> adapter and priority from
+the headers / `model` -> tokenize -> `AsyncEngine.generate` -> one JSON response, or Server-Sent Events
+that carry each engine step's text as soon as it exists. A client that goes away aborts its request,
+which frees its KV blocks. Every error is JSON: {"error": {"type": ..., "message": ...}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping
+from typing import Any, TypeVar
+
+import anyio
+import uvicorn
+from jinja2 import TemplateError
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.metrics import EngineMetrics, RequestTracker
+from engine.outputs import RequestOutput
+from engine.protocol import (ChatCompletionRequest, ChatFormatter, CompletionFormatter,
+                             CompletionRequest, describe)
+from engine.request import Priority, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20
+RETRY_AFTER_S = 5
+DRAIN_TIMEOUT_S = 30  # after SIGTERM, requests in the engine get this long to finish
+SHUTDOWN_TIMEOUT_S = 5  # then uvicorn's graceful shutdown: responses still being sent
+_GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+Formatter = CompletionFormatter | ChatFormatter
+GenerationRequest = CompletionRequest | ChatCompletionRequest
+
+
+class ApiError(Exception):
+    """An HTTP error answered as {"error": {"type": ..., "message": ...}}."""
+
+    def __init__(self, status: int, type_: str, message: str,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+        self.message = message
+        self.headers = dict(headers or {})
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+def error_response(status: int, type_: str, message: str,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"type": type_, "message": message}}, status_code=status,
+                        headers=dict(headers or {}))
+
+
+def _bad_request(message: str) -> ApiError:
+    return ApiError(400, "invalid_request_error", message)
+
+
+def _unavailable(message: str) -> ApiError:
+    return ApiError(503, "service_unavailable", message,
+                    {"Retry-After": str(RETRY_AFTER_S), "X-Loragate-Reason": "draining"})
+
+
+@contextlib.contextmanager
+def _engine_errors(adapter_id: str | None) -> Iterator[None]:
+    """Map what `AsyncEngine.generate` raises to HTTP errors."""
+    try:
+        yield
+    except ValueError as exc:  # the request can never run here (too long, bad token ids, ...)
+        raise _bad_request(str(exc)) from None
+    except KeyError:
+        if adapter_id is None:
+            raise
+        raise ApiError(404, "adapter_not_found", f"adapter {adapter_id!r} is not loaded") from None
+    except EngineDeadError as exc:
+        raise _unavailable(str(exc)) from None
+
+
+async def _read_json(request: Request) -> dict[str, Any]:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, "request_too_large", f"body: larger than {MAX_BODY_BYTES} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, "request_too_large", f"body: larger than {MAX_BODY_BYTES} bytes")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise _bad_request(f"body: malformed JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise _bad_request("body: must be a JSON object")
+    return data
+
+
+def _parse(model: type[M], data: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _bad_request(describe(exc)) from None
+
+
+def _priority(request: Request) -> Priority:
+    try:
+        return Priority.parse(request.headers.get("x-priority"))
+    except ValueError as exc:
+        raise _bad_request(str(exc)) from None
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _close(it: AsyncIterator[RequestOutput]) -> None:
+    """Close the engine's output iterator: if the request is still running, this aborts it."""
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        with anyio.CancelScope(shield=True):  # runs even while the stream's task is being cancelled
+            await aclose()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
+    """Run `work` unless the client disconnects first (then cancel it and raise _ClientGone).
+
+    Only for use after the body has been read: from then on, the ASGI receive channel yields
+    nothing but `http.disconnect`.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.wait((task, watcher))
+    if task.cancelled():
+        raise _ClientGone()
+    return task.result()
+
+
+async def _next(it: AsyncIterator[RequestOutput], adapter_id: str | None) -> RequestOutput:
+    with _engine_errors(adapter_id):
+        return await anext(it)
+
+
+async def _collect(it: AsyncIterator[RequestOutput], first: RequestOutput, tracker: RequestTracker
+                   ) -> tuple[str, list[TokenLogprob], RequestOutput]:
+    texts: list[str] = []
+    logprobs: list[TokenLogprob] = []
+    out = first
+    while True:
+        tracker.on_output(out)
+        texts.append(out.new_text)
+        logprobs.extend(out.new_logprobs)
+        if out.finished:
+            return "".join(texts), logprobs, out
+        out = await _next(it, None)
+
+
+class _Api:
+    """The route handlers; one instance per app, bound to one engine."""
+
+    def __init__(self, engine: AsyncEngine, metrics: EngineMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.draining = False  # set on SIGTERM: stop admitting, let in-flight requests finish
+        self.tokenizer = engine.engine.tokenizer
+        self.base_model = engine.engine.model_name
+        self.max_model_len = engine.engine.max_model_len
+        self.created = int(time.time())
+        self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
+            lambda token_id: self.tokenizer.decode([token_id]))
+
+    async def completions(self, request: Request) -> Response:
+        req = _parse(CompletionRequest, await _read_json(request))
+        adapter_id = self._adapter_id(request, req.model)
+        prompt = req.prompt
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        fmt = CompletionFormatter(adapter_id or self.base_model, self.token_text,
+                                  req.logprobs is not None)
+        return await self._generate(request, req, prompt_ids, fmt, adapter_id)
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = _parse(ChatCompletionRequest, await _read_json(request))
+        adapter_id = self._adapter_id(request, req.model)
+        prompt_ids = self._chat_prompt(req)
+        fmt = ChatFormatter(adapter_id or self.base_model, self.token_text, bool(req.logprobs))
+        return await self._generate(request, req, prompt_ids, fmt, adapter_id)
+
+    def _adapter_id(self, request: Request, model: str | None) -> str | None:
+        """X-Adapter-ID wins over `model`; neither, or the base model's name, means the base model."""
+        name = request.headers.get("x-adapter-id", "").strip() or (model or "").strip()
+        return None if name in ("", self.base_model) else name
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise _bad_request("messages: the served model has no chat template; "
+                               "use /v1/completions")
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                req.template_messages(), add_generation_prompt=True, tokenize=True)
+        except TemplateError as exc:  # the template rejects the conversation (e.g. role order)
+            raise _bad_request(f"messages: {exc}") from None
+        # transformers 5 returns a BatchEncoding; older versions a plain list of ids.
+        ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
+        ids = list(ids)
+        if ids and isinstance(ids[0], list):  # a batch of one conversation
+            ids = ids[0]
+        return [int(t) for t in ids]
+
+    async def _generate(self, request: Request, req: GenerationRequest, prompt_ids: list[int],
+                        fmt: Formatter, adapter_id: str | None) -> Response:
+        priority = _priority(request)
+        try:
+            params = req.to_sampling_params(context_left=self.max_model_len - len(prompt_ids))
+        except ValueError as exc:
+            raise _bad_request(str(exc)) from None
+        if self.draining or not self.engine.running:
+            raise _unavailable("the engine is draining or stopped; retry on another replica")
+        tracker = self.metrics.start_request()
+        with _engine_errors(adapter_id):
+            it = self.engine.generate(fmt.request_id, prompt_ids, params, priority, adapter_id)
+        streaming = False  # once True, the SSE generator owns `it` and closes it
+        try:
+            first = await _unless_disconnected(request.receive, _next(it, adapter_id))
+            if req.stream:
+                streaming = True
+                return StreamingResponse(self._events(it, first, fmt, tracker, req.include_usage),
+                                         media_type="text/event-stream", headers=_SSE_HEADERS)
+            result = await _unless_disconnected(request.receive, _collect(it, first, tracker))
+        except _ClientGone:
+            tracker.finish("abort")
+            return Response(status_code=499)  # nobody reads it; uvicorn drops it
+        finally:
+            if not streaming:
+                await _close(it)
+        tracker.finish()
+        text, logprobs, last = result
+        if last.finish_reason == "abort":
+            raise _unavailable("the request was aborted: the engine is shutting down")
+        return JSONResponse(fmt.response(text, logprobs, last))
+
+    async def _events(self, it: AsyncIterator[RequestOutput], first: RequestOutput, fmt: Formatter,
+                      tracker: RequestTracker, include_usage: bool) -> AsyncIterator[bytes]:
+        """SSE chunks as the engine produces them. Starlette cancels this when the client leaves."""
+        out = first
+        try:
+            while True:
+                tracker.on_output(out)
+                chunk = fmt.chunk(out, include_usage)
+                if chunk is not None:
+                    yield _sse(chunk)
+                if out.finished:
+                    break
+                out = await _next(it, None)
+            if include_usage:
+                yield _sse(fmt.usage_chunk(out))
+        except ApiError as exc:
+            yield _sse({"error": {"type": exc.type, "message": exc.message}})
+        except Exception:
+            logger.exception("stream %s failed", fmt.request_id)
+            yield _sse({"error": {"type": "internal_error", "message": "internal server error"}})
+        finally:
+            await _close(it)
+            tracker.finish()
+        yield b"data: [DONE]\n\n"
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.base_model, "object": "model", "created": self.created,
+                "owned_by": "loragate", "root": self.base_model, "parent": None,
+                "max_model_len": self.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(self, request: Request) -> Response:
+        if self.draining:
+            raise _unavailable("draining")
+        if not self.engine.running:
+            raise _unavailable("the engine loop is not running")
+        return JSONResponse({"status": "ready"})
+
+    async def metrics_text(self, request: Request) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, headers={"Content-Type": content_type})
+
+
+def _exception_handlers(metrics: EngineMetrics) -> dict[Any, Callable[..., Awaitable[Response]]]:
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        if request.url.path in _GENERATION_PATHS:
+            metrics.count_error(exc.status)
+        return error_response(exc.status, exc.type, exc.message, exc.headers)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(exc.status_code, type_, message, exc.headers)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        # Starlette re-raises the exception after this response is sent; uvicorn logs it.
+        if request.url.path in _GENERATION_PATHS:
+            metrics.count_error(500)
+        return error_response(500, "internal_error", "internal server error")
+
+    return {ApiError: api_error, HTTPException: http_error, Exception: server_error}
+
+
+def build_app(engine: AsyncEngine, metrics: EngineMetrics | None = None) -> Starlette:
+    """The engine's HTTP app; its lifespan starts and stops `engine`."""
+    metrics = metrics if metrics is not None else EngineMetrics()
+    metrics.bind_stats(engine.engine.stats)
+    api = _Api(engine, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            api.draining = True
+            await engine.shutdown()
+
+    routes = [
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/healthz", api.healthz, methods=["GET"]),
+        Route("/readyz", api.readyz, methods=["GET"]),
+        Route("/metrics", api.metrics_text, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers=_exception_handlers(metrics),
+                    lifespan=lifespan)
+    app.state.api = api
+    return app
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, with a drain phase before its own shutdown.
+
+    On the first SIGTERM/SIGINT the app turns draining (/readyz and new generation requests answer 503
+    with `X-Loragate-Reason: draining`) while it keeps listening, so callers learn to go elsewhere
+    instead of meeting a refused connection. Once the engine has no request left (or after
+    DRAIN_TIMEOUT_S) uvicorn's usual graceful shutdown runs. A second signal skips the drain.
+    """
+
+    def __init__(self, config: uvicorn.Config, api: _Api) -> None:
+        super().__init__(config)
+        self._api = api
+        self._drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._drain_deadline is not None:
+            super().handle_exit(sig, frame)
+            return
+        self._api.draining = True
+        self._drain_deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        logger.info("draining: new requests get 503; waiting up to %d s for those in flight",
+                    DRAIN_TIMEOUT_S)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_deadline is not None and not self.should_exit:
+            stats = self._api.engine.engine.stats()
+            idle = stats.num_running + stats.num_waiting == 0
+            if idle or time.monotonic() > self._drain_deadline:
+                logger.info("drained (%s); shutting down", "idle" if idle else "timeout")
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def serve(config: EngineConfig, host: str, port: int, log_level: str = "info") -> None:
+    """Load the model, then serve the OpenAI API until SIGINT/SIGTERM (with a graceful drain)."""
+    engine = LLMEngine(config)
+    app = build_app(AsyncEngine(engine))
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                               timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S)
+    logger.info("serving %s on http://%s:%d/v1", engine.model_name, host, port)
+    _DrainingServer(uv_config, app.state.api).run()

@@ -1,0 +1,207 @@
+"""The `loragate` command line: `engine` serves one model, `up` starts a local stack.
+
+`up` launches each component as a child process (today only the engine; the gateway goes in front of
+it once it exists), waits until each answers /healthz, prints where to send requests, and stops them
+all on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import FrameType
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+_STARTUP_TIMEOUT_S = 600.0  # the first smollm2 start converts the GGUF weights (~40 s on 2 cores)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {text!r}")
+    return value
+
+
+def _add_engine_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("engine", help="serve one model over the OpenAI API",
+                       description="Serve one base model over the OpenAI API.")
+    p.add_argument("--model", required=True,
+                   help="smollm2, tiny-random, or a path to an HF Llama-family safetensors dir")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_port, default=8001)
+    p.add_argument("--adapter-dir", help="register every PEFT LoRA subdirectory (not supported yet)")
+    p.add_argument("--max-device-adapters", type=_positive,
+                   help="adapters resident on the device at once (not supported yet)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--max-batch-tokens", type=_positive, default=2048,
+                   help="tokens computed per engine step")
+    p.add_argument("--pool-mb", type=_positive, default=512, help="KV cache pool size in MiB")
+    p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV cache block")
+    p.add_argument("--max-num-seqs", type=_positive, default=128, help="requests running at once")
+    p.add_argument("--max-model-len", type=_positive,
+                   help="context length (default: the model's max_position_embeddings)")
+    p.add_argument("--served-model-name", help="the name /v1/models reports (default: derived)")
+    p.add_argument("--threads", type=_positive, help="torch intra-op threads")
+    p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
+
+
+def _add_up_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start a local stack with one command",
+                       description="Start a local serving stack on this machine.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--model", default="smollm2", help="the engine's --model (default: smollm2)")
+    p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loragate", description="Multi-LoRA LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{engine,up,gateway}")
+    _add_engine_parser(sub)
+    _add_up_parser(sub)
+    sub.add_parser("gateway", help="the gateway (not available yet)", add_help=False)
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    for flag, value in (("--adapter-dir", args.adapter_dir),
+                        ("--max-device-adapters", args.max_device_adapters)):
+        if value is not None:
+            parser.error(f"{flag} is not supported yet: this engine serves the base model only")
+    from engine.config import EngineConfig
+    from engine.server import serve
+
+    config = EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        pool_mb=args.pool_mb, max_batch_tokens=args.max_batch_tokens,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        served_model_name=args.served_model_name, num_threads=args.threads)
+    try:
+        config.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    _setup_logging(args.log_level)
+    try:
+        serve(config, args.host, args.port, log_level=args.log_level)
+    except ValueError as exc:  # e.g. a model path that is not a model directory
+        print(f"loragate engine: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+@dataclass
+class Component:
+    """One child process of `loragate up`."""
+
+    name: str
+    argv: list[str]
+    url: str  # its base URL; ready when GET {url}/healthz answers 200
+    process: subprocess.Popen[bytes] | None = None
+
+
+def launch(components: Sequence[Component], timeout_s: float = _STARTUP_TIMEOUT_S) -> None:
+    """Start each component in order and wait until it is healthy (raise RuntimeError if it dies)."""
+    for comp in components:
+        comp.process = subprocess.Popen(comp.argv)
+        deadline = time.monotonic() + timeout_s
+        while not _healthy(comp.url):
+            if comp.process.poll() is not None:
+                raise RuntimeError(f"{comp.name} exited with status {comp.process.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{comp.name} did not become healthy within {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def stop(components: Sequence[Component], grace_s: float = 40.0) -> None:
+    """SIGTERM every running component (last started first), then wait; SIGKILL stragglers."""
+    running = [c.process for c in reversed(components) if c.process and c.process.poll() is None]
+    for proc in running:
+        proc.terminate()
+    for proc in running:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_any_exit(components: Sequence[Component]) -> None:
+    while all(c.process is not None and c.process.poll() is None for c in components):
+        time.sleep(0.5)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    url = f"http://{args.host}:{args.port}"
+    engine = Component("engine", [sys.executable, "-m", "loragate", "engine", "--model", args.model,
+                                  "--host", args.host, "--port", str(args.port),
+                                  "--log-level", args.log_level], url)
+    components = [engine]
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        print(f"loragate up: starting the engine ({args.model}) on {url} ...", flush=True)
+        launch(components)
+        print(f"\nloragate is up: OpenAI API at {url}/v1 (no API key needed yet: no gateway)\n"
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+              f"    -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+              f"\"max_tokens\": 32}}'\n"
+              f"Ctrl-C stops it.", flush=True)
+        _wait_any_exit(components)
+        print("loragate up: a component exited; stopping the rest", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as exc:
+        print(f"loragate up: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stop(components)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "gateway":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "engine":
+        return run_engine(args, parser)
+    if args.command == "up":
+        return run_up(args)
+    print("loragate gateway: error: the gateway is not available yet; use `loragate engine`",
+          file=sys.stderr)
+    return 2
