@@ -1,4 +1,4 @@
-"""The engine's OpenAI-compatible HTTP API (Starlette), and `serve()`, which runs it under uvicorn.
+"""The engine's OpenAI-compatible HTTP API (Starlette); `engine.serving.serve()` runs it under uvicorn.
 
 One request's path: read and validate the JSON body (400 naming the field) -> adapter and priority from
 the headers / `model` -> tokenize -> `AsyncEngine.generate` -> one JSON response, or Server-Sent Events
@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from typing import Any, TypeVar
 
 import anyio
-import uvicorn
 from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -29,49 +28,27 @@ from starlette.routing import Route
 from starlette.types import Receive
 
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics, RequestTracker
 from engine.outputs import RequestOutput
-from engine.protocol import (ChatCompletionRequest, ChatFormatter, CompletionFormatter,
-                             CompletionRequest, describe)
+from engine.protocol import ChatCompletionRequest, CompletionRequest, describe
 from engine.request import Priority, TokenLogprob
+from engine.responses import (SSE_DONE, ApiError, ChatFormatter, CompletionFormatter, Formatter,
+                              error_body, error_response, sse)
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
 RETRY_AFTER_S = 5
-DRAIN_TIMEOUT_S = 30  # after SIGTERM, requests in the engine get this long to finish
-SHUTDOWN_TIMEOUT_S = 5  # then uvicorn's graceful shutdown: responses still being sent
 _GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
-Formatter = CompletionFormatter | ChatFormatter
 GenerationRequest = CompletionRequest | ChatCompletionRequest
-
-
-class ApiError(Exception):
-    """An HTTP error answered as {"error": {"type": ..., "message": ...}}."""
-
-    def __init__(self, status: int, type_: str, message: str,
-                 headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.type = type_
-        self.message = message
-        self.headers = dict(headers or {})
 
 
 class _ClientGone(Exception):
     """The client disconnected before its response was ready."""
-
-
-def error_response(status: int, type_: str, message: str,
-                   headers: Mapping[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"type": type_, "message": message}}, status_code=status,
-                        headers=dict(headers or {}))
 
 
 def _bad_request(message: str) -> ApiError:
@@ -130,10 +107,6 @@ def _priority(request: Request) -> Priority:
         raise _bad_request(str(exc)) from None
 
 
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-
-
 async def _close(it: AsyncIterator[RequestOutput]) -> None:
     """Close the engine's output iterator: if the request is still running, this aborts it."""
     aclose = getattr(it, "aclose", None)
@@ -186,7 +159,7 @@ async def _collect(it: AsyncIterator[RequestOutput], first: RequestOutput, track
         out = await _next(it, None)
 
 
-class _Api:
+class Api:
     """The route handlers; one instance per app, bound to one engine."""
 
     def __init__(self, engine: AsyncEngine, metrics: EngineMetrics) -> None:
@@ -278,21 +251,21 @@ class _Api:
                 tracker.on_output(out)
                 chunk = fmt.chunk(out, include_usage)
                 if chunk is not None:
-                    yield _sse(chunk)
+                    yield sse(chunk)
                 if out.finished:
                     break
                 out = await _next(it, None)
             if include_usage:
-                yield _sse(fmt.usage_chunk(out))
+                yield sse(fmt.usage_chunk(out))
         except ApiError as exc:
-            yield _sse({"error": {"type": exc.type, "message": exc.message}})
+            yield sse(error_body(exc.type, exc.message))
         except Exception:
             logger.exception("stream %s failed", fmt.request_id)
-            yield _sse({"error": {"type": "internal_error", "message": "internal server error"}})
+            yield sse(error_body("internal_error", "internal server error"))
         finally:
             await _close(it)
             tracker.finish()
-        yield b"data: [DONE]\n\n"
+        yield SSE_DONE
 
     async def models(self, request: Request) -> Response:
         card = {"id": self.base_model, "object": "model", "created": self.created,
@@ -341,7 +314,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None = None) -> Star
     """The engine's HTTP app; its lifespan starts and stops `engine`."""
     metrics = metrics if metrics is not None else EngineMetrics()
     metrics.bind_stats(engine.engine.stats)
-    api = _Api(engine, metrics)
+    api = Api(engine, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -364,46 +337,3 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None = None) -> Star
                     lifespan=lifespan)
     app.state.api = api
     return app
-
-
-class _DrainingServer(uvicorn.Server):
-    """uvicorn, with a drain phase before its own shutdown.
-
-    On the first SIGTERM/SIGINT the app turns draining (/readyz and new generation requests answer 503
-    with `X-Loragate-Reason: draining`) while it keeps listening, so callers learn to go elsewhere
-    instead of meeting a refused connection. Once the engine has no request left (or after
-    DRAIN_TIMEOUT_S) uvicorn's usual graceful shutdown runs. A second signal skips the drain.
-    """
-
-    def __init__(self, config: uvicorn.Config, api: _Api) -> None:
-        super().__init__(config)
-        self._api = api
-        self._drain_deadline: float | None = None
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._drain_deadline is not None:
-            super().handle_exit(sig, frame)
-            return
-        self._api.draining = True
-        self._drain_deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        logger.info("draining: new requests get 503; waiting up to %d s for those in flight",
-                    DRAIN_TIMEOUT_S)
-
-    async def on_tick(self, counter: int) -> bool:
-        if self._drain_deadline is not None and not self.should_exit:
-            stats = self._api.engine.engine.stats()
-            idle = stats.num_running + stats.num_waiting == 0
-            if idle or time.monotonic() > self._drain_deadline:
-                logger.info("drained (%s); shutting down", "idle" if idle else "timeout")
-                self.should_exit = True
-        return await super().on_tick(counter)
-
-
-def serve(config: EngineConfig, host: str, port: int, log_level: str = "info") -> None:
-    """Load the model, then serve the OpenAI API until SIGINT/SIGTERM (with a graceful drain)."""
-    engine = LLMEngine(config)
-    app = build_app(AsyncEngine(engine))
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                               timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S)
-    logger.info("serving %s on http://%s:%d/v1", engine.model_name, host, port)
-    _DrainingServer(uv_config, app.state.api).run()

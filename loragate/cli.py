@@ -93,7 +93,7 @@ def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         if value is not None:
             parser.error(f"{flag} is not supported yet: this engine serves the base model only")
     from engine.config import EngineConfig
-    from engine.server import serve
+    from engine.serving import serve
 
     config = EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
