@@ -7,13 +7,21 @@ A token at position p of a sequence lives in block `block_table[p // block_size]
 
 The flat batch puts the decode tokens (sequences computing exactly one new token) first, then the
 prefill chunks (sequences computing several tokens, possibly a chunk of a longer prompt).
+
+`plan_attention` turns a step's metadata into gather indices and masks once; `paged_attention` then
+runs one layer (write K/V, attend) with that plan.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.model.loader import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,3 +45,156 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decode_tokens, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor  # [num_decode_tokens] int64: tokens in context incl. the new one
     prefills: tuple[PrefillSeq, ...]  # the remaining rows, in order
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """One prefill sequence's gather indices, shared by every layer of a step."""
+
+    token_start: int
+    query_len: int
+    # [context_len] flat cache slots of positions [0, context_len); None when the chunk is the whole
+    # context (a fresh prompt): then keys and values come straight from this step's rows.
+    context_slots: torch.Tensor | None
+    # [query_len, context_len] bool, True where query i may see key j, i.e. j <= context_len -
+    # query_len + i; None with context_slots None: plain causal attention.
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """Everything attention needs for one step, derived once from AttentionMetadata (not per layer)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_decode_tokens: int
+    # [D * kvh * max_ctx] int64: rows of the cache viewed as [num_slots * kvh, hd] holding each decode
+    # sequence's keys (values) at positions [0, max_ctx), ordered [D, kvh, max_ctx]: one gather
+    # yields the [D, kvh, ctx, hd] layout the grouped matmuls want.
+    decode_rows: torch.Tensor | None
+    decode_bias: torch.Tensor | None  # [D, 1, 1, max_ctx]: 0 where position < context_len, else -inf
+    max_decode_ctx: int
+    prefills: tuple[PrefillPlan, ...]
+
+
+def plan_attention(
+    attn: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype
+) -> AttentionPlan:
+    """Precompute gather indices and masks for a step; `dtype` is the dtype of the attention scores."""
+    decode_rows = decode_bias = None
+    max_ctx = 0
+    if attn.num_decode_tokens > 0:
+        max_ctx = int(attn.decode_context_lens.max())
+        decode_rows, decode_bias = _plan_decodes(attn, block_size, num_kv_heads, max_ctx, dtype)
+    prefills = []
+    next_row = attn.num_decode_tokens
+    for seq in attn.prefills:
+        assert seq.token_start == next_row and 0 < seq.query_len <= seq.context_len
+        next_row += seq.query_len
+        prefills.append(_plan_prefill(seq, block_size))
+    assert next_row == attn.slot_mapping.numel(), "decode rows and prefill chunks must tile the batch"
+    return AttentionPlan(attn.slot_mapping, attn.num_decode_tokens, decode_rows, decode_bias, max_ctx,
+                         tuple(prefills))
+
+
+def _plan_decodes(
+    attn: AttentionMetadata, block_size: int, num_kv_heads: int, max_ctx: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache rows [D * kvh * max_ctx] of every decode's positions [0, max_ctx), and the padding bias."""
+    lens = attn.decode_context_lens  # [D]
+    pos = torch.arange(max_ctx, device=lens.device)  # [max_ctx]
+    tables = attn.decode_block_tables  # [D, >= ceil(max_ctx / block_size)]
+    # Positions past a sequence's context_len read padded (block 0) slots; the bias masks them out.
+    slots = tables[:, pos // block_size] * block_size + pos % block_size  # [D, max_ctx]
+    heads = torch.arange(num_kv_heads, device=lens.device)
+    rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)  # [D * kvh * max_ctx]
+    bias = torch.zeros(lens.numel(), 1, 1, max_ctx, dtype=dtype, device=lens.device)
+    bias.masked_fill_((pos >= lens[:, None])[:, None, None, :], float("-inf"))
+    return rows, bias
+
+
+def _plan_prefill(seq: PrefillSeq, block_size: int) -> PrefillPlan:
+    if seq.query_len == seq.context_len:  # nothing cached before this chunk
+        return PrefillPlan(seq.token_start, seq.query_len, None, None)
+    pos = torch.arange(seq.context_len, device=seq.block_table.device)  # [ctx]
+    slots = seq.block_table[pos // block_size] * block_size + pos % block_size
+    query_pos = pos[seq.context_len - seq.query_len :]  # [query_len]: positions of this chunk
+    return PrefillPlan(seq.token_start, seq.query_len, slots, pos[None, :] <= query_pos[:, None])
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, plan: AttentionPlan
+) -> torch.Tensor:
+    """Write this step's K/V into one layer's cache, then attend over each sequence's context.
+
+    Semantics:
+        cache_k.view(-1, kvh, hd)[plan.slot_mapping] = k; same for v
+        for each sequence: out[rows] = softmax(q[rows] @ K_ctx.T / sqrt(hd) + causal_mask) @ V_ctx
+        where query head h reads kv head h // (num_heads // num_kv_heads) (GQA).
+    Shapes:
+        q: [T, num_heads, hd]; k, v: [T, num_kv_heads, hd]
+        layer_cache: [2, num_blocks, block_size, num_kv_heads, hd]
+        returns [T, num_heads, hd]
+    """
+    num_kv_heads, head_dim = layer_cache.shape[-2:]
+    flat_cache = layer_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, kvh, hd]
+    flat_cache[0].index_copy_(0, plan.slot_mapping, k)
+    flat_cache[1].index_copy_(0, plan.slot_mapping, v)
+    parts = []
+    if plan.num_decode_tokens > 0:
+        parts.append(_decode_attention(q[: plan.num_decode_tokens], flat_cache, plan))
+    for seq in plan.prefills:
+        rows = slice(seq.token_start, seq.token_start + seq.query_len)
+        parts.append(_prefill_attention(q[rows], k[rows], v[rows], flat_cache, seq))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _decode_attention(q: torch.Tensor, flat_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """Batched one-token attention; q: [D, H, hd] -> [D, H, hd].
+
+    Grouped matmuls instead of repeating KV heads: q is viewed as [D, kvh, group, hd] and K/V are
+    gathered straight into [D, kvh, ctx, hd] (measured ~1.6x faster than a slot gather plus SDPA with
+    enable_gqa on CPU for SmolLM2 shapes).
+    """
+    num_decodes, num_heads, head_dim = q.shape
+    num_kv_heads = flat_cache.shape[2]
+    assert plan.decode_rows is not None and plan.decode_bias is not None
+    shape = (num_decodes, num_kv_heads, plan.max_decode_ctx, head_dim)
+    keys = flat_cache[0].view(-1, head_dim).index_select(0, plan.decode_rows).view(shape)
+    values = flat_cache[1].view(-1, head_dim).index_select(0, plan.decode_rows).view(shape)
+    q = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * head_dim**-0.5  # [D, kvh, group, ctx]
+    # Softmax in fp32 (a no-op cast for fp32), as SDPA does internally for low precision.
+    probs = torch.softmax(scores + plan.decode_bias, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, values)  # [D, kvh, group, hd]
+    return out.reshape(num_decodes, num_heads, head_dim)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat_cache: torch.Tensor, seq: PrefillPlan
+) -> torch.Tensor:
+    """Causal attention of one chunk over its context; q: [Q, H, hd], k/v: [Q, kvh, hd] -> [Q, H, hd]."""
+    if seq.context_slots is not None:
+        k = flat_cache[0].index_select(0, seq.context_slots)  # [ctx, kvh, hd]
+        v = flat_cache[1].index_select(0, seq.context_slots)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=seq.mask, is_causal=seq.mask is None, enable_gqa=True,
+    )  # [H, Q, hd]
+    return out.transpose(0, 1)
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (keys and values)."""
+    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
+def allocate_kv_cache(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The whole model's cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+
+    Zeroed, not empty: masked-out padding slots are still multiplied by 0 probabilities, and
+    0 * NaN garbage would poison the output.
+    """
+    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)

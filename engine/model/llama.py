@@ -1,0 +1,190 @@
+"""Our own Llama-family forward pass over a flat token batch and a paged KV cache.
+
+No padding: a step is one flat batch of T tokens from many sequences, `[T, hidden]` through every
+linear layer. Each layer runs four projections as separate, named steps (qkv_proj, o_proj,
+gate_up_proj, down_proj) so per-request LoRA deltas can be added to their outputs (`y += lora(x)` on
+slices of the fused q|k|v and gate|up outputs). q/k/v and gate/up are fused at load time (fewer
+matmuls: measured faster on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
+
+if TYPE_CHECKING:
+    from engine.model.loader import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Low precision: normalise in fp32, then scale in the input dtype (as HF does).
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, with linear or llama3 scaling applied."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling, config.max_position_embeddings)
+    raise ValueError(f"unsupported rope_type {scaling['rope_type']!r}")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict, max_positions: int) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths slowed by `factor`, short kept, a smooth blend between."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling.get("original_max_position_embeddings", max_positions)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, out)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_position_embeddings, indexed per token.
+
+    HF's convention: the rotation pairs dim i with dim i + head_dim/2 (rotate_half). We fold the sign
+    of rotate_half into `sin` so applying it is x * cos + roll(x, head_dim/2) * sin.
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device | None = None) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config, device)  # [hd/2]
+        positions = torch.arange(config.max_position_embeddings, device=device).float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, hd]
+        sin = emb.sin()
+        sin[:, : config.head_dim // 2] *= -1
+        self.register_buffer("cos", emb.cos(), persistent=False)  # fp32, [max_pos, hd]
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, hd] in `dtype` (broadcast over heads)."""
+        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, hd], cos/sin [T, 1, hd] -> rotated x (a new tensor)."""
+    return x * cos + torch.roll(x, shifts=x.shape[-1] // 2, dims=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        bias = config.attention_bias
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; writes this step's K/V into layer_cache."""
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]: q | k | v
+        # q and k are adjacent in qkv, so one RoPE call rotates both: [T, H + kvh, hd].
+        qk = apply_rope(
+            qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin
+        )
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, layer_cache, plan)  # [T, H, hd]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        bias = config.mlp_bias
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]: gate | up
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer_cache, plan)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family decoder. Parameters are named after HF's, minus the `model.` prefix, with
+    q/k/v fused into `qkv_proj` and gate/up into `gate_up_proj`. `lm_head` is None when tied."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config, device)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] for a flat batch.
+
+        input_ids, positions: [T] int64, positions < max_position_embeddings (the RoPE table size).
+        kv_cache: [num_layers, 2, num_blocks, block_size, kvh, hd]; the K/V of all T tokens are
+        written into it at attn.slot_mapping.
+        """
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(positions, h.dtype)
+        # Gather indices and masks once per step, shared by all layers.
+        plan = plan_attention(attn, kv_cache.shape[3], self.config.num_kv_heads, h.dtype)
+        for layer, layer_cache in zip(self.layers, kv_cache):
+            h = layer(h, cos, sin, layer_cache, plan)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab]; call it only on the rows that are sampled (the head is wide)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)

