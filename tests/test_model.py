@@ -201,7 +201,7 @@ def test_rope_config_formats_agree_with_hf() -> None:
 def test_kv_cache_bytes_per_block(tiny_model_dir: Path) -> None:
     config = load_model_config(tiny_model_dir)
     cache = allocate_kv_cache(config, 10, 16, torch.float32, CPU)
-    assert cache.shape == (config.num_layers, 2, 10, 16, config.num_kv_heads, config.head_dim)
+    assert cache.shape == (config.num_layers, 10, 2, 16, config.num_kv_heads, config.head_dim)
     nbytes = cache.numel() * cache.element_size()
     assert kv_cache_bytes_per_block(config, 16, torch.float32) * 10 == nbytes
     assert kv_cache_bytes_per_block(config, 16, torch.bfloat16) * 2 == kv_cache_bytes_per_block(

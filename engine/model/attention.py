@@ -1,9 +1,13 @@
 """Attention over a paged KV cache for a flat batch of tokens from many sequences.
 
-KV cache layout, one tensor for the whole model:
-    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]   (2 = key, value)
+KV cache layout, one tensor for the whole model, which is also the unified page pool (S-LoRA):
+    kv_cache: [num_layers, num_pages, 2, block_size, num_kv_heads, head_dim]   (2 = key, value)
+Per layer, a page is one contiguous run of `2 * block_size * num_kv_heads * head_dim` elements; a page
+holds either one KV block or part of an adapter's weights (engine/lora.py), so an adapter given a run of
+consecutive pages owns one contiguous region per layer.
 A token at position p of a sequence lives in block `block_table[p // block_size]` at offset
-`p % block_size`; its flat slot is `block_id * block_size + offset`.
+`p % block_size`; its logical slot is `block_id * block_size + offset`. In a layer's cache viewed as rows
+of [kvh, hd], its key sits at row `2 * block_id * block_size + offset` and its value `block_size` rows on.
 
 The flat batch puts the decode tokens (sequences computing exactly one new token) first, then the
 prefill chunks (sequences computing several tokens, possibly a chunk of a longer prompt).
@@ -53,9 +57,10 @@ class PrefillPlan:
 
     token_start: int
     query_len: int
-    # [context_len] flat cache slots of positions [0, context_len); None when the chunk is the whole
-    # context (a fresh prompt): then keys and values come straight from this step's rows.
-    context_slots: torch.Tensor | None
+    # [context_len] cache rows of the keys (values) of positions [0, context_len); None when the chunk is
+    # the whole context (a fresh prompt): then keys and values come straight from this step's rows.
+    context_k: torch.Tensor | None
+    context_v: torch.Tensor | None
     # [query_len, context_len] bool, True where query i may see key j, i.e. j <= context_len -
     # query_len + i; None with context_slots None: plain causal attention.
     mask: torch.Tensor | None
@@ -65,12 +70,14 @@ class PrefillPlan:
 class AttentionPlan:
     """Everything attention needs for one step, derived once from AttentionMetadata (not per layer)."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64
+    k_rows: torch.Tensor  # [num_tokens] int64: cache rows ([kvh, hd] each) for this step's keys
+    v_rows: torch.Tensor  # [num_tokens] int64: ... and values
     num_decode_tokens: int
-    # [D * kvh * max_ctx] int64: rows of the cache viewed as [num_slots * kvh, hd] holding each decode
+    # [D * kvh * max_ctx] int64: rows of the cache viewed as [rows * kvh, hd] holding each decode
     # sequence's keys (values) at positions [0, max_ctx), ordered [D, kvh, max_ctx]: one gather
     # yields the [D, kvh, ctx, hd] layout the grouped matmuls want.
-    decode_rows: torch.Tensor | None
+    decode_k_rows: torch.Tensor | None
+    decode_v_rows: torch.Tensor | None
     decode_bias: torch.Tensor | None  # [D, 1, 1, max_ctx]: 0 where position < context_len, else -inf
     max_decode_ctx: int
     prefills: tuple[PrefillPlan, ...]
@@ -80,11 +87,12 @@ def plan_attention(
     attn: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype
 ) -> AttentionPlan:
     """Precompute gather indices and masks for a step; `dtype` is the dtype of the attention scores."""
-    decode_rows = decode_bias = None
+    decode_k = decode_v = decode_bias = None
     max_ctx = 0
     if attn.num_decode_tokens > 0:
         max_ctx = int(attn.decode_context_lens.max())
-        decode_rows, decode_bias = _plan_decodes(attn, block_size, num_kv_heads, max_ctx, dtype)
+        decode_k, decode_bias = _plan_decodes(attn, block_size, num_kv_heads, max_ctx, dtype)
+        decode_v = decode_k + block_size * num_kv_heads
     prefills = []
     next_row = attn.num_decode_tokens
     for seq in attn.prefills:
@@ -92,8 +100,14 @@ def plan_attention(
         next_row += seq.query_len
         prefills.append(_plan_prefill(seq, block_size))
     assert next_row == attn.slot_mapping.numel(), "decode rows and prefill chunks must tile the batch"
-    return AttentionPlan(attn.slot_mapping, attn.num_decode_tokens, decode_rows, decode_bias, max_ctx,
-                         tuple(prefills))
+    k_rows = key_rows(attn.slot_mapping, block_size)
+    return AttentionPlan(k_rows, k_rows + block_size, attn.num_decode_tokens, decode_k, decode_v,
+                         decode_bias, max_ctx, tuple(prefills))
+
+
+def key_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Logical slots (block * block_size + offset) -> key rows of a layer's [rows, kvh, hd] cache view."""
+    return slots + (slots // block_size) * block_size
 
 
 def _plan_decodes(
@@ -106,7 +120,8 @@ def _plan_decodes(
     # Positions past a sequence's context_len read padded (block 0) slots; the bias masks them out.
     slots = tables[:, pos // block_size] * block_size + pos % block_size  # [D, max_ctx]
     heads = torch.arange(num_kv_heads, device=lens.device)
-    rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)  # [D * kvh * max_ctx]
+    rows = key_rows(slots, block_size)[:, None, :] * num_kv_heads + heads[None, :, None]
+    rows = rows.reshape(-1)  # [D * kvh * max_ctx]
     bias = torch.zeros(lens.numel(), 1, 1, max_ctx, dtype=dtype, device=lens.device)
     bias.masked_fill_((pos >= lens[:, None])[:, None, None, :], float("-inf"))
     return rows, bias
@@ -114,11 +129,12 @@ def _plan_decodes(
 
 def _plan_prefill(seq: PrefillSeq, block_size: int) -> PrefillPlan:
     if seq.query_len == seq.context_len:  # nothing cached before this chunk
-        return PrefillPlan(seq.token_start, seq.query_len, None, None)
+        return PrefillPlan(seq.token_start, seq.query_len, None, None, None)
     pos = torch.arange(seq.context_len, device=seq.block_table.device)  # [ctx]
-    slots = seq.block_table[pos // block_size] * block_size + pos % block_size
+    rows = key_rows(seq.block_table[pos // block_size] * block_size + pos % block_size, block_size)
     query_pos = pos[seq.context_len - seq.query_len :]  # [query_len]: positions of this chunk
-    return PrefillPlan(seq.token_start, seq.query_len, slots, pos[None, :] <= query_pos[:, None])
+    return PrefillPlan(seq.token_start, seq.query_len, rows, rows + block_size,
+                       pos[None, :] <= query_pos[:, None])
 
 
 def paged_attention(
@@ -127,18 +143,18 @@ def paged_attention(
     """Write this step's K/V into one layer's cache, then attend over each sequence's context.
 
     Semantics:
-        cache_k.view(-1, kvh, hd)[plan.slot_mapping] = k; same for v
+        cache.view(-1, kvh, hd)[plan.k_rows] = k; cache.view(-1, kvh, hd)[plan.v_rows] = v
         for each sequence: out[rows] = softmax(q[rows] @ K_ctx.T / sqrt(hd) + causal_mask) @ V_ctx
         where query head h reads kv head h // (num_heads // num_kv_heads) (GQA).
     Shapes:
         q: [T, num_heads, hd]; k, v: [T, num_kv_heads, hd]
-        layer_cache: [2, num_blocks, block_size, num_kv_heads, hd]
+        layer_cache: [num_pages, 2, block_size, num_kv_heads, hd]
         returns [T, num_heads, hd]
     """
     num_kv_heads, head_dim = layer_cache.shape[-2:]
-    flat_cache = layer_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, kvh, hd]
-    flat_cache[0].index_copy_(0, plan.slot_mapping, k)
-    flat_cache[1].index_copy_(0, plan.slot_mapping, v)
+    flat_cache = layer_cache.view(-1, num_kv_heads, head_dim)  # [rows, kvh, hd]
+    flat_cache.index_copy_(0, plan.k_rows, k)
+    flat_cache.index_copy_(0, plan.v_rows, v)
     parts = []
     if plan.num_decode_tokens > 0:
         parts.append(_decode_attention(q[: plan.num_decode_tokens], flat_cache, plan))
@@ -156,11 +172,13 @@ def _decode_attention(q: torch.Tensor, flat_cache: torch.Tensor, plan: Attention
     enable_gqa on CPU for SmolLM2 shapes).
     """
     num_decodes, num_heads, head_dim = q.shape
-    num_kv_heads = flat_cache.shape[2]
-    assert plan.decode_rows is not None and plan.decode_bias is not None
+    num_kv_heads = flat_cache.shape[1]
+    assert plan.decode_k_rows is not None and plan.decode_v_rows is not None
+    assert plan.decode_bias is not None
     shape = (num_decodes, num_kv_heads, plan.max_decode_ctx, head_dim)
-    keys = flat_cache[0].view(-1, head_dim).index_select(0, plan.decode_rows).view(shape)
-    values = flat_cache[1].view(-1, head_dim).index_select(0, plan.decode_rows).view(shape)
+    rows = flat_cache.view(-1, head_dim)  # [rows * kvh, hd]
+    keys = rows.index_select(0, plan.decode_k_rows).view(shape)
+    values = rows.index_select(0, plan.decode_v_rows).view(shape)
     q = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * head_dim**-0.5  # [D, kvh, group, ctx]
     # Softmax in fp32 (a no-op cast for fp32), as SDPA does internally for low precision.
@@ -173,9 +191,9 @@ def _prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat_cache: torch.Tensor, seq: PrefillPlan
 ) -> torch.Tensor:
     """Causal attention of one chunk over its context; q: [Q, H, hd], k/v: [Q, kvh, hd] -> [Q, H, hd]."""
-    if seq.context_slots is not None:
-        k = flat_cache[0].index_select(0, seq.context_slots)  # [ctx, kvh, hd]
-        v = flat_cache[1].index_select(0, seq.context_slots)
+    if seq.context_k is not None:
+        k = flat_cache.index_select(0, seq.context_k)  # [ctx, kvh, hd]
+        v = flat_cache.index_select(0, seq.context_v)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
         attn_mask=seq.mask, is_causal=seq.mask is None, enable_gqa=True,
@@ -191,10 +209,10 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 def allocate_kv_cache(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """The whole model's cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+    """The whole model's cache: [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim].
 
     Zeroed, not empty: masked-out padding slots are still multiplied by 0 probabilities, and
     0 * NaN garbage would poison the output.
     """
-    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -173,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         """Final-normed hidden states [T, hidden] for a flat batch.
 
         input_ids, positions: [T] int64, positions < max_position_embeddings (the RoPE table size).
-        kv_cache: [num_layers, 2, num_blocks, block_size, kvh, hd]; the K/V of all T tokens are
+        kv_cache: [num_layers, num_pages, 2, block_size, kvh, hd]; the K/V of all T tokens are
         written into it at attn.slot_mapping.
         """
         h = self.embed_tokens(input_ids)  # [T, hidden]
