@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.memory import BlockPool, KVCacheManager
+from engine.memory import PagePool, KVCacheManager
 from engine.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
 from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
@@ -54,7 +54,7 @@ class LLMEngine:
             (config.pool_mb << 20) // kv_cache_bytes_per_block(mc, config.block_size, dtype))
         if num_blocks < 1:
             raise ValueError(f"--pool-mb {config.pool_mb} holds no KV block of this model")
-        self.pool = BlockPool(num_blocks)
+        self.pool = PagePool(num_blocks)
         kv = KVCacheManager(self.pool, config.block_size)
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -92,9 +92,9 @@ class LLMEngine:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"context length of {self.max_model_len} tokens")
         blocks = self.scheduler.kv.blocks_for(n + params.max_tokens)
-        if blocks > self.pool.num_blocks:
+        if blocks > self.pool.num_pages:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {blocks} "
-                             f"KV blocks; the pool holds {self.pool.num_blocks} (raise --pool-mb)")
+                             f"KV blocks; the pool holds {self.pool.num_pages} (raise --pool-mb)")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: Priority = Priority.STANDARD, adapter_id: str | None = None) -> Request:
@@ -116,7 +116,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           self.pool.num_blocks, self.pool.num_free)
+                           self.pool.num_pages, self.pool.num_free)
 
     # ---- the step -----------------------------------------------------------------------------------
 

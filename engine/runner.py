@@ -16,7 +16,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
                  sampler: Sampler, device: torch.device) -> None:
         self.model = model
-        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = kv_cache  # [num_layers, num_pages, 2, block_size, num_kv_heads, head_dim]
         self.block_size = block_size
         self.sampler = sampler
         self.device = device

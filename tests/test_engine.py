@@ -55,7 +55,7 @@ def engine_outputs(engine: LLMEngine, prompts: list[list[int]],
         engine.step()
         steps += 1
         assert steps < 10_000
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.pool.num_free == engine.pool.num_pages
     return [added[i].output_token_ids for i in range(len(prompts))]
 
 
@@ -108,11 +108,11 @@ def test_block_accounting_after_random_requests_and_aborts() -> None:
         for out in engine.step():
             if out.finished and out.request_id in live:
                 live.remove(out.request_id)
-        used = engine.pool.num_blocks - engine.pool.num_free
+        used = engine.pool.num_pages - engine.pool.num_free
         held = sum(len(r.block_ids) for r in engine.scheduler.requests.values())
         assert used == held
     assert aborted > 50
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.pool.num_free == engine.pool.num_pages
     assert not engine.scheduler.requests and not engine._detokenizers
 
 

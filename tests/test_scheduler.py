@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.memory import BlockPool, KVCacheManager
+from engine.memory import PagePool, KVCacheManager
 from engine.outputs import RunnerOutput
 from engine.request import Priority, Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -16,7 +16,7 @@ EOS = 0
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_batch_tokens: int = 64,
                    max_num_seqs: int = 16, max_model_len: int = 256) -> Scheduler:
-    kv = KVCacheManager(BlockPool(num_blocks), block_size)
+    kv = KVCacheManager(PagePool(num_blocks), block_size)
     return Scheduler(SchedulerConfig(max_batch_tokens, max_num_seqs, max_model_len), kv, (EOS,))
 
 
@@ -40,7 +40,7 @@ def fake_run(batch: SchedulerOutput) -> RunnerOutput:
 def check_invariants(s: Scheduler) -> None:
     pool = s.kv.pool
     owners = pool.owners()
-    assert pool.num_free + len(owners) == pool.num_blocks  # pages conserved
+    assert pool.num_free + len(owners) == pool.num_pages  # pages conserved
     held = [b for r in s.requests.values() for b in r.block_ids]
     assert len(held) == len(set(held))  # no block owned twice
     assert sorted(held) == sorted(owners)
@@ -139,7 +139,7 @@ def test_preemption_by_recompute_keeps_outputs() -> None:
     assert sum(len(b.preempted) for b in steps) > 0, "the pool was meant to run out"
     for rid, r in ref_requests.items():
         assert tight_requests[rid].output_token_ids == r.output_token_ids
-    assert tight.kv.pool.num_free == tight.kv.pool.num_blocks
+    assert tight.kv.pool.num_free == tight.kv.pool.num_pages
 
 
 def test_victim_is_lowest_priority_most_recent() -> None:
@@ -194,5 +194,25 @@ def test_randomized_invariants_with_aborts() -> None:
             finished += len(s.update_from_output(batch, fake_run(batch)))
         check_invariants(s)
     run_to_completion(s)
-    assert s.kv.pool.num_free == s.kv.pool.num_blocks
+    assert s.kv.pool.num_free == s.kv.pool.num_pages
     assert submitted > 500 and aborted > 10
+
+
+def test_page_pool_runs_and_single_pages_share_pages() -> None:
+    pool = PagePool(16)
+    kv = pool.allocate(5, "req")
+    assert kv == [0, 1, 2, 3, 4]  # KV blocks from the low end
+    run = pool.allocate_run(6, "adapter")
+    assert run == 10  # runs from the high end
+    assert pool.num_free == 5 and pool.num_run_pages == 6
+    assert pool.allocate_run(6, "too-big") is None  # 5 free pages left
+    assert pool.allocate(5, "req2") == [5, 6, 7, 8, 9]
+    with pytest.raises(MemoryError):
+        pool.allocate(1, "none-left")
+    pool.free([2, 3, 4])
+    assert pool.allocate_run(3, "fits") == 2
+    pool.free_run(10, 6)
+    pool.free_run(2, 3)
+    pool.free([0, 1, 5, 6, 7, 8, 9])
+    assert pool.num_free == 16 and not pool.owners() and pool.num_run_pages == 0
+    assert sorted(pool.allocate(16, "all")) == list(range(16))  # stale heap entries were skipped
