@@ -13,8 +13,11 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pathlib import Path
+
+from engine.adapters import AdapterSpec
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import AdapterStatus, RequestOutput
 from engine.request import Priority, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,10 +41,15 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class _RetireAdapter:
+    adapter_id: str
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _RetireAdapter | None] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -75,13 +83,31 @@ class AsyncEngine:
 
         Closing the iterator early (client gone, task cancelled) aborts the request and frees its blocks.
         """
-        if adapter_id is not None:
-            raise KeyError(adapter_id)
+        adapter = None if adapter_id is None else self.engine.adapters.get(adapter_id)  # KeyError
         params.validate()
-        self.engine.check_request(prompt_token_ids, params)
+        self.engine.check_request(prompt_token_ids, params, adapter)
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         return self._stream(_Add(request_id, list(prompt_token_ids), params, priority, adapter_id))
+
+    # ---- adapters -------------------------------------------------------------------------------------
+
+    async def load_adapter(self, adapter_id: str, path: Path) -> AdapterSpec:
+        """Register (or re-register, bumping the version) an adapter; AdapterError if it is unusable.
+
+        Parsing runs in a worker thread; requests already running keep the version they started with.
+        """
+        spec = await asyncio.to_thread(self.engine.adapters.register, adapter_id, path)
+        self._inbox.put(_RetireAdapter(adapter_id))
+        return spec
+
+    async def unload_adapter(self, adapter_id: str) -> None:
+        """Unregister an adapter (KeyError if unknown); its pages are freed once no request uses it."""
+        self.engine.adapters.unregister(adapter_id)
+        self._inbox.put(_RetireAdapter(adapter_id))
+
+    def list_adapters(self) -> list[AdapterStatus]:
+        return self.engine.adapter_statuses()
 
     async def _stream(self, add: _Add) -> AsyncIterator[RequestOutput]:
         if not self.running:
@@ -133,6 +159,9 @@ class AsyncEngine:
                 return False
             if isinstance(item, _Abort):
                 self.engine.abort_request(item.request_id)
+                continue
+            if isinstance(item, _RetireAdapter):
+                self.engine.retire_adapter(item.adapter_id)
                 continue
             try:
                 self.engine.add_request(item.request_id, item.prompt_token_ids, item.params,

@@ -18,6 +18,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     served_model_name: str | None = None  # None: derived from `model`
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    adapter_dir: str | None = None  # every PEFT LoRA subdirectory is registered under its folder name
+    max_device_adapters: int = 8  # adapters resident in the page pool at once
+    host_adapter_mb: int = 512  # host-RAM LRU of parsed adapter weights
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -30,6 +33,10 @@ class EngineConfig:
             raise ValueError("max_batch_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.max_device_adapters < 1:
+            raise ValueError("max_device_adapters must be >= 1")
+        if self.host_adapter_mb < 0:
+            raise ValueError("host_adapter_mb must be >= 0")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -7,17 +7,20 @@ detokenize (stop strings) -> RequestOutput deltas. Only the scheduler changes re
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from engine.adapters import AdapterRegistry, AdapterSpec, HostAdapterCache
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.memory import PagePool, KVCacheManager
+from engine.lora import LOAD_BUCKETS, DeviceAdapterTier
+from engine.memory import KVCacheManager, PagePool
 from engine.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
 from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
-from engine.outputs import EngineStats, RequestOutput, RunnerOutput
+from engine.outputs import AdapterStatus, EngineStats, RequestOutput, RunnerOutput
 from engine.request import Priority, Request, RequestStatus, SamplingParams
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
@@ -60,12 +63,18 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+        kv_cache = allocate_kv_cache(mc, num_blocks, config.block_size, dtype, device)
+        self.adapters = AdapterRegistry(mc)
+        if config.adapter_dir is not None:
+            self.adapters.scan_dir(Path(config.adapter_dir))
+        self.host_adapters = HostAdapterCache(config.host_adapter_mb << 20, mc, dtype)
+        self.device_adapters = DeviceAdapterTier(self.pool, kv_cache, mc, config.max_device_adapters,
+                                                 self.host_adapters)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_batch_tokens, config.max_num_seqs, self.max_model_len),
-            kv, self.eos_token_ids)
-        kv_cache = allocate_kv_cache(mc, num_blocks, config.block_size, dtype, device)
+            kv, self.eos_token_ids, self.device_adapters)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size,
-                                  Sampler(self.eos_token_ids), device)
+                                  Sampler(self.eos_token_ids), device, self.device_adapters)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         logger.info("engine ready: model=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
                     self.model_name, dtype, num_blocks, config.block_size, self.max_model_len)
@@ -81,7 +90,8 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      adapter: AdapterSpec | None = None) -> None:
         """Raise ValueError if this request could never run here."""
         n = len(prompt_token_ids)
         if n == 0:
@@ -92,15 +102,19 @@ class LLMEngine:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"context length of {self.max_model_len} tokens")
         blocks = self.scheduler.kv.blocks_for(n + params.max_tokens)
+        if adapter is not None:
+            blocks += self.device_adapters.pages_needed(adapter)
         if blocks > self.pool.num_pages:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {blocks} "
-                             f"KV blocks; the pool holds {self.pool.num_pages} (raise --pool-mb)")
+                             f"pages (KV blocks and adapter weights); the pool holds "
+                             f"{self.pool.num_pages} (raise --pool-mb)")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: Priority = Priority.STANDARD, adapter_id: str | None = None) -> Request:
         params.validate()
-        self.check_request(prompt_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params, priority, adapter_id)
+        adapter = None if adapter_id is None else self.adapters.get(adapter_id)  # KeyError: unknown
+        self.check_request(prompt_token_ids, params, adapter)
+        request = Request(request_id, list(prompt_token_ids), params, priority, adapter)
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                                 params)
@@ -111,12 +125,45 @@ class LLMEngine:
         self._detokenizers.pop(request_id, None)
         return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
 
+    def retire_adapter(self, adapter_id: str) -> None:
+        """After a reload or unload: free the device copies of old versions once no request uses them."""
+        try:
+            current: int | None = self.adapters.get(adapter_id).version
+        except KeyError:
+            current = None  # unloaded
+        self.device_adapters.retire(adapter_id, keep_version=current)
+        if current is None:
+            self.host_adapters.discard(adapter_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           self.pool.num_pages, self.pool.num_free)
+        tier = self.device_adapters
+        c = tier.counters
+        adapter_pages = self.pool.num_run_pages
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.pool.num_pages, kv_blocks_free=self.pool.num_free,
+            kv_pages_used=self.pool.num_used - adapter_pages, adapter_pages_used=adapter_pages,
+            adapters_registered=len(self.adapters.list()), adapters_on_device=len(tier.resident),
+            adapter_hits=c.hits, adapter_misses=c.misses, adapter_loads=c.loads,
+            adapter_evictions=c.evictions,
+            adapter_load_buckets=tuple(zip(LOAD_BUCKETS, c.load_buckets)),
+            adapter_load_seconds_sum=c.load_seconds_sum)
+
+    def adapter_statuses(self) -> list[AdapterStatus]:
+        """Every registered adapter and where its weights are (safe to call from another thread)."""
+        out = []
+        for spec in self.adapters.list():
+            if self.device_adapters.is_resident(spec):
+                where = "device"
+            elif self.host_adapters.contains(spec):
+                where = "host"
+            else:
+                where = "disk"
+            out.append(AdapterStatus(spec.adapter_id, spec.version, spec.max_rank, spec.modules, where))
+        return out
 
     # ---- the step -----------------------------------------------------------------------------------
 

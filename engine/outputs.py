@@ -30,10 +30,32 @@ class RunnerOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterStatus:
+    """What GET /v1/adapters shows for one registered adapter."""
+
+    adapter_id: str
+    version: int
+    rank: int  # the largest rank over its modules
+    target_modules: tuple[str, ...]
+    residence: str  # "device" (in the page pool), "host" (parsed in RAM) or "disk"
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot for metrics and /readyz."""
 
     num_running: int
     num_waiting: int
-    kv_blocks_total: int
+    kv_blocks_total: int  # pages in the unified pool
     kv_blocks_free: int
+    kv_pages_used: int = 0  # pages holding KV blocks
+    adapter_pages_used: int = 0  # pages holding adapter weights
+    adapters_registered: int = 0
+    adapters_on_device: int = 0
+    adapter_hits: int = 0  # device-tier lookups at admission that found the adapter resident
+    adapter_misses: int = 0
+    adapter_loads: int = 0  # loads into the page pool
+    adapter_evictions: int = 0
+    # Load time histogram: cumulative counts per upper bound (seconds), plus sum and count.
+    adapter_load_buckets: tuple[tuple[float, int], ...] = ()
+    adapter_load_seconds_sum: float = 0.0

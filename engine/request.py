@@ -11,8 +11,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.adapters import AdapterSpec
 
 
 class Priority(enum.IntEnum):
@@ -109,7 +113,8 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     priority: Priority = Priority.STANDARD
-    adapter_id: str | None = None
+    # The adapter version this request runs with, fixed when it arrives (a reload does not change it).
+    adapter: AdapterSpec | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING
@@ -125,6 +130,10 @@ class Request:
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None and not self.sampling_params.greedy:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def adapter_id(self) -> str | None:
+        return None if self.adapter is None else self.adapter.adapter_id
 
     @property
     def num_prompt_tokens(self) -> int:

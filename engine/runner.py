@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.lora import DeviceAdapterTier, LoraBatch
 from engine.model.attention import AttentionMetadata, PrefillSeq
 from engine.model.llama import LlamaForCausalLM
 from engine.outputs import RunnerOutput
@@ -14,8 +15,10 @@ from engine.scheduler import SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 sampler: Sampler, device: torch.device) -> None:
+                 sampler: Sampler, device: torch.device, adapters: DeviceAdapterTier | None = None
+                 ) -> None:
         self.model = model
+        self.adapters = adapters
         self.kv_cache = kv_cache  # [num_layers, num_pages, 2, block_size, num_kv_heads, head_dim]
         self.block_size = block_size
         self.sampler = sampler
@@ -24,11 +27,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         """Compute one step and sample a token for every request whose known tokens are all computed."""
-        order = self._batch_order(batch)
+        slots = [self._slot(r) for r in batch.requests]
+        order = self._batch_order(batch, slots)
         requests = [batch.requests[i] for i in order]
         num_tokens = [batch.num_tokens[i] for i in order]
         input_ids, positions, attn, last_rows, sample_idx = self._prepare(requests, num_tokens)
-        hidden = self.model(input_ids, positions, self.kv_cache, attn)  # [T, hidden]
+        lora = self._lora_segments([slots[i] for i in order], num_tokens)
+        hidden = self.model(input_ids, positions, self.kv_cache, attn, lora)  # [T, hidden]
         sampled: list[int | None] = [None] * len(order)
         logprobs: list[TokenLogprob | None] = [None] * len(order)
         if sample_idx:
@@ -39,12 +44,39 @@ class ModelRunner:
                 logprobs[order[i]] = logprob
         return RunnerOutput(sampled, logprobs)
 
+    def _slot(self, request: Request) -> int | None:
+        if request.adapter is None:
+            return None
+        slot = self.adapters.slot_of(request.adapter)
+        assert slot is not None, "a running request's adapter is pinned on the device"
+        return slot
+
     @staticmethod
-    def _batch_order(batch: SchedulerOutput) -> list[int]:
-        """Decodes (one token) first, then prefill chunks, as AttentionMetadata requires."""
-        decodes = [i for i, n in enumerate(batch.num_tokens) if n == 1]
-        prefills = [i for i, n in enumerate(batch.num_tokens) if n != 1]
+    def _batch_order(batch: SchedulerOutput, slots: list[int | None]) -> list[int]:
+        """Decodes (one token) first, then prefill chunks, as AttentionMetadata requires; within each,
+        rows grouped by adapter slot so every adapter forms as few segments as possible."""
+        def key(i: int) -> int:
+            return -1 if slots[i] is None else slots[i]
+        decodes = sorted((i for i, n in enumerate(batch.num_tokens) if n == 1), key=key)
+        prefills = sorted((i for i, n in enumerate(batch.num_tokens) if n != 1), key=key)
         return decodes + prefills
+
+    def _lora_segments(self, slots: list[int | None], num_tokens: list[int]) -> LoraBatch | None:
+        """Segments tiling the batch: consecutive requests with the same slot merge; rows without an
+        adapter use the tier's null slot (rank 0 everywhere). None when no row has an adapter."""
+        if all(slot is None for slot in slots):
+            return None
+        null = self.adapters.null_slot
+        starts = [0]
+        seg_slots: list[int] = []
+        for slot, n in zip(slots, num_tokens):
+            slot = null if slot is None else slot
+            if seg_slots and seg_slots[-1] == slot:
+                starts[-1] += n
+            else:
+                seg_slots.append(slot)
+                starts.append(starts[-1] + n)
+        return LoraBatch(starts, seg_slots, self.adapters)
 
     def _prepare(self, requests: list[Request], num_tokens: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from engine.lora import DeviceAdapterTier
 from engine.memory import KVCacheManager
 from engine.outputs import RunnerOutput
 from engine.request import Request, RequestStatus
@@ -49,9 +50,10 @@ def _queue_key(request: Request) -> tuple[int, float]:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], adapters: DeviceAdapterTier | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.adapters = adapters
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # in admission order
@@ -79,6 +81,7 @@ class Scheduler:
             return None
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self._unpin(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self.kv.free(request)
@@ -104,6 +107,8 @@ class Scheduler:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, n):
+                if self.adapters is not None and self.adapters.evict_idle():
+                    continue  # idle adapter pages become KV pages
                 victim = self._pick_victim()
                 budget += self._preempt(victim, out)
                 if victim is request:
@@ -120,10 +125,14 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.adapter is not None and not self.adapters.ensure_resident(request.adapter):
+                break  # its adapter cannot be brought onto the device until running requests finish
             if not self.kv.allocate_slots(request, n):
                 break
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
+            if request.adapter is not None:
+                self.adapters.pin(request.adapter)
             self.running.append(request)
             out.requests.append(request)
             out.num_tokens.append(n)
@@ -136,6 +145,7 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> int:
         """Free `request`'s blocks and requeue it for recompute; returns budget it gives back."""
         self.running.remove(request)
+        self._unpin(request)
         self.kv.free(request)
         self.num_preemptions += 1
         request.num_computed_tokens = 0  # recompute: prompt and outputs so far are prefilled again
@@ -146,6 +156,10 @@ class Scheduler:
         idx = out.requests.index(request)  # already given tokens earlier in this step
         del out.requests[idx]
         return out.num_tokens.pop(idx)
+
+    def _unpin(self, request: Request) -> None:
+        if request.adapter is not None:
+            self.adapters.unpin(request.adapter)
 
     # ---- applying results --------------------------------------------------------------------------
 

@@ -39,7 +39,8 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def greedy_params(n: int = NEW_TOKENS) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    """Exactly n greedy tokens with EOS masked, as HF's min_new_tokens does in `hf_greedy`."""
+    return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 def engine_outputs(engine: LLMEngine, prompts: list[list[int]],

@@ -19,6 +19,7 @@ from torch import nn
 from engine.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 
 if TYPE_CHECKING:
+    from engine.lora import LayerLora, LoraBatch
     from engine.model.loader import ModelConfig
 
 
@@ -106,19 +107,27 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
-        plan: AttentionPlan,
+        plan: AttentionPlan, lora: LayerLora | None,
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes this step's K/V into layer_cache."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]: q | k | v
+        if lora is not None:
+            q_end, k_end = self.q_size, self.q_size + self.kv_size
+            lora.apply("q_proj", qkv[:, :q_end], x)
+            lora.apply("k_proj", qkv[:, q_end:k_end], x)
+            lora.apply("v_proj", qkv[:, k_end:], x)
         # q and k are adjacent in qkv, so one RoPE call rotates both: [T, H + kvh, hd].
         qk = apply_rope(
             qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin
         )
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, layer_cache, plan)  # [T, H, hd]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = paged_attention(q, k, v, layer_cache, plan).reshape(num_tokens, self.q_size)
+        y = self.o_proj(out)  # [T, hidden]
+        if lora is not None:
+            lora.apply("o_proj", y, out)
+        return y
 
 
 class LlamaMLP(nn.Module):
@@ -129,10 +138,17 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]: gate | up
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if lora is not None:
+            lora.apply("gate_proj", gate, x)
+            lora.apply("up_proj", up, x)
+        act = F.silu(gate) * up  # [T, intermediate]
+        y = self.down_proj(act)
+        if lora is not None:
+            lora.apply("down_proj", y, act)
+        return y
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -145,10 +161,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
-        plan: AttentionPlan,
+        plan: AttentionPlan, lora: LayerLora | None,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer_cache, plan)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer_cache, plan, lora)
+        return h + self.mlp(self.post_attention_layernorm(h), lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -168,20 +184,21 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: AttentionMetadata, lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for a flat batch.
 
         input_ids, positions: [T] int64, positions < max_position_embeddings (the RoPE table size).
         kv_cache: [num_layers, num_pages, 2, block_size, kvh, hd]; the K/V of all T tokens are
         written into it at attn.slot_mapping.
+        lora: the step's adapter segments (weights read from the same pool), or None when no row has one.
         """
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, h.dtype)
         # Gather indices and masks once per step, shared by all layers.
         plan = plan_attention(attn, kv_cache.shape[3], self.config.num_kv_heads, h.dtype)
-        for layer, layer_cache in zip(self.layers, kv_cache):
-            h = layer(h, cos, sin, layer_cache, plan)
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache)):
+            h = layer(h, cos, sin, layer_cache, plan, None if lora is None else lora.layer(i))
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

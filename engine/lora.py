@@ -1,0 +1,221 @@
+"""The device tier of adapters: LoRA weights resident in the unified page pool, LRU, pinned while used.
+
+An adapter on the device owns one run of consecutive pages. In every layer that run is one contiguous
+region of `kv_cache[layer]`, in which each targeted module's A ([r, in]) and scale-folded B ([out, r])
+sit row-major at element offsets recorded in per-(layer, module) slot tables. The batched-LoRA kernels
+(kernels/reference.py) read the weights straight from the pool through those tables, never copying them.
+Pages taken are proportional to the adapter's own ranks, never padded to a maximum rank.
+
+Residency changes only between engine steps, in the engine thread. An adapter is pinned while a running
+request uses it and is evicted (least recently used first) only when unpinned.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.adapters import MODULES, AdapterSpec, HostAdapterCache, module_features
+from kernels.reference import lora_sgmv
+from engine.memory import PagePool
+from engine.model.loader import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+AdapterKey = tuple[str, int]  # (adapter id, version)
+LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+
+
+@dataclass(slots=True)
+class Resident:
+    spec: AdapterSpec
+    slot: int
+    first_page: int
+    num_pages: int
+    pins: int = 0
+    stale: bool = False  # a newer version was loaded or the adapter was unloaded
+
+
+@dataclass(slots=True)
+class SlotTables:
+    """Per layer and module, indexed by slot: where A and B start in that layer's pool, and the rank.
+
+    rank 0 means the slot's adapter does not target that module in that layer, or the slot is empty
+    (always so for the null slot).
+    """
+
+    a_offsets: list[dict[str, list[int]]]
+    b_offsets: list[dict[str, list[int]]]
+    ranks: list[dict[str, list[int]]]
+
+
+@dataclass(slots=True)
+class TierCounters:
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    evictions: int = 0
+    load_seconds_sum: float = 0.0
+    load_buckets: list[int] = field(default_factory=lambda: [0] * len(LOAD_BUCKETS))
+
+
+class DeviceAdapterTier:
+    def __init__(self, pool: PagePool, kv_cache: torch.Tensor, model: ModelConfig, max_adapters: int,
+                 host: HostAdapterCache) -> None:
+        self.pool = pool
+        self.model = model
+        self.host = host
+        self.max_adapters = max_adapters
+        # One flat view per layer: [num_pages * page_elems]; page p starts at p * page_elems.
+        self.layer_pools = [kv_cache[layer].view(-1) for layer in range(kv_cache.shape[0])]
+        self.page_elems = kv_cache[0, 0].numel()
+        self.dtype = kv_cache.dtype
+        self.null_slot = max_adapters  # never holds an adapter: rows without one use it
+        zeros = [0] * (max_adapters + 1)
+        self.tables = SlotTables(*([{m: list(zeros) for m in MODULES} for _ in range(model.num_layers)]
+                                   for _ in range(3)))
+        self.resident: OrderedDict[AdapterKey, Resident] = OrderedDict()  # LRU first
+        self._free_slots = list(range(max_adapters - 1, -1, -1))
+        self.counters = TierCounters()
+
+    # ---- sizing ---------------------------------------------------------------------------------------
+
+    def pages_needed(self, spec: AdapterSpec) -> int:
+        """Pages for this adapter: its largest layer's A and B elements, rounded up to whole pages."""
+        per_layer = max((sum(t.rank * sum(module_features(self.model, m)) for m, t in layer.items())
+                         for layer in spec.layers), default=0)
+        return max(1, -(-per_layer // self.page_elems))
+
+    # ---- residency ------------------------------------------------------------------------------------
+
+    def slot_of(self, spec: AdapterSpec) -> int | None:
+        res = self.resident.get((spec.adapter_id, spec.version))
+        return None if res is None else res.slot
+
+    def is_resident(self, spec: AdapterSpec) -> bool:
+        return (spec.adapter_id, spec.version) in self.resident
+
+    def ensure_resident(self, spec: AdapterSpec) -> bool:
+        """Bring `spec` onto the device, evicting idle adapters as needed; False if it cannot be now."""
+        key = (spec.adapter_id, spec.version)
+        if key in self.resident:
+            self.resident.move_to_end(key)
+            self.counters.hits += 1
+            return True
+        self.counters.misses += 1
+        while len(self.resident) >= self.max_adapters:
+            if not self.evict_idle():
+                return False
+        n = self.pages_needed(spec)
+        start = self.pool.allocate_run(n, f"adapter:{spec.adapter_id}@{spec.version}")
+        while start is None:
+            if not self.evict_idle():
+                return False
+            start = self.pool.allocate_run(n, f"adapter:{spec.adapter_id}@{spec.version}")
+        t0 = time.perf_counter()
+        try:
+            self._write(spec, self._free_slots.pop(), start, n)
+        except Exception:
+            self.pool.free_run(start, n)
+            raise
+        self._observe_load(time.perf_counter() - t0)
+        return True
+
+    def _write(self, spec: AdapterSpec, slot: int, start: int, n: int) -> None:
+        weights = self.host.get(spec)  # host tier: hit, or read from disk
+        base = start * self.page_elems
+        for layer, modules in enumerate(weights.layers):
+            pool, offset = self.layer_pools[layer], base
+            for module in MODULES:
+                if module not in modules:
+                    self.tables.ranks[layer][module][slot] = 0
+                    continue
+                a, b = modules[module]  # [r, in], [out, r] with the scale folded in
+                self.tables.a_offsets[layer][module][slot] = offset
+                pool[offset: offset + a.numel()].copy_(a.reshape(-1))
+                offset += a.numel()
+                self.tables.b_offsets[layer][module][slot] = offset
+                pool[offset: offset + b.numel()].copy_(b.reshape(-1))
+                offset += b.numel()
+                self.tables.ranks[layer][module][slot] = a.shape[0]
+            assert offset <= base + n * self.page_elems
+        self.resident[(spec.adapter_id, spec.version)] = Resident(spec, slot, start, n)
+        self.counters.loads += 1
+
+    def _observe_load(self, seconds: float) -> None:
+        self.counters.load_seconds_sum += seconds
+        for i, bound in enumerate(LOAD_BUCKETS):
+            if seconds <= bound:
+                self.counters.load_buckets[i] += 1
+
+    def evict_idle(self) -> bool:
+        """Evict the least recently used unpinned adapter (stale ones first); False if none is idle."""
+        idle = [key for key, res in self.resident.items() if res.pins == 0]
+        if not idle:
+            return False
+        stale = [key for key in idle if self.resident[key].stale]
+        self._evict((stale or idle)[0])
+        return True
+
+    def _evict(self, key: AdapterKey) -> None:
+        res = self.resident.pop(key)
+        for layer in self.tables.ranks:
+            for ranks in layer.values():
+                ranks[res.slot] = 0
+        self._free_slots.append(res.slot)
+        self.pool.free_run(res.first_page, res.num_pages)
+        self.counters.evictions += 1
+
+    # ---- pins and versions ----------------------------------------------------------------------------
+
+    def pin(self, spec: AdapterSpec) -> None:
+        self.resident[(spec.adapter_id, spec.version)].pins += 1
+
+    def unpin(self, spec: AdapterSpec) -> None:
+        key = (spec.adapter_id, spec.version)
+        res = self.resident[key]
+        assert res.pins > 0, f"adapter {key} unpinned more than pinned"
+        res.pins -= 1
+        if res.pins == 0 and res.stale:
+            self._evict(key)
+
+    def retire(self, adapter_id: str, keep_version: int | None = None) -> None:
+        """Mark every version of `adapter_id` but `keep_version` stale; free the unpinned ones now."""
+        for key, res in list(self.resident.items()):
+            if key[0] == adapter_id and key[1] != keep_version:
+                res.stale = True
+                if res.pins == 0:
+                    self._evict(key)
+
+    @property
+    def num_pages(self) -> int:
+        return sum(res.num_pages for res in self.resident.values())
+
+
+@dataclass(frozen=True, slots=True)
+class LoraBatch:
+    """One step's adapter segments: rows [seg_starts[s], seg_starts[s+1]) use slot seg_slots[s]."""
+
+    seg_starts: list[int]
+    seg_slots: list[int]
+    tier: DeviceAdapterTier
+
+    def layer(self, index: int) -> LayerLora:
+        return LayerLora(self, index)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLora:
+    batch: LoraBatch
+    index: int
+
+    def apply(self, module: str, y: torch.Tensor, x: torch.Tensor) -> None:
+        """y += the batch's LoRA deltas for `module` of this layer; y [T, out] (a view), x [T, in]."""
+        tier, i = self.batch.tier, self.index
+        lora_sgmv(y, x, self.batch.seg_starts, self.batch.seg_slots, tier.layer_pools[i],
+                  tier.tables.a_offsets[i][module], tier.tables.b_offsets[i][module],
+                  tier.tables.ranks[i][module])
