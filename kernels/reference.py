@@ -1,0 +1,171 @@
+"""Pure-torch twins of the batched-LoRA kernels: the CPU serving path and the oracle for the Triton ones.
+
+A step's T token rows are grouped into contiguous segments, one adapter per segment (punica's SGMV);
+rows in no segment have no adapter and are never touched. Adapter weights live in one layer's region
+of the unified page pool (S-LoRA): a flat 1-D `pool` holding, per slot, A `[rank, in_features]` and B
+`[out_features, rank]` row-major at element offsets, the LoRA scale already folded into B. Ranks differ
+between slots; rank 0 means the slot does not target this module.
+
+Every segment reads its weights through `as_strided` views of the pool, never a copy. At serving
+sizes (a few rows per adapter, rank <= 64) the cost is per-op overhead, not FLOPs, so the loops do the
+fewest torch calls per segment: two views, one `mm`, one in-place `addmm_`. This per-segment loop
+measured faster than padding segments and ranks into one `bmm` (bench/lora_kernels.py).
+
+Index arguments may be Python sequences or 1-D integer tensors; tensors are turned into Python ints
+once per call. Pass lists to skip that conversion on the hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+IntSeq = Sequence[int] | torch.Tensor
+
+
+def _ints(values: IntSeq) -> Sequence[int]:
+    return values.tolist() if isinstance(values, torch.Tensor) else values
+
+
+def _segments(seg_starts: IntSeq, seg_slots: IntSeq, ranks: IntSeq, first: torch.Tensor,
+              second: torch.Tensor) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """(slot, rank, first's rows, second's rows) for every segment that has rows and a nonzero rank.
+
+    The row blocks come from one `split` per tensor (cheaper than slicing per segment)."""
+    starts, slots, rank_of = _ints(seg_starts), _ints(seg_slots), _ints(ranks)
+    assert len(starts) == len(slots) + 1, "seg_starts must have one more entry than seg_slots"
+    if not slots:
+        return []
+    sizes = [hi - lo for lo, hi in zip(starts, starts[1:])]
+    lo, hi = starts[0], starts[-1]
+    assert lo >= 0 and min(sizes) >= 0 and hi <= first.shape[0], (
+        f"seg_starts must be nondecreasing within [0, {first.shape[0]}]: {starts}")
+    firsts, seconds = first[lo:hi].split(sizes), second[lo:hi].split(sizes)
+    return [(k, rank_of[k], firsts[s], seconds[s]) for s, k in enumerate(slots) if rank_of[k] and sizes[s]]
+
+
+def _view_t(pool: torch.Tensor, offset: int, rows: int, cols: int) -> torch.Tensor:
+    """The transpose `[cols, rows]` of the row-major matrix `[rows, cols]` at `offset` in `pool`, a view."""
+    assert 0 <= offset and offset + rows * cols <= pool.numel(), (
+        f"matrix [{rows}, {cols}] at offset {offset} overruns a pool of {pool.numel()} elements")
+    return pool.as_strided((cols, rows), (1, cols), pool.storage_offset() + offset)
+
+
+def _check(out: torch.Tensor, inp: torch.Tensor, pool: torch.Tensor) -> None:
+    assert out.dim() == inp.dim() == 2 and out.shape[0] == inp.shape[0], (
+        f"row counts differ: {tuple(out.shape)} vs {tuple(inp.shape)}")
+    assert pool.dim() == 1 and pool.is_contiguous(), "pool must be a contiguous 1-D tensor"
+    assert out.dtype == inp.dtype == pool.dtype, (
+        f"dtypes differ: out {out.dtype}, input {inp.dtype}, pool {pool.dtype}")
+
+
+def lora_sgmv(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    seg_starts: IntSeq,
+    seg_slots: IntSeq,
+    pool: torch.Tensor,
+    a_offsets: IntSeq,
+    b_offsets: IntSeq,
+    ranks: IntSeq,
+) -> None:
+    """Add each segment's LoRA delta to `y` in place (shrink and expand fused per segment).
+
+    Semantics:
+        for s in range(len(seg_slots)):
+            rows = slice(seg_starts[s], seg_starts[s + 1]); k = seg_slots[s]; r = ranks[k]
+            if r == 0: continue
+            A = pool[a_offsets[k] : a_offsets[k] + r * in_features].view(r, in_features)
+            B = pool[b_offsets[k] : b_offsets[k] + out_features * r].view(out_features, r)
+            y[rows] += (x[rows] @ A.T) @ B.T
+        # rows outside every segment are left untouched
+
+    Shapes:
+        y:          [T, out_features]  may be a strided column slice of a wider output (q of qkv)
+        x:          [T, in_features]
+        seg_starts: [S + 1]            nondecreasing row boundaries; empty segments are allowed
+        seg_slots:  [S]                slot index into a_offsets / b_offsets / ranks
+        pool:       [N]                contiguous, same dtype as x and y
+        a_offsets:  [num_slots]        element offset of A [rank, in_features]
+        b_offsets:  [num_slots]        element offset of B [out_features, rank], scale folded in
+        ranks:      [num_slots]        0 skips the slot
+    """
+    _check(y, x, pool)
+    d_in, d_out = x.shape[1], y.shape[1]
+    a_off, b_off = _ints(a_offsets), _ints(b_offsets)
+    for k, r, x_rows, y_rows in _segments(seg_starts, seg_slots, ranks, x, y):
+        a_t = _view_t(pool, a_off[k], r, d_in)   # [in, r]
+        b_t = _view_t(pool, b_off[k], d_out, r)  # [r, out]
+        y_rows.addmm_(torch.mm(x_rows, a_t), b_t)
+
+
+def lora_shrink(
+    h: torch.Tensor,
+    x: torch.Tensor,
+    seg_starts: IntSeq,
+    seg_slots: IntSeq,
+    pool: torch.Tensor,
+    a_offsets: IntSeq,
+    ranks: IntSeq,
+) -> None:
+    """Project each segment's rows down to its adapter's rank, written into `h` in place.
+
+    Semantics:
+        for s in range(len(seg_slots)):
+            rows = slice(seg_starts[s], seg_starts[s + 1]); k = seg_slots[s]; r = ranks[k]
+            if r == 0: continue
+            A = pool[a_offsets[k] : a_offsets[k] + r * in_features].view(r, in_features)
+            h[rows, :r] = x[rows] @ A.T
+        # h[rows, r:] and rows outside every segment are left untouched
+
+    Shapes:
+        h:          [T, max_rank]      max_rank >= every rank used
+        x:          [T, in_features]
+        seg_starts: [S + 1]
+        seg_slots:  [S]
+        pool:       [N]
+        a_offsets:  [num_slots]
+        ranks:      [num_slots]
+    """
+    _check(h, x, pool)
+    d_in = x.shape[1]
+    a_off = _ints(a_offsets)
+    for k, r, x_rows, h_rows in _segments(seg_starts, seg_slots, ranks, x, h):
+        assert r <= h.shape[1], f"rank {r} exceeds h's {h.shape[1]} columns"
+        torch.mm(x_rows, _view_t(pool, a_off[k], r, d_in), out=h_rows[:, :r])
+
+
+def lora_expand(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    seg_starts: IntSeq,
+    seg_slots: IntSeq,
+    pool: torch.Tensor,
+    b_offsets: IntSeq,
+    ranks: IntSeq,
+) -> None:
+    """Project each segment's rank-space rows back up and add them to `y` in place.
+
+    Semantics:
+        for s in range(len(seg_slots)):
+            rows = slice(seg_starts[s], seg_starts[s + 1]); k = seg_slots[s]; r = ranks[k]
+            if r == 0: continue
+            B = pool[b_offsets[k] : b_offsets[k] + out_features * r].view(out_features, r)
+            y[rows] += h[rows, :r] @ B.T
+        # rows outside every segment are left untouched
+
+    Shapes:
+        y:          [T, out_features]  may be a strided column slice of a wider output
+        h:          [T, max_rank]      only h[rows, :r] is read
+        seg_starts: [S + 1]
+        seg_slots:  [S]
+        pool:       [N]
+        b_offsets:  [num_slots]
+        ranks:      [num_slots]
+    """
+    _check(y, h, pool)
+    d_out = y.shape[1]
+    b_off = _ints(b_offsets)
+    for k, r, h_rows, y_rows in _segments(seg_starts, seg_slots, ranks, h, y):
+        y_rows.addmm_(h_rows[:, :r], _view_t(pool, b_off[k], d_out, r))
