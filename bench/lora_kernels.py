@@ -9,6 +9,9 @@ the ratio b/a, a dense [T, 576] x [576, 1536] matmul for scale, and the estimate
 overhead of (a) for decode (T=32 over 8 adapters, ranks 4/8/16, 7 modules, 30 layers).
 
     python bench/lora_kernels.py [--threads 2] [--repeats 25] [--dtype float32]
+
+On a machine shared with other busy processes, 2-thread timings of these tiny matmuls stall for whole
+scheduler slices (ms per call); `--threads 1` gives the stable numbers.
 """
 
 from __future__ import annotations
@@ -68,8 +71,9 @@ def sgmv_gather_bmm(y: torch.Tensor, x: torch.Tensor, seg_starts: list[int], seg
 
 
 def make_case(d_in: int, d_out: int, ranks: list[int], lens: list[int], dtype: torch.dtype,
-              y_width: int | None = None):
-    """Tensors and tables for one call: adapters at interleaved, unaligned offsets in one pool."""
+              y_width: int | None = None) -> tuple:
+    """`lora_sgmv`'s arguments: adapters at interleaved, unaligned offsets in one pool, with slack at
+    its end for (b)'s over-reads, and y a column slice of a `y_width`-wide output."""
     g = torch.Generator().manual_seed(0)
     a_offsets, b_offsets, cursor = [], [], 7
     for r in ranks:  # A_k, B_k, A_k+1, ... with an odd gap: no slot is aligned
