@@ -2,7 +2,8 @@
 
 Each `EngineMetrics` owns a `CollectorRegistry` (never prometheus-client's global default), so several
 servers in one process (tests) do not collide. Counters and histograms are fed by the HTTP layer from
-the timing of each request's output stream; the gauges are read from `LLMEngine.stats()` at scrape time.
+the timing of each request's output stream; the gauges, and the adapter tier's counters and load-time
+histogram (kept by the engine thread), are read from `LLMEngine.stats()` at scrape time.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
                                generate_latest)
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                    Metric)
 
 from engine.outputs import EngineStats, RequestOutput
 
@@ -40,9 +42,29 @@ class _EngineStatsCollector:
             ("loragate_engine_kv_blocks_used", "KV cache blocks in use.",
              stats.kv_blocks_total - stats.kv_blocks_free),
             ("loragate_engine_kv_blocks_free", "KV cache blocks free.", stats.kv_blocks_free),
+            ("loragate_engine_adapter_pages_used", "Pool pages holding adapter weights.",
+             stats.adapter_pages_used),
+            ("loragate_engine_adapters_registered", "Adapters registered.",
+             stats.adapters_registered),
+            ("loragate_engine_adapters_on_device", "Adapters resident in device memory.",
+             stats.adapters_on_device),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
+        counters = (
+            ("loragate_engine_adapter_hits", "Admissions that found their adapter on the device.",
+             stats.adapter_hits),
+            ("loragate_engine_adapter_misses", "Admissions that had to load their adapter.",
+             stats.adapter_misses),
+            ("loragate_engine_adapter_evictions", "Adapters evicted from the device.",
+             stats.adapter_evictions),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+        buckets = [(repr(bound), count) for bound, count in stats.adapter_load_buckets]
+        yield HistogramMetricFamily(
+            "loragate_engine_adapter_load_seconds", "Time to copy an adapter into device memory.",
+            buckets=[*buckets, ("+Inf", stats.adapter_loads)], sum_value=stats.adapter_load_seconds_sum)
 
 
 class EngineMetrics:

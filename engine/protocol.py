@@ -1,5 +1,8 @@
 """The OpenAI wire format of requests: schemas (pydantic, validated at the edge) and sampling params.
 
+Also the body of POST /v1/adapters (`LoadAdapterRequest`), whose `path` is hostile input: it must
+resolve, symlinks included, to a directory inside the engine's --adapter-dir.
+
 Requests are parsed strictly (a string is never coerced to a number) and unknown fields are ignored,
 since OpenAI clients send extras. Fields we cannot honour without changing the answer (echo, best_of,
 tools, a JSON response_format, ...) are rejected with an error that names them. `describe()` turns a
@@ -8,16 +11,20 @@ pydantic ValidationError into one "field: problem" line for the 400 body.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+from engine.adapters import AdapterError, validate_adapter_id
 from engine.request import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _TEMPERATURE_EPS = 1e-5  # below this sampling is greedy (as in vLLM): logits / ~0 overflow
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+_MAX_PATH_CHARS = 4096
 
 
 def _unsupported(message: str) -> PydanticCustomError:
@@ -230,6 +237,42 @@ class ChatCompletionRequest(_GenerationRequest):
         return self._sampling_params(max_tokens, logprobs)
 
 
+class LoadAdapterRequest(BaseModel):
+    """POST /v1/adapters: register the PEFT LoRA directory `path` under `id` (again: a new version).
+
+    `path` is relative to the engine's --adapter-dir (an absolute path must lie inside it too); without
+    it, the subdirectory named like the id.
+    """
+
+    model_config = _STRICT
+    id: str
+    path: str | None = Field(default=None, min_length=1, max_length=_MAX_PATH_CHARS)
+
+    @field_validator("id")
+    @classmethod
+    def _valid_id(cls, v: str) -> str:
+        try:
+            return validate_adapter_id(v)
+        except AdapterError as exc:
+            raise PydanticCustomError("adapter_id", str(exc)) from None
+
+    def resolve_path(self, adapter_dir: Path) -> Path:
+        """The real path (symlinks resolved) of the adapter directory, or ValueError naming `path`.
+
+        Resolving before checking means that neither `..` nor a symlink can lead outside `adapter_dir`.
+        """
+        given = self.path if self.path is not None else self.id
+        root = Path(os.path.realpath(adapter_dir))
+        try:
+            real = Path(os.path.realpath(root / given))  # an absolute `given` replaces `root` here
+        except (ValueError, OSError) as exc:  # e.g. an embedded NUL byte
+            raise ValueError(f"path: unusable ({exc})") from None
+        if real == root or not real.is_relative_to(root):
+            raise ValueError(f"path: {given[:200]!r} is not inside the engine's --adapter-dir; "
+                             "give a subdirectory of it, relative to it")
+        return real
+
+
 def describe(exc: ValidationError) -> str:
     """One "field.path: problem" line for the most specific error (union branches are elided)."""
     errors = exc.errors(include_url=False)
@@ -244,4 +287,5 @@ def describe(exc: ValidationError) -> str:
 
 
 _FIELD_NAMES = frozenset().union(*(m.model_fields for m in (
-    CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions)))
+    CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions,
+    LoadAdapterRequest)))

@@ -18,7 +18,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from engine.outputs import RequestOutput
+from engine.outputs import AdapterStatus, RequestOutput
 from engine.request import TokenLogprob
 
 _MIN_LOGPROB = -9999.0  # JSON has no -Infinity
@@ -56,6 +56,24 @@ def sse(payload: dict[str, Any]) -> bytes:
 def usage(out: RequestOutput) -> dict[str, int]:
     return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
             "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+
+
+def model_card(model_id: str, created: int, parent: str | None, max_model_len: int) -> dict[str, Any]:
+    """One entry of GET /v1/models: the base model (parent None) or an adapter on it."""
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "loragate",
+            "root": model_id, "parent": parent,
+            "max_model_len": max_model_len}
+
+
+def adapter_card(status: AdapterStatus, base_model: str) -> dict[str, Any]:
+    """One entry of GET /v1/adapters (and the answer to POST /v1/adapters)."""
+    return {"id": status.adapter_id, "object": "adapter", "version": status.version,
+            "rank": status.rank, "target_modules": list(status.target_modules),
+            "residence": status.residence, "parent": base_model}
+
+
+def list_body(items: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"object": "list", "data": items}
 
 
 def _finite(logprob: float) -> float:

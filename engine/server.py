@@ -4,6 +4,10 @@ One request's path: read and validate the JSON body (400 naming the field) -> ad
 the headers / `model` -> tokenize -> `AsyncEngine.generate` -> one JSON response, or Server-Sent Events
 that carry each engine step's text as soon as it exists. A client that goes away aborts its request,
 which frees its KV blocks. Every error is JSON: {"error": {"type": ..., "message": ...}}.
+
+Adapters: a request names one with `X-Adapter-ID` or `model`; any id that is not registered (hostile
+ones included: they can never be registered) is a 404, never the base model. /v1/adapters lists,
+loads (POST, from inside --adapter-dir only) and unloads (DELETE) them at run time.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -27,13 +32,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive
 
+from engine.adapters import AdapterError, validate_adapter_id
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.metrics import EngineMetrics, RequestTracker
-from engine.outputs import RequestOutput
-from engine.protocol import ChatCompletionRequest, CompletionRequest, describe
+from engine.outputs import AdapterStatus, RequestOutput
+from engine.protocol import ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, describe
 from engine.request import Priority, TokenLogprob
 from engine.responses import (SSE_DONE, ApiError, ChatFormatter, CompletionFormatter, Formatter,
-                              error_body, error_response, sse)
+                              adapter_card, error_body, error_response, list_body, model_card, sse)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,11 @@ def _bad_request(message: str) -> ApiError:
     return ApiError(400, "invalid_request_error", message)
 
 
+def _adapter_not_found(adapter_id: str) -> ApiError:
+    shown = adapter_id if len(adapter_id) <= 100 else f"{adapter_id[:100]}..."
+    return ApiError(404, "adapter_not_found", f"adapter {shown!r} is not loaded")
+
+
 def _unavailable(message: str) -> ApiError:
     return ApiError(503, "service_unavailable", message,
                     {"Retry-After": str(RETRY_AFTER_S), "X-Loragate-Reason": "draining"})
@@ -70,7 +81,7 @@ def _engine_errors(adapter_id: str | None) -> Iterator[None]:
     except KeyError:
         if adapter_id is None:
             raise
-        raise ApiError(404, "adapter_not_found", f"adapter {adapter_id!r} is not loaded") from None
+        raise _adapter_not_found(adapter_id) from None
     except EngineDeadError as exc:
         raise _unavailable(str(exc)) from None
 
@@ -168,6 +179,8 @@ class Api:
         self.draining = False  # set on SIGTERM: stop admitting, let in-flight requests finish
         self.tokenizer = engine.engine.tokenizer
         self.base_model = engine.engine.model_name
+        adapter_dir = engine.engine.config.adapter_dir
+        self.adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
         self.max_model_len = engine.engine.max_model_len
         self.created = int(time.time())
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
@@ -190,9 +203,17 @@ class Api:
         return await self._generate(request, req, prompt_ids, fmt, adapter_id)
 
     def _adapter_id(self, request: Request, model: str | None) -> str | None:
-        """X-Adapter-ID wins over `model`; neither, or the base model's name, means the base model."""
+        """X-Adapter-ID wins over `model`; neither, or the base model's name, means the base model.
+
+        An id that could never be registered is answered 404 here, before it reaches the engine.
+        """
         name = request.headers.get("x-adapter-id", "").strip() or (model or "").strip()
-        return None if name in ("", self.base_model) else name
+        if name in ("", self.base_model):
+            return None
+        try:
+            return validate_adapter_id(name)
+        except AdapterError:
+            raise _adapter_not_found(name) from None
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -268,10 +289,40 @@ class Api:
         yield SSE_DONE
 
     async def models(self, request: Request) -> Response:
-        card = {"id": self.base_model, "object": "model", "created": self.created,
-                "owned_by": "loragate", "root": self.base_model, "parent": None,
-                "max_model_len": self.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [model_card(self.base_model, self.created, None, self.max_model_len)]
+        cards += [model_card(a.adapter_id, self.created, self.base_model, self.max_model_len)
+                  for a in self.engine.list_adapters()]
+        return JSONResponse(list_body(cards))
+
+    async def adapters(self, request: Request) -> Response:
+        """GET lists the registered adapters; POST registers one from inside --adapter-dir."""
+        if request.method == "GET":
+            return JSONResponse(list_body([adapter_card(a, self.base_model)
+                                           for a in self.engine.list_adapters()]))
+        req = _parse(LoadAdapterRequest, await _read_json(request))
+        if self.adapter_dir is None:
+            raise _bad_request("loading adapters at run time needs an adapter directory: start the "
+                               "engine with --adapter-dir DIR and give paths inside it")
+        try:
+            spec = await self.engine.load_adapter(req.id, req.resolve_path(self.adapter_dir))
+        except ValueError as exc:  # AdapterError is one: unusable directory, files or shapes
+            raise _bad_request(str(exc)) from None
+        registered = AdapterStatus(spec.adapter_id, spec.version, spec.max_rank, spec.modules, "disk")
+        status = next((a for a in self.engine.list_adapters()
+                       if (a.adapter_id, a.version) == (spec.adapter_id, spec.version)), registered)
+        return JSONResponse(adapter_card(status, self.base_model))
+
+    async def unload_adapter(self, request: Request) -> Response:
+        adapter_id = request.path_params["adapter_id"]
+        try:
+            validate_adapter_id(adapter_id)
+        except AdapterError as exc:
+            raise _bad_request(str(exc)) from None
+        try:
+            await self.engine.unload_adapter(adapter_id)
+        except KeyError:
+            raise _adapter_not_found(adapter_id) from None
+        return JSONResponse({"id": adapter_id, "object": "adapter", "deleted": True})
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -329,6 +380,8 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None = None) -> Star
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/adapters", api.adapters, methods=["GET", "POST"]),
+        Route("/v1/adapters/{adapter_id:path}", api.unload_adapter, methods=["DELETE"]),
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),

@@ -1,13 +1,15 @@
 """The `loragate` command line: `engine` serves one model, `up` starts a local stack.
 
-`up` launches each component as a child process (today only the engine; the gateway goes in front of
-it once it exists), waits until each answers /healthz, prints where to send requests, and stops them
-all on Ctrl-C or SIGTERM.
+`up` first makes sure the demo adapters exist (trained once into the cache, see loragate/demo.py), then
+launches each component as a child process (today only the engine; the gateway goes in front of it
+once it exists), waits until each answers /healthz, prints where to send requests, and stops them all
+on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import subprocess
@@ -17,6 +19,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -33,6 +36,22 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _directory(text: str) -> str:
+    if not Path(text).expanduser().is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an existing directory")
+    return str(Path(text).expanduser().resolve())
+
+
 def _port(text: str) -> int:
     value = _positive(text)
     if value > 65535:
@@ -47,9 +66,13 @@ def _add_engine_parser(sub: argparse._SubParsersAction) -> None:
                    help="smollm2, tiny-random, or a path to an HF Llama-family safetensors dir")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8001)
-    p.add_argument("--adapter-dir", help="register every PEFT LoRA subdirectory (not supported yet)")
-    p.add_argument("--max-device-adapters", type=_positive,
-                   help="adapters resident on the device at once (not supported yet)")
+    p.add_argument("--adapter-dir", type=_directory,
+                   help="register every PEFT LoRA subdirectory under its folder name; POST "
+                        "/v1/adapters loads more from inside it at run time")
+    p.add_argument("--max-device-adapters", type=_positive, default=8,
+                   help="adapters resident in device memory at once (least recently used evicted)")
+    p.add_argument("--host-adapter-mb", type=_non_negative, default=512,
+                   help="host-RAM cache of parsed adapter weights, in MiB")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--max-batch-tokens", type=_positive, default=2048,
@@ -70,6 +93,8 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--model", default="smollm2", help="the engine's --model (default: smollm2)")
+    p.add_argument("--adapter-dir", type=_directory,
+                   help="serve these adapters instead of the demo ones (trained once, cached)")
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
 
 
@@ -88,10 +113,6 @@ def _setup_logging(level: str) -> None:
 
 
 def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    for flag, value in (("--adapter-dir", args.adapter_dir),
-                        ("--max-device-adapters", args.max_device_adapters)):
-        if value is not None:
-            parser.error(f"{flag} is not supported yet: this engine serves the base model only")
     from engine.config import EngineConfig
     from engine.serving import serve
 
@@ -99,7 +120,9 @@ def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         pool_mb=args.pool_mb, max_batch_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        served_model_name=args.served_model_name, num_threads=args.threads)
+        served_model_name=args.served_model_name, num_threads=args.threads,
+        adapter_dir=args.adapter_dir, max_device_adapters=args.max_device_adapters,
+        host_adapter_mb=args.host_adapter_mb)
     try:
         config.validate()
     except ValueError as exc:
@@ -162,25 +185,70 @@ def _wait_any_exit(components: Sequence[Component]) -> None:
         time.sleep(0.5)
 
 
+def _up_adapter_dir(args: argparse.Namespace) -> Path | None:
+    """--adapter-dir, else the demo adapters for the model (trained on first use), else None."""
+    if args.adapter_dir is not None:
+        return Path(args.adapter_dir)
+    from loragate.demo import DEMO_MODELS, demo_adapter_dir
+
+    if args.model not in DEMO_MODELS:
+        print(f"loragate up: no demo adapters for --model {args.model}; serving the base model only "
+              "(pass --adapter-dir to serve adapters)", flush=True)
+        return None
+    print("loragate up: preparing the demo adapters (trained once, then cached) ...", flush=True)
+    _setup_logging(args.log_level)
+    return demo_adapter_dir(args.model)
+
+
+def _served_adapters(url: str) -> list[str]:
+    """The adapter ids the engine at `url` actually registered (broken directories are skipped)."""
+    try:
+        with urllib.request.urlopen(f"{url}/v1/adapters", timeout=10) as resp:
+            return [card["id"] for card in json.load(resp)["data"]]
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _banner(url: str, adapter_ids: list[str]) -> str:
+    from loragate.demo import DEMOS
+
+    about = {demo.adapter_id: demo.description for demo in DEMOS}
+    lines = [f"\nloragate is up: OpenAI API at {url}/v1 (no API key needed yet: no gateway)"]
+    if adapter_ids:
+        lines.append("adapters (choose one with the X-Adapter-ID header, or as the body's model):")
+        lines += [f"  {a:<12} {about.get(a, '')}".rstrip() for a in adapter_ids]
+    example = next((d.adapter_id for d in DEMOS if d.adapter_id in adapter_ids),
+                   adapter_ids[0] if adapter_ids else None)
+    header = f"-H 'X-Adapter-ID: {example}' " if example is not None else ""
+    lines += [f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' {header}\\",
+              "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Tell me about the moon.\"}], "
+              "\"max_tokens\": 48}'",
+              f"  curl {url}/v1/adapters     # list them; POST / DELETE load and unload at run time",
+              "Ctrl-C stops it."]
+    return "\n".join(lines)
+
+
 def run_up(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}"
-    engine = Component("engine", [sys.executable, "-m", "loragate", "engine", "--model", args.model,
-                                  "--host", args.host, "--port", str(args.port),
-                                  "--log-level", args.log_level], url)
-    components = [engine]
+    components: list[Component] = []
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGTERM, on_term)  # from here on, a SIGTERM unwinds through the finally
     try:
+        try:
+            adapter_dir = _up_adapter_dir(args)
+        except (ValueError, OSError) as exc:
+            raise RuntimeError(f"cannot prepare the demo adapters: {exc}") from None
+        argv = [sys.executable, "-m", "loragate", "engine", "--model", args.model,
+                "--host", args.host, "--port", str(args.port), "--log-level", args.log_level]
+        if adapter_dir is not None:
+            argv += ["--adapter-dir", str(adapter_dir)]
+        components.append(Component("engine", argv, url))
         print(f"loragate up: starting the engine ({args.model}) on {url} ...", flush=True)
         launch(components)
-        print(f"\nloragate is up: OpenAI API at {url}/v1 (no API key needed yet: no gateway)\n"
-              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
-              f"\"max_tokens\": 32}}'\n"
-              f"Ctrl-C stops it.", flush=True)
+        print(_banner(url, _served_adapters(url)), flush=True)
         _wait_any_exit(components)
         print("loragate up: a component exited; stopping the rest", file=sys.stderr)
         return 1
