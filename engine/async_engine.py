@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pathlib import Path
 
-from engine.adapters import AdapterSpec
+from engine.adapter_config import AdapterSpec
 from engine.llm_engine import LLMEngine
 from engine.outputs import AdapterStatus, RequestOutput
 from engine.request import Priority, SamplingParams

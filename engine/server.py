@@ -6,64 +6,45 @@ that carry each engine step's text as soon as it exists. A client that goes away
 which frees its KV blocks. Every error is JSON: {"error": {"type": ..., "message": ...}}.
 
 Adapters: a request names one with `X-Adapter-ID` or `model`; any id that is not registered (hostile
-ones included: they can never be registered) is a 404, never the base model. /v1/adapters lists,
-loads (POST, from inside --adapter-dir only) and unloads (DELETE) them at run time.
+ones included: they can never be registered) is a 404, never the base model. The /v1/adapters admin
+routes, which load and unload them at run time, are in engine/adapter_routes.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from typing import Any
 
-import anyio
 from jinja2 import TemplateError
-from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive
 
-from engine.adapters import AdapterError, validate_adapter_id
+from engine.adapter_config import AdapterError, validate_adapter_id
+from engine.adapter_routes import AdapterRoutes
 from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.http_io import (ClientGone, adapter_not_found, bad_request, close_outputs, parse_body, read_json,
+                            unless_disconnected)
 from engine.metrics import EngineMetrics, RequestTracker
-from engine.outputs import AdapterStatus, RequestOutput
-from engine.protocol import ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, describe
+from engine.outputs import RequestOutput
+from engine.protocol import ChatCompletionRequest, CompletionRequest
 from engine.request import Priority, TokenLogprob
-from engine.responses import (SSE_DONE, ApiError, ChatFormatter, CompletionFormatter, Formatter,
-                              adapter_card, error_body, error_response, list_body, model_card, sse)
+from engine.responses import (SSE_DONE, ApiError, ChatFormatter, CompletionFormatter, Formatter, error_body,
+                              error_response, list_body, model_card, sse)
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 << 20
 RETRY_AFTER_S = 5
 _GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-M = TypeVar("M", bound=BaseModel)
-T = TypeVar("T")
 GenerationRequest = CompletionRequest | ChatCompletionRequest
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its response was ready."""
-
-
-def _bad_request(message: str) -> ApiError:
-    return ApiError(400, "invalid_request_error", message)
-
-
-def _adapter_not_found(adapter_id: str) -> ApiError:
-    shown = adapter_id if len(adapter_id) <= 100 else f"{adapter_id[:100]}..."
-    return ApiError(404, "adapter_not_found", f"adapter {shown!r} is not loaded")
 
 
 def _unavailable(message: str) -> ApiError:
@@ -77,78 +58,20 @@ def _engine_errors(adapter_id: str | None) -> Iterator[None]:
     try:
         yield
     except ValueError as exc:  # the request can never run here (too long, bad token ids, ...)
-        raise _bad_request(str(exc)) from None
+        raise bad_request(str(exc)) from None
     except KeyError:
         if adapter_id is None:
             raise
-        raise _adapter_not_found(adapter_id) from None
+        raise adapter_not_found(adapter_id) from None
     except EngineDeadError as exc:
         raise _unavailable(str(exc)) from None
-
-
-async def _read_json(request: Request) -> dict[str, Any]:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ApiError(413, "request_too_large", f"body: larger than {MAX_BODY_BYTES} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, "request_too_large", f"body: larger than {MAX_BODY_BYTES} bytes")
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise _bad_request(f"body: malformed JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise _bad_request("body: must be a JSON object")
-    return data
-
-
-def _parse(model: type[M], data: dict[str, Any]) -> M:
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise _bad_request(describe(exc)) from None
 
 
 def _priority(request: Request) -> Priority:
     try:
         return Priority.parse(request.headers.get("x-priority"))
     except ValueError as exc:
-        raise _bad_request(str(exc)) from None
-
-
-async def _close(it: AsyncIterator[RequestOutput]) -> None:
-    """Close the engine's output iterator: if the request is still running, this aborts it."""
-    aclose = getattr(it, "aclose", None)
-    if aclose is not None:
-        with anyio.CancelScope(shield=True):  # runs even while the stream's task is being cancelled
-            await aclose()
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
-    """Run `work` unless the client disconnects first (then cancel it and raise _ClientGone).
-
-    Only for use after the body has been read: from then on, the ASGI receive channel yields
-    nothing but `http.disconnect`.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.wait((task, watcher))
-    if task.cancelled():
-        raise _ClientGone()
-    return task.result()
+        raise bad_request(str(exc)) from None
 
 
 async def _next(it: AsyncIterator[RequestOutput], adapter_id: str | None) -> RequestOutput:
@@ -179,15 +102,13 @@ class Api:
         self.draining = False  # set on SIGTERM: stop admitting, let in-flight requests finish
         self.tokenizer = engine.engine.tokenizer
         self.base_model = engine.engine.model_name
-        adapter_dir = engine.engine.config.adapter_dir
-        self.adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
         self.max_model_len = engine.engine.max_model_len
         self.created = int(time.time())
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
             lambda token_id: self.tokenizer.decode([token_id]))
 
     async def completions(self, request: Request) -> Response:
-        req = _parse(CompletionRequest, await _read_json(request))
+        req = parse_body(CompletionRequest, await read_json(request))
         adapter_id = self._adapter_id(request, req.model)
         prompt = req.prompt
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -196,7 +117,7 @@ class Api:
         return await self._generate(request, req, prompt_ids, fmt, adapter_id)
 
     async def chat_completions(self, request: Request) -> Response:
-        req = _parse(ChatCompletionRequest, await _read_json(request))
+        req = parse_body(ChatCompletionRequest, await read_json(request))
         adapter_id = self._adapter_id(request, req.model)
         prompt_ids = self._chat_prompt(req)
         fmt = ChatFormatter(adapter_id or self.base_model, self.token_text, bool(req.logprobs))
@@ -213,17 +134,17 @@ class Api:
         try:
             return validate_adapter_id(name)
         except AdapterError:
-            raise _adapter_not_found(name) from None
+            raise adapter_not_found(name) from None
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise _bad_request("messages: the served model has no chat template; "
-                               "use /v1/completions")
+            raise bad_request("messages: the served model has no chat template; "
+                              "use /v1/completions")
         try:
             encoded = self.tokenizer.apply_chat_template(
                 req.template_messages(), add_generation_prompt=True, tokenize=True)
         except TemplateError as exc:  # the template rejects the conversation (e.g. role order)
-            raise _bad_request(f"messages: {exc}") from None
+            raise bad_request(f"messages: {exc}") from None
         # transformers 5 returns a BatchEncoding; older versions a plain list of ids.
         ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
         ids = list(ids)
@@ -237,26 +158,26 @@ class Api:
         try:
             params = req.to_sampling_params(context_left=self.max_model_len - len(prompt_ids))
         except ValueError as exc:
-            raise _bad_request(str(exc)) from None
+            raise bad_request(str(exc)) from None
         if self.draining or not self.engine.running:
             raise _unavailable("the engine is draining or stopped; retry on another replica")
-        tracker = self.metrics.start_request()
+        tracker = self.metrics.start_request(priority.name.lower())
         with _engine_errors(adapter_id):
             it = self.engine.generate(fmt.request_id, prompt_ids, params, priority, adapter_id)
         streaming = False  # once True, the SSE generator owns `it` and closes it
         try:
-            first = await _unless_disconnected(request.receive, _next(it, adapter_id))
+            first = await unless_disconnected(request.receive, _next(it, adapter_id))
             if req.stream:
                 streaming = True
                 return StreamingResponse(self._events(it, first, fmt, tracker, req.include_usage),
                                          media_type="text/event-stream", headers=_SSE_HEADERS)
-            result = await _unless_disconnected(request.receive, _collect(it, first, tracker))
-        except _ClientGone:
+            result = await unless_disconnected(request.receive, _collect(it, first, tracker))
+        except ClientGone:
             tracker.finish("abort")
             return Response(status_code=499)  # nobody reads it; uvicorn drops it
         finally:
             if not streaming:
-                await _close(it)
+                await close_outputs(it)
         tracker.finish()
         text, logprobs, last = result
         if last.finish_reason == "abort":
@@ -284,7 +205,7 @@ class Api:
             logger.exception("stream %s failed", fmt.request_id)
             yield sse(error_body("internal_error", "internal server error"))
         finally:
-            await _close(it)
+            await close_outputs(it)
             tracker.finish()
         yield SSE_DONE
 
@@ -293,36 +214,6 @@ class Api:
         cards += [model_card(a.adapter_id, self.created, self.base_model, self.max_model_len)
                   for a in self.engine.list_adapters()]
         return JSONResponse(list_body(cards))
-
-    async def adapters(self, request: Request) -> Response:
-        """GET lists the registered adapters; POST registers one from inside --adapter-dir."""
-        if request.method == "GET":
-            return JSONResponse(list_body([adapter_card(a, self.base_model)
-                                           for a in self.engine.list_adapters()]))
-        req = _parse(LoadAdapterRequest, await _read_json(request))
-        if self.adapter_dir is None:
-            raise _bad_request("loading adapters at run time needs an adapter directory: start the "
-                               "engine with --adapter-dir DIR and give paths inside it")
-        try:
-            spec = await self.engine.load_adapter(req.id, req.resolve_path(self.adapter_dir))
-        except ValueError as exc:  # AdapterError is one: unusable directory, files or shapes
-            raise _bad_request(str(exc)) from None
-        registered = AdapterStatus(spec.adapter_id, spec.version, spec.max_rank, spec.modules, "disk")
-        status = next((a for a in self.engine.list_adapters()
-                       if (a.adapter_id, a.version) == (spec.adapter_id, spec.version)), registered)
-        return JSONResponse(adapter_card(status, self.base_model))
-
-    async def unload_adapter(self, request: Request) -> Response:
-        adapter_id = request.path_params["adapter_id"]
-        try:
-            validate_adapter_id(adapter_id)
-        except AdapterError as exc:
-            raise _bad_request(str(exc)) from None
-        try:
-            await self.engine.unload_adapter(adapter_id)
-        except KeyError:
-            raise _adapter_not_found(adapter_id) from None
-        return JSONResponse({"id": adapter_id, "object": "adapter", "deleted": True})
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -380,8 +271,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None = None) -> Star
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
-        Route("/v1/adapters", api.adapters, methods=["GET", "POST"]),
-        Route("/v1/adapters/{adapter_id:path}", api.unload_adapter, methods=["DELETE"]),
+        *AdapterRoutes(engine).routes(),
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),

@@ -15,8 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import engine.adapter_files as adapter_files
 import engine.adapters as adapters
-from engine.adapters import AdapterError, AdapterRegistry, load_weights, read_adapter, validate_adapter_id
+from engine.adapter_config import MODULES, AdapterError, validate_adapter_id
+from engine.adapter_files import load_weights, read_adapter
+from engine.adapters import AdapterRegistry
 from engine.model.loader import ModelConfig, load_model_config
 from lora_fixtures import load_peft_model, make_peft_adapter, peft_greedy
 
@@ -89,7 +92,7 @@ def test_delta_matches_peft(case: str, tiny_model_dir: Path, model_config: Model
     gen = torch.Generator().manual_seed(0)
     adapted = set()
     for layer in range(model_config.num_layers):
-        for module in adapters.MODULES:
+        for module in MODULES:
             peft_layer = _peft_linear(peft_model, layer, module)
             if "default" not in getattr(peft_layer, "r", {}):
                 assert module not in spec.layers[layer]
@@ -121,7 +124,7 @@ def test_all_linear_and_patterns_resolve_as_documented(tmp_path: Path, tiny_mode
     all_linear_dir = make_peft_adapter(tiny_model_dir, tmp_path / "a", r=4, alpha=8, targets="all-linear",
                                        seed=2)
     all_linear = read_adapter(all_linear_dir, "a", 1, model_config)
-    assert all_linear.modules == adapters.MODULES
+    assert all_linear.modules == MODULES
 
 
 def test_spec_sizes_and_dtype(good_dir: Path, model_config: ModelConfig) -> None:
@@ -142,7 +145,7 @@ def test_spec_sizes_and_dtype(good_dir: Path, model_config: ModelConfig) -> None
 
 def test_register_reads_only_the_header(good_dir: Path, model_config: ModelConfig,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    real_safe_open = adapters.safe_open
+    real_safe_open = adapter_files.safe_open
 
     class HeaderOnly:
         def __init__(self, *args: object, **kwargs: object) -> None:
@@ -164,7 +167,7 @@ def test_register_reads_only_the_header(good_dir: Path, model_config: ModelConfi
         def get_tensor(self, key: str) -> torch.Tensor:
             raise AssertionError(f"registration read tensor data ({key})")
 
-    monkeypatch.setattr(adapters, "safe_open", HeaderOnly)
+    monkeypatch.setattr(adapter_files, "safe_open", HeaderOnly)
     assert AdapterRegistry(model_config).register("qv", good_dir).version == 1
 
 

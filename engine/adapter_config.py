@@ -1,0 +1,271 @@
+"""What a PEFT LoRA adapter adapts: adapter ids, and adapter_config.json -> (layer, module) targets.
+
+Parsing is pure: engine/adapter_files.py reads the files and hands the JSON object here. The result is a
+rank and a scale for every (layer, module) pair the adapter adapts on the base model (`AdapterSpec`).
+
+Which (layer, module) pairs an adapter adapts, and each pair's rank and scale, follow PEFT's rules
+(checked against PEFT 0.21 in tests/test_adapters.py) applied to LlamaForCausalLM module names
+("model.layers.{i}.self_attn.q_proj", "model.layers.{i}.mlp.down_proj"):
+- target_modules: a list matches a name equal to an entry or ending in "." + entry, optionally limited to
+  layers_to_transform (layer index found via layers_pattern); a string is a regex that must match the
+  whole name (layers_to_transform is then ignored, as in PEFT); "all-linear" means all seven projections.
+  exclude_modules removes names by the same rules.
+- rank_pattern / alpha_pattern: the first key, in file order, such that the name matches `(.*\\.)?(key)$`
+  overrides r / lora_alpha. scale = lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora.
+Regexes come from adapter files, so adapter directories must be trusted not to hold pathological ones.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.model.loader import ModelConfig
+
+MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_MODULES = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))  # under self_attn, the rest under mlp
+MAX_ID_LEN = 128
+_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
+_MAX_PATTERN_LEN = 1000
+_LLAMA_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default when target_modules is null
+# LoraConfig options that change the forward pass or add weights we do not apply: any truthy value is refused.
+_UNSUPPORTED = {
+    "use_dora": "DoRA", "lora_bias": "a bias on lora_B", "modules_to_save": "modules_to_save",
+    "trainable_token_indices": "trainable tokens", "target_parameters": "target_parameters",
+    "layer_replication": "layer replication", "alora_invocation_tokens": "activated LoRA (aLoRA)",
+    "use_qalora": "QA-LoRA", "use_bdlora": "block-diagonal LoRA", "arrow_config": "Arrow routing",
+    "kasa_config": "KaSA", "monteclora_config": "MonteCLoRA",
+}
+# Initialisations that also rewrite the base weights: such an adapter is wrong on the original base.
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+
+class AdapterError(ValueError):
+    """An adapter id, directory or file is unusable; the message says which adapter and why."""
+
+
+_Fail = Callable[[str], AdapterError]  # builds an error that names the adapter
+
+
+def validate_adapter_id(adapter_id: str) -> str:
+    """Return `adapter_id` if it is 1..128 of [A-Za-z0-9._-], not starting with '.', without '..'."""
+    if not isinstance(adapter_id, str) or not 1 <= len(adapter_id) <= MAX_ID_LEN:
+        raise AdapterError(f"adapter id must be a string of 1 to {MAX_ID_LEN} characters")
+    if _ID_RE.fullmatch(adapter_id) is None or adapter_id.startswith(".") or ".." in adapter_id:
+        raise AdapterError(
+            f"invalid adapter id {adapter_id!r}: use letters, digits, '.', '_' and '-', "
+            "not starting with '.' and without '..'"
+        )
+    return adapter_id
+
+
+@dataclass(frozen=True, slots=True)
+class LoraTarget:
+    rank: int
+    scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSpec:
+    """What the registry knows of an adapter without its weights."""
+
+    adapter_id: str
+    version: int  # 1, 2, ... per id; bumped by every register(), so (id, version) names one content
+    path: Path  # the resolved adapter directory
+    # [num_layers] of {module: target}; a module missing from a layer's dict is not adapted there.
+    layers: tuple[dict[str, LoraTarget], ...] = field(hash=False)
+    modules: tuple[str, ...]  # modules adapted in at least one layer, in MODULES order
+    max_rank: int
+    num_params: int
+    nbytes: int  # fp32 bytes of all A and B
+    stamp: tuple[int, int, int]  # (size, mtime_ns, inode) of the weights file when it was read
+
+    def targets(self) -> Iterator[tuple[int, str, LoraTarget]]:
+        """(layer, module, target) for every adapted pair, layer-major, modules in MODULES order."""
+        for layer, by_module in enumerate(self.layers):
+            for module in MODULES:
+                if module in by_module:
+                    yield layer, module, by_module[module]
+
+
+def module_features(model: ModelConfig, module: str) -> tuple[int, int]:
+    """(in_features, out_features) of a Llama projection."""
+    q_out, kv_out = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return {
+        "q_proj": (model.hidden_size, q_out), "k_proj": (model.hidden_size, kv_out),
+        "v_proj": (model.hidden_size, kv_out), "o_proj": (q_out, model.hidden_size),
+        "gate_proj": (model.hidden_size, model.intermediate_size),
+        "up_proj": (model.hidden_size, model.intermediate_size),
+        "down_proj": (model.intermediate_size, model.hidden_size),
+    }[module]
+
+
+def module_name(layer: int, module: str) -> str:
+    """The LlamaForCausalLM name of a projection, e.g. "model.layers.3.mlp.down_proj"."""
+    return f"model.layers.{layer}.{'self_attn' if module in ATTENTION_MODULES else 'mlp'}.{module}"
+
+
+# ---- adapter_config.json -> which (layer, module) pairs, with which rank and scale ------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterConfig:
+    """The fields of adapter_config.json that decide targets, ranks and scales, validated."""
+
+    r: int
+    alpha: float
+    use_rslora: bool
+    targets: tuple[str, ...] | str  # names, or a regex over full module names
+    exclude: tuple[str, ...] | str
+    layers: tuple[int, ...] | None  # layers_to_transform
+    layers_pattern: tuple[str, ...]
+    rank_pattern: tuple[tuple[str, int], ...]  # in file order: the first matching key wins
+    alpha_pattern: tuple[tuple[str, float], ...]
+
+
+def parse_config(adapter_id: str, raw: dict[str, Any]) -> AdapterConfig:
+    def fail(msg: str) -> AdapterError:
+        return AdapterError(f"adapter {adapter_id!r}: {msg}")
+
+    if raw.get("peft_type") != "LORA":
+        raise fail(f"peft_type is {raw.get('peft_type')!r}; only LoRA adapters (peft_type 'LORA') "
+                   "are supported")
+    for key, what in _UNSUPPORTED.items():
+        if raw.get(key):
+            raise fail(f"{key}={str(raw[key])[:100]}: {what} is not supported")
+    if raw.get("bias", "none") != "none":
+        raise fail(f"bias={raw['bias']!r} is not supported (only 'none')")
+    init = raw.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        raise fail(f"init_lora_weights={init!r} also rewrites the base weights; convert the adapter to plain "
+                   "LoRA (save_pretrained(path_initial_model_for_weight_conversion=...)) first")
+    targets = raw.get("target_modules")
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        targets = list(MODULES)
+    indices = raw.get("layers_to_transform")
+    return AdapterConfig(
+        r=_rank(fail, "r", raw.get("r", 8)),
+        alpha=_number(fail, "lora_alpha", raw.get("lora_alpha", 8)),
+        use_rslora=bool(raw.get("use_rslora", False)),
+        targets=_names(fail, "target_modules", targets, _LLAMA_DEFAULT_TARGETS),
+        exclude=_names(fail, "exclude_modules", raw.get("exclude_modules"), ()),
+        layers=None if indices in (None, []) else _int_list(fail, "layers_to_transform", indices),
+        layers_pattern=_str_list(fail, "layers_pattern", raw.get("layers_pattern")),
+        rank_pattern=_pattern(fail, "rank_pattern", raw.get("rank_pattern"), _rank),
+        alpha_pattern=_pattern(fail, "alpha_pattern", raw.get("alpha_pattern"), _number),
+    )
+
+
+def _rank(fail: _Fail, what: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise fail(f"{what}={value!r}: a LoRA rank must be a positive integer")
+    return value
+
+
+def _number(fail: _Fail, what: str, value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise fail(f"{what}={value!r} is not a finite number")
+    return float(value)
+
+
+def _str_list(fail: _Fail, what: str, value: Any) -> tuple[str, ...]:
+    items = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+        raise fail(f"{what} must be a string or a list of strings")
+    return tuple(items)
+
+
+def _int_list(fail: _Fail, what: str, value: Any) -> tuple[int, ...]:
+    items = [value] if isinstance(value, int) else value
+    if not isinstance(items, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        raise fail(f"{what} must be an integer or a list of integers")
+    return tuple(items)
+
+
+def _names(fail: _Fail, what: str, value: Any, default: tuple[str, ...]) -> tuple[str, ...] | str:
+    if value is None:
+        return default
+    if isinstance(value, str):
+        _check_regex(fail, what, value)
+        return value
+    return _str_list(fail, what, value)
+
+
+def _check_regex(fail: _Fail, what: str, pattern: str) -> None:
+    if len(pattern) > _MAX_PATTERN_LEN:
+        raise fail(f"{what} pattern is longer than {_MAX_PATTERN_LEN} characters")
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise fail(f"{what} {pattern[:100]!r} is not a valid regex ({exc})") from None
+
+
+def _pattern(fail: _Fail, what: str, value: Any,
+             parse: Callable[[_Fail, str, Any], Any]) -> tuple[tuple[str, Any], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise fail(f"{what} must be a JSON object")
+    for key in value:
+        _check_regex(fail, what, rf"(.*\.)?({key})$")
+    return tuple((key, parse(fail, f"{what}[{key!r}]", v)) for key, v in value.items())
+
+
+def _matches(names: tuple[str, ...] | str, name: str) -> bool:
+    """PEFT's target_modules / exclude_modules rule for one full module name."""
+    if isinstance(names, str):
+        return re.fullmatch(names, name) is not None
+    return any(name == n or name.endswith("." + n) for n in names)
+
+
+def _in_layers(cfg: AdapterConfig, name: str) -> bool:
+    """PEFT's layers_to_transform rule: for list targets only; the first numbered segment is the layer."""
+    if cfg.layers is None or isinstance(cfg.targets, str):
+        return True
+    if not cfg.layers_pattern:
+        found = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)
+    else:
+        found = None
+        for pattern in cfg.layers_pattern:
+            found = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", name)
+            if found is not None:
+                break
+    return found is not None and int(found["idx"]) in cfg.layers
+
+
+def _override(pattern: tuple[tuple[str, Any], ...], name: str, default: Any) -> Any:
+    for key, value in pattern:
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
+def plan_targets(adapter_id: str, cfg: AdapterConfig, model: ModelConfig
+                 ) -> tuple[dict[str, LoraTarget], ...]:
+    """[num_layers] of {module: LoraTarget} for the pairs the config targets on this base model."""
+    layers: tuple[dict[str, LoraTarget], ...] = tuple({} for _ in range(model.num_layers))
+    names = [(layer, module, module_name(layer, module))
+             for layer in range(model.num_layers) for module in MODULES]
+    try:
+        for layer, module, name in names:
+            if not _matches(cfg.targets, name) or not _in_layers(cfg, name) or _matches(cfg.exclude, name):
+                continue
+            r = _override(cfg.rank_pattern, name, cfg.r)
+            alpha = _override(cfg.alpha_pattern, name, cfg.alpha)
+            layers[layer][module] = LoraTarget(r, alpha / math.sqrt(r) if cfg.use_rslora else alpha / r)
+    except re.error as exc:
+        raise AdapterError(f"adapter {adapter_id!r}: invalid layers_pattern ({exc})") from None
+    if not isinstance(cfg.targets, str):
+        unknown = [t for t in cfg.targets if not any(_matches((t,), name) for _, _, name in names)]
+        if unknown:
+            raise AdapterError(
+                f"adapter {adapter_id!r} targets {', '.join(map(repr, unknown[:5]))}: loragate applies "
+                f"LoRA only to {', '.join(MODULES)} of the {model.num_layers} decoder layers"
+            )
+    if not any(layers):
+        raise AdapterError(f"adapter {adapter_id!r}: adapter_config.json targets no module of the base model")
+    return layers

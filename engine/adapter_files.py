@@ -1,0 +1,236 @@
+"""PEFT LoRA adapter directories: validate the files, read the safetensors header, load the weights.
+
+An adapter directory holds `adapter_config.json` and `adapter_model.safetensors` as PEFT's
+`save_pretrained` writes them. `read_adapter` reads the config and the safetensors *header* only (names,
+shapes, dtypes), so a registered adapter costs a few KB; `load_weights` reads the tensors on first use.
+Only the safetensors library reads tensors: pickle files are never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from engine.adapter_config import (ATTENTION_MODULES, MODULES, AdapterError, AdapterSpec, LoraTarget,
+                                   module_features, module_name, parse_config, plan_targets,
+                                   validate_adapter_id)
+from engine.model.loader import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_KEY_RE = re.compile(
+    r"base_model\.model\.model\.layers\.(\d{1,6})\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
+)
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+_FLOAT_DTYPES = frozenset(("F16", "BF16", "F32", "F64"))
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class LoraWeights:
+    """An adapter's A and scale-folded B tensors, on the CPU."""
+
+    spec: AdapterSpec
+    # [num_layers] of {module: (A [r, in_features], B_scaled [out_features, r])}: y += (x @ A.T) @ B_scaled.T
+    layers: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], ...] = field(hash=False, compare=False)
+    nbytes: int
+
+
+def _tensor_key(layer: int, module: str, part: str) -> str:
+    return f"base_model.model.{module_name(layer, module)}.lora_{part}.weight"
+
+
+# ---- the adapter directory -------------------------------------------------------------------------
+
+
+def _adapter_dir(adapter_id: str, path: Path | str) -> Path:
+    try:
+        root = Path(os.path.realpath(os.fspath(path)))
+        is_dir, exists = root.is_dir(), root.exists()
+    except (TypeError, ValueError, OSError) as exc:
+        raise AdapterError(f"adapter {adapter_id!r}: unusable path {str(path)[:200]!r} ({exc})") from None
+    if not exists:
+        raise AdapterError(f"adapter {adapter_id!r}: path {str(path)[:200]!r} does not exist")
+    if not is_dir:
+        raise AdapterError(f"adapter {adapter_id!r}: path {str(path)[:200]!r} is not a directory")
+    return root
+
+
+def _file_in(adapter_id: str, root: Path, name: str) -> Path | None:
+    """The real path of `root/name`, None if absent; refuses symlinks out of `root` and non-files."""
+    link = root / name
+    if not link.exists() and not link.is_symlink():
+        return None
+    real = Path(os.path.realpath(link))
+    if not real.is_relative_to(root):
+        raise AdapterError(
+            f"adapter {adapter_id!r}: {name} is a symlink pointing outside the adapter directory"
+        )
+    if not real.is_file():
+        raise AdapterError(f"adapter {adapter_id!r}: {name} is not a regular file")
+    return real
+
+
+def _weights_file(adapter_id: str, root: Path) -> Path:
+    found = _file_in(adapter_id, root, WEIGHTS_FILE)
+    if found is not None:
+        return found
+    pickled = sorted(p.name for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickled:
+        raise AdapterError(
+            f"adapter {adapter_id!r} has only pickled weights ({', '.join(pickled[:5])}); pickle files are "
+            f"never loaded: save it with safe_serialization=True to get {WEIGHTS_FILE}"
+        )
+    raise AdapterError(f"adapter {adapter_id!r}: directory has no {WEIGHTS_FILE}")
+
+
+def _stamp(file: Path) -> tuple[int, int, int]:
+    st = file.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _read_config(adapter_id: str, root: Path) -> dict[str, Any]:
+    file = _file_in(adapter_id, root, CONFIG_FILE)
+    if file is None:
+        raise AdapterError(f"adapter {adapter_id!r}: directory has no {CONFIG_FILE}")
+    if file.stat().st_size > _MAX_CONFIG_BYTES:
+        raise AdapterError(f"adapter {adapter_id!r}: {CONFIG_FILE} is larger than {_MAX_CONFIG_BYTES} bytes")
+    try:
+        raw = json.loads(file.read_bytes())
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise AdapterError(f"adapter {adapter_id!r}: {CONFIG_FILE} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise AdapterError(f"adapter {adapter_id!r}: {CONFIG_FILE} is not a JSON object")
+    return raw
+
+
+# ---- the safetensors file ----------------------------------------------------------------------------
+
+
+def _read_header(adapter_id: str, file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{tensor name: (shape, safetensors dtype)}, from the header only."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            slices = {key: f.get_slice(key) for key in f.keys()}
+            return {key: (tuple(piece.get_shape()), piece.get_dtype()) for key, piece in slices.items()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AdapterError(
+            f"adapter {adapter_id!r}: {WEIGHTS_FILE} is not a valid safetensors file ({exc})"
+        ) from None
+
+
+def _check_tensors(adapter_id: str, header: dict[str, tuple[tuple[int, ...], str]],
+                   layers: tuple[dict[str, LoraTarget], ...], model: ModelConfig) -> None:
+    """The file holds exactly an A and a B of the right shape and a float dtype for every planned pair."""
+    found: set[tuple[int, str]] = set()
+    unknown = []
+    for key, (_, dtype) in header.items():
+        m = _KEY_RE.fullmatch(key)
+        if m is None or m[3] not in MODULES or (m[2] == "self_attn") != (m[3] in ATTENTION_MODULES) \
+                or int(m[1]) >= model.num_layers:
+            unknown.append(key)
+        elif dtype not in _FLOAT_DTYPES:
+            raise AdapterError(f"adapter {adapter_id!r}: tensor {key} has dtype {dtype}, not a float type")
+        else:
+            found.add((int(m[1]), m[3]))
+    if unknown:
+        raise AdapterError(
+            f"adapter {adapter_id!r}: {WEIGHTS_FILE} holds {len(unknown)} tensor(s) for modules loragate "
+            f"does not adapt on this base model, e.g. {', '.join(sorted(unknown)[:3])}"
+        )
+    for layer, module in sorted(found):
+        if module not in layers[layer]:
+            raise AdapterError(f"adapter {adapter_id!r} has weights for {module_name(layer, module)}, "
+                               "which its adapter_config.json does not target")
+    for layer, by_module in enumerate(layers):
+        for module, target in by_module.items():
+            for part, expected in _expected_shapes(model, module, target.rank):
+                key = _tensor_key(layer, module, part)
+                if key not in header:
+                    raise AdapterError(f"adapter {adapter_id!r}: {WEIGHTS_FILE} lacks {key}, "
+                                       f"but adapter_config.json targets {module_name(layer, module)}")
+                _check_shape(adapter_id, key, header[key][0], expected, target.rank)
+
+
+def _expected_shapes(model: ModelConfig, module: str, rank: int) -> tuple[tuple[str, tuple[int, int]], ...]:
+    in_features, out_features = module_features(model, module)
+    return ("A", (rank, in_features)), ("B", (out_features, rank))
+
+
+def _check_shape(adapter_id: str, key: str, shape: tuple[int, ...], expected: tuple[int, int],
+                 rank: int) -> None:
+    if tuple(shape) != expected:
+        raise AdapterError(
+            f"adapter {adapter_id!r}: tensor {key} has shape {list(shape)}, expected {list(expected)} (rank "
+            f"{rank} from adapter_config.json, features from the base model); "
+            "was it trained on another model?"
+        )
+
+
+def read_adapter(path: Path, adapter_id: str, version: int, model: ModelConfig) -> AdapterSpec:
+    """Validate an adapter directory from its config and safetensors header (no tensor data is read)."""
+    validate_adapter_id(adapter_id)
+    root = _adapter_dir(adapter_id, path)
+    cfg = parse_config(adapter_id, _read_config(adapter_id, root))
+    weights_file = _weights_file(adapter_id, root)
+    layers = plan_targets(adapter_id, cfg, model)
+    _check_tensors(adapter_id, _read_header(adapter_id, weights_file), layers, model)
+    ranks = [t.rank for by_module in layers for t in by_module.values()]
+    num_params = sum(target.rank * sum(module_features(model, module))
+                     for by_module in layers for module, target in by_module.items())
+    return AdapterSpec(
+        adapter_id=adapter_id, version=version, path=root, layers=layers,
+        modules=tuple(m for m in MODULES if any(m in by_module for by_module in layers)),
+        max_rank=max(ranks), num_params=num_params, nbytes=4 * num_params, stamp=_stamp(weights_file),
+    )
+
+
+def load_weights(spec: AdapterSpec, model: ModelConfig, dtype: torch.dtype) -> LoraWeights:
+    """Read an adapter's A and B (scale folded into B) as contiguous CPU tensors of `dtype`."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"adapter weights need a floating dtype, got {dtype}")
+    if len(spec.layers) != model.num_layers:
+        raise ValueError(f"spec of adapter {spec.adapter_id!r} was read for a {len(spec.layers)}-layer model")
+    weights_file = _weights_file(spec.adapter_id, spec.path)
+    if _stamp(weights_file) != spec.stamp:
+        raise AdapterError(f"adapter {spec.adapter_id!r}: {WEIGHTS_FILE} changed on disk since version "
+                           f"{spec.version} was registered; register it again")
+    layers: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], ...] = tuple({} for _ in spec.layers)
+    try:
+        with safe_open(weights_file, framework="pt", device="cpu") as f:
+            for layer, module, target in spec.targets():
+                (_, a_shape), (_, b_shape) = _expected_shapes(model, module, target.rank)
+                a = _read_tensor(spec.adapter_id, f, _tensor_key(layer, module, "A"), a_shape, target.rank)
+                b = _read_tensor(spec.adapter_id, f, _tensor_key(layer, module, "B"), b_shape, target.rank)
+                layers[layer][module] = (_cast(spec, a, dtype, "A", layer, module),
+                                         _cast(spec, b * target.scale, dtype, "B", layer, module))
+    except (SafetensorError, OSError) as exc:
+        raise AdapterError(f"adapter {spec.adapter_id!r}: cannot read {WEIGHTS_FILE} ({exc})") from None
+    nbytes = sum(t.numel() * t.element_size()
+                 for by_module in layers for pair in by_module.values() for t in pair)
+    return LoraWeights(spec=spec, layers=layers, nbytes=nbytes)
+
+
+def _read_tensor(adapter_id: str, f: Any, key: str, shape: tuple[int, int], rank: int) -> torch.Tensor:
+    tensor = f.get_tensor(key)  # the file may have been replaced with a same-stamp one: check again
+    _check_shape(adapter_id, key, tuple(tensor.shape), shape, rank)
+    # Always a copy: safetensors may hand out tensors backed by an mmap of the file, which a later
+    # overwrite of the file would silently change under the cache.
+    return tensor.to(torch.float32, copy=True)
+
+
+def _cast(spec: AdapterSpec, tensor: torch.Tensor, dtype: torch.dtype, part: str, layer: int,
+          module: str) -> torch.Tensor:
+    out = tensor.to(dtype).contiguous()
+    if not bool(torch.isfinite(out).all()):
+        in_dtype = "" if dtype == torch.float32 else f" in {dtype}"
+        raise AdapterError(f"adapter {spec.adapter_id!r}: lora_{part} of {module_name(layer, module)} has "
+                           f"non-finite values (NaN or inf){in_dtype}")
+    return out

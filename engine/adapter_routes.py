@@ -1,0 +1,67 @@
+"""The adapter admin API: /v1/adapters lists (GET), loads (POST) and unloads (DELETE) adapters at run time.
+
+POST loads only from inside the engine's --adapter-dir (`LoadAdapterRequest.resolve_path` enforces it),
+and re-registering an id replaces its content under a new version. Errors are JSON like every other
+route's: 400 for an unusable id, path or adapter, 404 for unloading an id that is not registered.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine.adapter_config import AdapterError, validate_adapter_id
+from engine.async_engine import AsyncEngine
+from engine.http_io import adapter_not_found, bad_request, parse_body, read_json
+from engine.outputs import AdapterStatus
+from engine.protocol import LoadAdapterRequest
+from engine.responses import adapter_card, list_body
+
+
+class AdapterRoutes:
+    """The /v1/adapters handlers; one instance per app, bound to one engine."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.base_model = engine.engine.model_name
+        adapter_dir = engine.engine.config.adapter_dir
+        self.adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/adapters", self.adapters, methods=["GET", "POST"]),
+            Route("/v1/adapters/{adapter_id:path}", self.unload_adapter, methods=["DELETE"]),
+        ]
+
+    async def adapters(self, request: Request) -> Response:
+        """GET lists the registered adapters; POST registers one from inside --adapter-dir."""
+        if request.method == "GET":
+            return JSONResponse(list_body([adapter_card(a, self.base_model)
+                                           for a in self.engine.list_adapters()]))
+        req = parse_body(LoadAdapterRequest, await read_json(request))
+        if self.adapter_dir is None:
+            raise bad_request("loading adapters at run time needs an adapter directory: start the "
+                              "engine with --adapter-dir DIR and give paths inside it")
+        try:
+            spec = await self.engine.load_adapter(req.id, req.resolve_path(self.adapter_dir))
+        except ValueError as exc:  # AdapterError is one: unusable directory, files or shapes
+            raise bad_request(str(exc)) from None
+        registered = AdapterStatus(spec.adapter_id, spec.version, spec.max_rank, spec.modules, "disk")
+        status = next((a for a in self.engine.list_adapters()
+                       if (a.adapter_id, a.version) == (spec.adapter_id, spec.version)), registered)
+        return JSONResponse(adapter_card(status, self.base_model))
+
+    async def unload_adapter(self, request: Request) -> Response:
+        adapter_id = request.path_params["adapter_id"]
+        try:
+            validate_adapter_id(adapter_id)
+        except AdapterError as exc:
+            raise bad_request(str(exc)) from None
+        try:
+            await self.engine.unload_adapter(adapter_id)
+        except KeyError:
+            raise adapter_not_found(adapter_id) from None
+        return JSONResponse({"id": adapter_id, "object": "adapter", "deleted": True})

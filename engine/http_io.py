@@ -1,0 +1,97 @@
+"""HTTP plumbing of the engine's routes: read and validate JSON bodies, watch for client disconnects.
+
+Bad input becomes an `ApiError` (400 naming the field, 413 for an oversized body, 404 for an adapter
+that is not loaded), which the app's exception handler turns into a JSON error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
+
+import anyio
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.types import Receive
+
+from engine.outputs import RequestOutput
+from engine.protocol import describe
+from engine.responses import ApiError
+
+MAX_BODY_BYTES = 8 << 20
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+def bad_request(message: str) -> ApiError:
+    return ApiError(400, "invalid_request_error", message)
+
+
+def adapter_not_found(adapter_id: str) -> ApiError:
+    shown = adapter_id if len(adapter_id) <= 100 else f"{adapter_id[:100]}..."
+    return ApiError(404, "adapter_not_found", f"adapter {shown!r} is not loaded")
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, "request_too_large", f"body: larger than {MAX_BODY_BYTES} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, "request_too_large", f"body: larger than {MAX_BODY_BYTES} bytes")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise bad_request(f"body: malformed JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise bad_request("body: must be a JSON object")
+    return data
+
+
+def parse_body(model: type[M], data: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise bad_request(describe(exc)) from None
+
+
+async def close_outputs(it: AsyncIterator[RequestOutput]) -> None:
+    """Close the engine's output iterator: if the request is still running, this aborts it."""
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        with anyio.CancelScope(shield=True):  # runs even while the stream's task is being cancelled
+            await aclose()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
+    """Run `work` unless the client disconnects first (then cancel it and raise ClientGone).
+
+    Only for use after the body has been read: from then on, the ASGI receive channel yields
+    nothing but `http.disconnect`.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.wait((task, watcher))
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
