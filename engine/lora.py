@@ -15,11 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.adapters import MODULES, AdapterSpec, HostAdapterCache, module_features
+from engine.adapter_config import MODULES, AdapterSpec, module_features
+from engine.adapters import HostAdapterCache
 from kernels.reference import lora_sgmv
 from engine.memory import PagePool
 from engine.model.loader import ModelConfig
@@ -65,8 +67,11 @@ class TierCounters:
 
 class DeviceAdapterTier:
     def __init__(self, pool: PagePool, kv_cache: torch.Tensor, model: ModelConfig, max_adapters: int,
-                 host: HostAdapterCache) -> None:
+                 host: HostAdapterCache, reclaim: Callable[[], bool] | None = None) -> None:
         self.pool = pool
+        # Frees one idle page held elsewhere (a cached KV block); False when there is none. Tried before
+        # evicting idle adapters when no run of free pages is long enough.
+        self.reclaim = reclaim
         self.model = model
         self.host = host
         self.max_adapters = max_adapters
@@ -113,7 +118,8 @@ class DeviceAdapterTier:
         n = self.pages_needed(spec)
         start = self.pool.allocate_run(n, f"adapter:{spec.adapter_id}@{spec.version}")
         while start is None:
-            if not self.evict_idle():
+            reclaimed = self.reclaim is not None and self.reclaim()
+            if not reclaimed and not self.evict_idle():
                 return False
             start = self.pool.allocate_run(n, f"adapter:{spec.adapter_id}@{spec.version}")
         t0 = time.perf_counter()
@@ -190,6 +196,16 @@ class DeviceAdapterTier:
                 res.stale = True
                 if res.pins == 0:
                     self._evict(key)
+
+    def full(self) -> bool:
+        return len(self.resident) >= self.max_adapters
+
+    def idle_count(self) -> int:
+        return sum(res.pins == 0 for res in self.resident.values())
+
+    def idle_pages(self) -> int:
+        """Pages that evicting every unpinned adapter would free (not necessarily contiguous)."""
+        return sum(res.num_pages for res in self.resident.values() if res.pins == 0)
 
     @property
     def num_pages(self) -> int:
