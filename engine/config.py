@@ -21,6 +21,10 @@ class EngineConfig:
     adapter_dir: str | None = None  # every PEFT LoRA subdirectory is registered under its folder name
     max_device_adapters: int = 8  # adapters resident in the page pool at once
     host_adapter_mb: int = 512  # host-RAM LRU of parsed adapter weights
+    max_adapters_per_step: int | None = None  # distinct adapters in one step (None: the device tier)
+    preemption: str = "auto"  # recompute | swap | auto (by the measured cost of each)
+    aging_s: float | None = 10.0  # a waiting request gains one priority class per aging_s waited
+    enable_prefix_cache: bool = True  # reuse KV blocks of prompt prefixes (same adapter version only)
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -37,6 +41,12 @@ class EngineConfig:
             raise ValueError("max_device_adapters must be >= 1")
         if self.host_adapter_mb < 0:
             raise ValueError("host_adapter_mb must be >= 0")
+        if self.max_adapters_per_step is not None and self.max_adapters_per_step < 1:
+            raise ValueError("max_adapters_per_step must be >= 1")
+        if self.preemption not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption must be recompute, swap or auto, got {self.preemption!r}")
+        if self.aging_s is not None and self.aging_s <= 0:
+            raise ValueError("aging_s must be > 0")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -7,16 +7,20 @@ detokenize (stop strings) -> RequestOutput deltas. Only the scheduler changes re
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.adapters import AdapterRegistry, AdapterSpec, HostAdapterCache
+from engine.adapter_config import AdapterSpec
+from engine.adapters import AdapterRegistry, HostAdapterCache
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.lora import LOAD_BUCKETS, DeviceAdapterTier
 from engine.memory import KVCacheManager, PagePool
+from engine.preemption import KVSwapper
 from engine.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
 from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
@@ -58,7 +62,7 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"--pool-mb {config.pool_mb} holds no KV block of this model")
         self.pool = PagePool(num_blocks)
-        kv = KVCacheManager(self.pool, config.block_size)
+        kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_cache)
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -69,10 +73,12 @@ class LLMEngine:
             self.adapters.scan_dir(Path(config.adapter_dir))
         self.host_adapters = HostAdapterCache(config.host_adapter_mb << 20, mc, dtype)
         self.device_adapters = DeviceAdapterTier(self.pool, kv_cache, mc, config.max_device_adapters,
-                                                 self.host_adapters)
+                                                 self.host_adapters, reclaim=kv.evict_cached)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_batch_tokens, config.max_num_seqs, self.max_model_len),
-            kv, self.eos_token_ids, self.device_adapters)
+            SchedulerConfig(config.max_batch_tokens, config.max_num_seqs, self.max_model_len,
+                            config.preemption, config.aging_s,
+                            config.max_adapters_per_step or config.max_device_adapters),
+            kv, self.eos_token_ids, self.device_adapters, KVSwapper(kv_cache))
         self.runner = ModelRunner(self.model, kv_cache, config.block_size,
                                   Sampler(self.eos_token_ids), device, self.device_adapters)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -132,6 +138,7 @@ class LLMEngine:
         except KeyError:
             current = None  # unloaded
         self.device_adapters.retire(adapter_id, keep_version=current)
+        self.scheduler.kv.invalidate_adapter(adapter_id)
         if current is None:
             self.host_adapters.discard(adapter_id)
 
@@ -145,12 +152,19 @@ class LLMEngine:
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_total=self.pool.num_pages, kv_blocks_free=self.pool.num_free,
-            kv_pages_used=self.pool.num_used - adapter_pages, adapter_pages_used=adapter_pages,
+            kv_pages_used=self.pool.num_used - adapter_pages - self.scheduler.kv.num_evictable_blocks,
+            kv_pages_cached=self.scheduler.kv.num_evictable_blocks, adapter_pages_used=adapter_pages,
             adapters_registered=len(self.adapters.list()), adapters_on_device=len(tier.resident),
             adapter_hits=c.hits, adapter_misses=c.misses, adapter_loads=c.loads,
             adapter_evictions=c.evictions,
             adapter_load_buckets=tuple(zip(LOAD_BUCKETS, c.load_buckets)),
-            adapter_load_seconds_sum=c.load_seconds_sum)
+            adapter_load_seconds_sum=c.load_seconds_sum,
+            adapter_loads_by_admission=self.scheduler.adapter_loads_by_admission,
+            running_by_priority=_count_by_priority(self.scheduler.running),
+            waiting_by_priority=_count_by_priority(self.scheduler.waiting),
+            preemptions=tuple(self.scheduler.preemption.counts.items()),
+            prefix_cache_queries=self.scheduler.kv.prefix_queries,
+            prefix_cache_hits=self.scheduler.kv.prefix_hits)
 
     def adapter_statuses(self) -> list[AdapterStatus]:
         """Every registered adapter and where its weights are (safe to call from another thread)."""
@@ -171,7 +185,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty():
             return []
+        t0 = time.perf_counter()
         result = self.runner.execute(batch)
+        self.scheduler.preemption.observe_step(batch.total_tokens, time.perf_counter() - t0)
         self.scheduler.update_from_output(batch, result)
         return self._make_outputs(batch, result)
 
@@ -199,5 +215,14 @@ class LLMEngine:
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_output_tokens=request.num_output_tokens,
                 new_logprobs=[logprob] if logprob is not None else [],
+                queue_time_s=(request.first_scheduled_time - request.arrival_time
+                              if request.num_output_tokens == 1 else None),
             ))
         return outputs
+
+
+def _count_by_priority(requests: Iterable[Request]) -> tuple[tuple[str, int], ...]:
+    counts = {p.name.lower(): 0 for p in Priority}
+    for request in requests:
+        counts[request.priority.name.lower()] += 1
+    return tuple(counts.items())

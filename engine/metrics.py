@@ -39,9 +39,11 @@ class _EngineStatsCollector:
         gauges = (
             ("loragate_engine_requests_running", "Requests being computed.", stats.num_running),
             ("loragate_engine_requests_waiting", "Requests queued for admission.", stats.num_waiting),
-            ("loragate_engine_kv_blocks_used", "KV cache blocks in use.",
-             stats.kv_blocks_total - stats.kv_blocks_free),
-            ("loragate_engine_kv_blocks_free", "KV cache blocks free.", stats.kv_blocks_free),
+            ("loragate_engine_kv_blocks_used", "KV cache blocks held by requests.",
+             stats.kv_pages_used),
+            ("loragate_engine_kv_blocks_free", "Free pages of the unified pool.", stats.kv_blocks_free),
+            ("loragate_engine_kv_pages_cached", "Pool pages holding reusable prefix-cache blocks "
+             "that no request uses (reclaimed when pages are needed).", stats.kv_pages_cached),
             ("loragate_engine_adapter_pages_used", "Pool pages holding adapter weights.",
              stats.adapter_pages_used),
             ("loragate_engine_adapters_registered", "Adapters registered.",
@@ -61,10 +63,37 @@ class _EngineStatsCollector:
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _scheduler_metrics(stats)
         buckets = [(repr(bound), count) for bound, count in stats.adapter_load_buckets]
         yield HistogramMetricFamily(
             "loragate_engine_adapter_load_seconds", "Time to copy an adapter into device memory.",
             buckets=[*buckets, ("+Inf", stats.adapter_loads)], sum_value=stats.adapter_load_seconds_sum)
+
+
+def _scheduler_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """Priority classes, preemptions and the prefix cache, from the same snapshot."""
+    for name, doc, pairs in (
+        ("loragate_engine_requests_running_by_priority", "Requests being computed, by priority.",
+         stats.running_by_priority),
+        ("loragate_engine_requests_waiting_by_priority", "Requests queued, by priority.",
+         stats.waiting_by_priority),
+    ):
+        family = GaugeMetricFamily(name, doc, labels=["priority"])
+        for priority, count in pairs:
+            family.add_metric([priority], count)
+        yield family
+    preemptions = CounterMetricFamily("loragate_engine_preemptions", "Running requests preempted, "
+                                      "by mode (recompute or swap).", labels=["mode"])
+    for mode, count in stats.preemptions:
+        preemptions.add_metric([mode], count)
+    yield preemptions
+    yield CounterMetricFamily("loragate_engine_prefix_cache_queried_tokens", "Prompt tokens looked "
+                              "up in the prefix cache.", value=stats.prefix_cache_queries)
+    yield CounterMetricFamily("loragate_engine_prefix_cache_hit_tokens", "Prompt tokens found in the "
+                              "prefix cache (hit rate = hit / queried).", value=stats.prefix_cache_hits)
+    yield CounterMetricFamily("loragate_engine_adapter_loads_by_admission", "Device loads of an "
+                              "adapter caused by admitting a waiting request.",
+                              value=stats.adapter_loads_by_admission)
 
 
 class EngineMetrics:
@@ -85,6 +114,9 @@ class EngineMetrics:
                               registry=r)
         self.e2e = Histogram("loragate_engine_e2e_request_latency_seconds", "From arrival to the last "
                              "output.", buckets=_E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("loragate_engine_queue_time_seconds", "From arrival to first "
+                                    "being scheduled, by priority.", ["priority"],
+                                    buckets=_TTFT_BUCKETS, registry=r)
         self._stats_collector = _EngineStatsCollector()
         r.register(self._stats_collector)
 
@@ -92,8 +124,8 @@ class EngineMetrics:
         """Read the running/waiting/KV gauges from `stats` (normally `LLMEngine.stats`)."""
         self._stats_collector.stats = stats
 
-    def start_request(self) -> RequestTracker:
-        return RequestTracker(self)
+    def start_request(self, priority: str = "standard") -> RequestTracker:
+        return RequestTracker(self, priority)
 
     def count_error(self, status_code: int) -> None:
         self.requests.labels(status=f"{status_code // 100}xx").inc()
@@ -106,8 +138,9 @@ class EngineMetrics:
 class RequestTracker:
     """Times one request's output stream and records it once, when it ends."""
 
-    def __init__(self, metrics: EngineMetrics) -> None:
+    def __init__(self, metrics: EngineMetrics, priority: str) -> None:
         self._metrics = metrics
+        self._priority = priority
         self._arrival = time.monotonic()
         self._first_token: float | None = None
         self._last: RequestOutput | None = None
@@ -115,6 +148,8 @@ class RequestTracker:
         self._done = False
 
     def on_output(self, out: RequestOutput) -> None:
+        if out.queue_time_s is not None:
+            self._metrics.queue_time.labels(priority=self._priority).observe(out.queue_time_s)
         if self._first_token is None and out.new_token_ids:
             self._first_token = time.monotonic()
             self._metrics.ttft.observe(self._first_token - self._arrival)

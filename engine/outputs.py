@@ -19,6 +19,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # generated so far, including new_token_ids
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # aligned with new_token_ids
+    queue_time_s: float | None = None  # on a request's first output: arrival to first scheduled
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +49,8 @@ class EngineStats:
     num_waiting: int
     kv_blocks_total: int  # pages in the unified pool
     kv_blocks_free: int
-    kv_pages_used: int = 0  # pages holding KV blocks
+    kv_pages_used: int = 0  # pages holding KV blocks of requests
+    kv_pages_cached: int = 0  # pages holding cached prefix blocks no request uses (reclaimable)
     adapter_pages_used: int = 0  # pages holding adapter weights
     adapters_registered: int = 0
     adapters_on_device: int = 0
@@ -59,3 +61,9 @@ class EngineStats:
     # Load time histogram: cumulative counts per upper bound (seconds), plus sum and count.
     adapter_load_buckets: tuple[tuple[float, int], ...] = ()
     adapter_load_seconds_sum: float = 0.0
+    adapter_loads_by_admission: int = 0  # device loads triggered by admitting a waiting request
+    running_by_priority: tuple[tuple[str, int], ...] = ()  # (priority name, count)
+    waiting_by_priority: tuple[tuple[str, int], ...] = ()
+    preemptions: tuple[tuple[str, int], ...] = ()  # (mode, count)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached

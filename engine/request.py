@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.adapters import AdapterSpec
+    from engine.adapter_config import AdapterSpec
 
 
 class Priority(enum.IntEnum):
@@ -126,6 +126,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     # Per-request RNG so a seeded request samples the same tokens whatever else is in the batch.
     generator: torch.Generator | None = None
+    # Host copy of the KV blocks of a request preempted by swapping; restored on re-admission.
+    swapped_kv: torch.Tensor | None = None
+    first_scheduled_time: float | None = None  # when it first got tokens computed (queue time)
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None and not self.sampling_params.greedy:

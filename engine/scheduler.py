@@ -6,19 +6,29 @@ decodes. The step's token budget (`max_batch_tokens`) is spent on running reques
 stall behind a long prompt; a prompt that does not fit the remaining budget is computed in chunks over
 several steps (chunked prefill falls out of this).
 
-When the KV pool runs dry, the most recently admitted running request of the lowest priority is preempted:
-its blocks are freed and it goes back to the front of the waiting queue to be recomputed later.
+Waiting requests are admitted in the order of `WaitingQueue` (priority with aging, fairness across
+adapters, arrival). Admission brings a request's adapter onto the device (S-LoRA: its pages come from the
+same pool as KV blocks) and attaches any cached KV blocks of its prompt prefix for the same adapter
+version. A request whose adapter cannot be brought in this step is skipped, not allowed to block those
+behind it; a request whose KV blocks do not fit stops admission, so big requests are not starved.
+
+Preemption (engine/preemption.py): when the pool runs dry while running requests grow, or when the head
+of the queue outranks running requests and finds no room, the lowest-priority, most recently admitted
+running request gives way, by recompute or swap.
 """
 
 from __future__ import annotations
 
-import bisect
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.lora import DeviceAdapterTier
 from engine.memory import KVCacheManager
 from engine.outputs import RunnerOutput
+from engine.preemption import KVSwapper, PreemptionPolicy, pick_victim
 from engine.request import Request, RequestStatus
+from engine.waiting_queue import WaitingQueue
 
 
 @dataclass(slots=True)
@@ -42,23 +52,27 @@ class SchedulerConfig:
     max_batch_tokens: int
     max_num_seqs: int
     max_model_len: int
-
-
-def _queue_key(request: Request) -> tuple[int, float]:
-    return (int(request.priority), request.arrival_time)
+    preemption: str = "recompute"  # recompute | swap | auto
+    aging_s: float | None = 10.0  # a waiting request gains one priority class per aging_s waited
+    max_adapters_per_step: int | None = None  # distinct adapters computed in one step
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 eos_token_ids: tuple[int, ...], adapters: DeviceAdapterTier | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
+                 adapters: DeviceAdapterTier | None = None, swapper: KVSwapper | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.kv = kv
-        self.adapters = adapters
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.adapters = adapters
+        self.preemption = PreemptionPolicy(config.preemption, swapper)
+        self.swapper = swapper
+        self.clock = clock
+        self.waiting = WaitingQueue(config.aging_s)
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.adapter_loads_by_admission = 0
 
     # ---- queue management -------------------------------------------------------------------------
 
@@ -66,12 +80,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
-        self._enqueue(request)
-
-    def _enqueue(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        keys = [_queue_key(r) for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, _queue_key(request)), request)
+        self.waiting.add(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request (abort, stop string, ...) and free its blocks. Unknown ids are ignored."""
@@ -85,6 +95,7 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self.kv.free(request)
+        request.swapped_kv = None
         request.status = status
         return request
 
@@ -95,11 +106,38 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_batch_tokens
-        budget = self._schedule_running(out, budget)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
+        order = self.waiting.ordered(self.clock())
+        if order:
+            self._make_room_for(order[0], out)
+        made_room = len(out.preempted)
+        budget = self._schedule_running(out, self.config.max_batch_tokens)
+        if len(out.preempted) == made_room:  # no running request ran out of pages: admit more
+            self._schedule_waiting(out, budget, self.waiting.ordered(self.clock()))
         return out
+
+    def _make_room_for(self, head: Request, out: SchedulerOutput) -> None:
+        """Preempt running requests the head of the queue outranks until it fits (it then starts now)."""
+        prio = self.waiting.effective_priority(head, self.clock())
+        while not self._fits(head):
+            lower = [r for r in self.running if int(r.priority) > prio]
+            if not lower:
+                return
+            self._preempt(pick_victim(lower), out)
+
+    def _fits(self, request: Request) -> bool:
+        """Whether `request` could be admitted now: a sequence slot, its first chunk's pages, its adapter."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        free = self.kv.pool.num_free + self.kv.num_evictable_blocks
+        chunk = min(request.num_tokens - request.num_computed_tokens,
+                    max(1, self.config.max_batch_tokens - len(self.running)))
+        need = self.kv.blocks_for(request.num_computed_tokens + chunk) - len(request.block_ids)
+        if request.adapter is not None and not self.adapters.is_resident(request.adapter):
+            if self.adapters.idle_count() == 0 and self.adapters.full():
+                return False
+            need += self.adapters.pages_needed(request.adapter)
+            free += self.adapters.idle_pages()
+        return need <= free
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -109,7 +147,7 @@ class Scheduler:
             while not self.kv.allocate_slots(request, n):
                 if self.adapters is not None and self.adapters.evict_idle():
                     continue  # idle adapter pages become KV pages
-                victim = self._pick_victim()
+                victim = pick_victim(self.running)
                 budget += self._preempt(victim, out)
                 if victim is request:
                     break
@@ -121,36 +159,71 @@ class Scheduler:
             # else `request` itself was preempted and running[i] is now the next one.
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if request.adapter is not None and not self.adapters.ensure_resident(request.adapter):
-                break  # its adapter cannot be brought onto the device until running requests finish
-            if not self.kv.allocate_slots(request, n):
-                break
-            self.waiting.pop(0)
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, order: list[Request]) -> None:
+        step_adapters = {_adapter_key(r) for r in out.requests if r.adapter is not None}
+        bound = self.config.max_adapters_per_step
+        for request in order:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if request.adapter is not None and _adapter_key(request) not in step_adapters:
+                if bound is not None and len(step_adapters) >= bound:
+                    continue  # no more distinct adapters this step; later requests may share one
+                if not self._bring_adapter(request):
+                    continue  # cannot be brought in now: skip, do not block the requests behind
+            n = self._admit_chunk(request, budget)
+            if n is None:
+                return  # the pool is short: stop here so large requests are not starved
+            self.waiting.admit(request)
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock()
             if request.adapter is not None:
                 self.adapters.pin(request.adapter)
+                step_adapters.add(_adapter_key(request))
             self.running.append(request)
             out.requests.append(request)
             out.num_tokens.append(n)
             budget -= n
 
-    def _pick_victim(self) -> Request:
-        """The lowest-priority running request, the most recently admitted among equals."""
-        return max(reversed(self.running), key=lambda r: int(r.priority))
+    def _bring_adapter(self, request: Request) -> bool:
+        loads = self.adapters.counters.loads
+        ok = self.adapters.ensure_resident(request.adapter)
+        self.adapter_loads_by_admission += self.adapters.counters.loads - loads
+        return ok
+
+    def _admit_chunk(self, request: Request, budget: int) -> int | None:
+        """Give a waiting request its blocks (cached prefix, swapped-in copy, new ones) for its next
+        chunk; the chunk's token count, or None (nothing held) if the pool is short."""
+        counters = (self.kv.prefix_queries, self.kv.prefix_hits)
+        if request.swapped_kv is None and request.num_computed_tokens == 0:
+            self.kv.attach_cached_prefix(request)
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self.kv.allocate_slots(request, n):
+            self.kv.free(request)  # the attached prefix goes back to the cache
+            if request.swapped_kv is None:
+                request.num_computed_tokens = 0
+            # The lookup is repeated at the next admission attempt: count it once.
+            self.kv.prefix_queries, self.kv.prefix_hits = counters
+            return None
+        if request.swapped_kv is not None:
+            self.swapper.swap_in(request.swapped_kv, request.block_ids[: request.swapped_kv.shape[1]])
+            request.swapped_kv = None
+        return n
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> int:
-        """Free `request`'s blocks and requeue it for recompute; returns budget it gives back."""
+        """Take `request` off the running list by swap or recompute; returns budget it gives back."""
         self.running.remove(request)
         self._unpin(request)
+        if self.preemption.choose(request) == "swap":
+            blocks = request.block_ids[: self.kv.blocks_for(request.num_computed_tokens)]
+            request.swapped_kv = self.swapper.swap_out(blocks)  # num_computed_tokens is kept
+        else:
+            request.num_computed_tokens = 0  # prompt and outputs so far are prefilled again
         self.kv.free(request)
         self.num_preemptions += 1
-        request.num_computed_tokens = 0  # recompute: prompt and outputs so far are prefilled again
         out.preempted.append(request)
-        self._enqueue(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
         if request not in out.requests:
             return 0
         idx = out.requests.index(request)  # already given tokens earlier in this step
@@ -172,6 +245,7 @@ class Scheduler:
         for request, n, token, logprob in zip(out.requests, out.num_tokens, result.sampled,
                                                result.logprobs):
             request.num_computed_tokens += n
+            self.kv.cache_full_blocks(request)
             if token is None:
                 continue
             request.output_token_ids.append(token)
@@ -195,3 +269,8 @@ class Scheduler:
         if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _adapter_key(request: Request) -> tuple[str, int]:
+    assert request.adapter is not None
+    return (request.adapter.adapter_id, request.adapter.version)

@@ -73,6 +73,14 @@ def _add_engine_parser(sub: argparse._SubParsersAction) -> None:
                    help="adapters resident in device memory at once (least recently used evicted)")
     p.add_argument("--host-adapter-mb", type=_non_negative, default=512,
                    help="host-RAM cache of parsed adapter weights, in MiB")
+    p.add_argument("--max-adapters-per-step", type=_positive,
+                   help="distinct adapters computed in one step (default: --max-device-adapters)")
+    p.add_argument("--preemption", default="auto", choices=("recompute", "swap", "auto"),
+                   help="how a preempted request gives back its KV pages (auto: the cheaper, measured)")
+    p.add_argument("--aging-s", type=float, default=10.0,
+                   help="seconds of waiting that raise a request by one priority class")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not reuse KV blocks of shared prompt prefixes")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--max-batch-tokens", type=_positive, default=2048,
@@ -122,7 +130,9 @@ def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         served_model_name=args.served_model_name, num_threads=args.threads,
         adapter_dir=args.adapter_dir, max_device_adapters=args.max_device_adapters,
-        host_adapter_mb=args.host_adapter_mb)
+        host_adapter_mb=args.host_adapter_mb, max_adapters_per_step=args.max_adapters_per_step,
+        preemption=args.preemption, aging_s=args.aging_s,
+        enable_prefix_cache=not args.no_prefix_cache)
     try:
         config.validate()
     except ValueError as exc:

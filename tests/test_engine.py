@@ -56,7 +56,7 @@ def engine_outputs(engine: LLMEngine, prompts: list[list[int]],
         engine.step()
         steps += 1
         assert steps < 10_000
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert engine.pool.num_free + engine.scheduler.kv.num_evictable_blocks == engine.pool.num_pages
     return [added[i].output_token_ids for i in range(len(prompts))]
 
 
@@ -65,19 +65,23 @@ def hf_outputs(hf_model, prompts) -> list[list[int]]:
     return [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
 
 
-@pytest.mark.parametrize("max_batch_tokens,block_size,num_kv_blocks", [
-    (2048, 16, None),  # every prompt prefilled in one step, then batched decodes
-    (7, 4, None),  # chunked prefill: long prompts take many steps beside running decodes
-    (64, 4, 40),  # a tight pool: requests are preempted and recomputed
+@pytest.mark.parametrize("max_batch_tokens,block_size,num_kv_blocks,preemption", [
+    (2048, 16, None, "recompute"),  # every prompt prefilled in one step, then batched decodes
+    (7, 4, None, "recompute"),  # chunked prefill: long prompts take many steps beside running decodes
+    (64, 4, 40, "recompute"),  # a tight pool: requests are preempted and recomputed
+    (64, 4, 40, "swap"),  # ... or preempted by swapping their KV blocks out and back in
 ])
 def test_greedy_matches_hf_generate(prompts, hf_outputs, max_batch_tokens, block_size,
-                                    num_kv_blocks) -> None:
+                                    num_kv_blocks, preemption) -> None:
     engine = LLMEngine(EngineConfig(model="tiny-random", max_batch_tokens=max_batch_tokens,
-                                    block_size=block_size, num_kv_blocks=num_kv_blocks))
+                                    block_size=block_size, num_kv_blocks=num_kv_blocks,
+                                    preemption=preemption))
     ours = engine_outputs(engine, prompts)
     for i, (a, b) in enumerate(zip(ours, hf_outputs)):
         assert a == b, f"prompt {i} (length {len(prompts[i])}) diverged"
-    assert (engine.scheduler.num_preemptions > 0) == (num_kv_blocks is not None)
+    counts = engine.scheduler.preemption.counts
+    assert (counts[preemption] > 0) == (num_kv_blocks is not None)
+    assert sum(counts.values()) == counts[preemption]
 
 
 def test_staggered_arrivals_match_hf(prompts, hf_outputs) -> None:
@@ -109,10 +113,11 @@ def test_block_accounting_after_random_requests_and_aborts() -> None:
         for out in engine.step():
             if out.finished and out.request_id in live:
                 live.remove(out.request_id)
-        used = engine.pool.num_pages - engine.pool.num_free
-        held = sum(len(r.block_ids) for r in engine.scheduler.requests.values())
-        assert used == held
+        engine.scheduler.kv.check_invariants(engine.scheduler.requests.values())
     assert aborted > 50
+    kv = engine.scheduler.kv
+    assert engine.pool.num_free + kv.num_evictable_blocks == engine.pool.num_pages
+    kv.reset_prefix_cache()
     assert engine.pool.num_free == engine.pool.num_pages
     assert not engine.scheduler.requests and not engine._detokenizers
 

@@ -67,7 +67,8 @@ def run_all(engine: LLMEngine, jobs: list[tuple[str | None, int]], prompts: list
         engine.step()
         steps += 1
         assert steps < 5000, "no progress"
-    assert engine.pool.num_free + engine.device_adapters.num_pages == engine.pool.num_pages
+    assert (engine.pool.num_free + engine.device_adapters.num_pages
+            + engine.scheduler.kv.num_evictable_blocks) == engine.pool.num_pages
     return {key: r.output_token_ids for key, r in requests.items()}
 
 
@@ -151,7 +152,7 @@ def test_reload_bumps_version_and_running_requests_keep_theirs(tiny_model_dir, t
     with pytest.raises(KeyError):
         engine.add_request("gone", prompts[0], params, adapter_id="r4-all")
     assert engine.device_adapters.num_pages == 0
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert engine.pool.num_free + engine.scheduler.kv.num_evictable_blocks == engine.pool.num_pages
 
 
 @pytest.mark.smollm2

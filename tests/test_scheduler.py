@@ -16,8 +16,9 @@ EOS = 0
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_batch_tokens: int = 64,
                    max_num_seqs: int = 16, max_model_len: int = 256) -> Scheduler:
-    kv = KVCacheManager(PagePool(num_blocks), block_size)
-    return Scheduler(SchedulerConfig(max_batch_tokens, max_num_seqs, max_model_len), kv, (EOS,))
+    kv = KVCacheManager(PagePool(num_blocks), block_size, enable_prefix_cache=False)
+    return Scheduler(SchedulerConfig(max_batch_tokens, max_num_seqs, max_model_len, aging_s=None), kv,
+                     (EOS,))
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 4, priority: Priority = Priority.STANDARD,

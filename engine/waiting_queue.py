@@ -1,0 +1,68 @@
+"""The waiting queue's order: priority, then fairness across adapters, then arrival, with aging.
+
+- Priority: critical before standard before sheddable (`Priority`, lower value first).
+- Aging: a request gains one class for every `aging_s` seconds it has waited, so no waiting request
+  starves behind a stream of higher-priority arrivals.
+- Fairness across adapters (start-time fair queueing): each adapter (the base model counts as one) has
+  a count of admissions served; within a class, a request's turn is its adapter's count plus its place
+  among that adapter's waiting requests, so adapters take turns and a hot adapter's backlog cannot
+  starve a cold one. An adapter that starts waiting again catches up to the least-served waiting one,
+  so idling earns no burst.
+- Arrival (FCFS) breaks the remaining ties; a preempted request keeps its arrival time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from engine.request import Request
+
+
+class WaitingQueue:
+    def __init__(self, aging_s: float | None) -> None:
+        self.aging_s = aging_s  # None: no aging
+        self._requests: list[Request] = []
+        self._served: dict[str | None, int] = {}  # adapter id (None: base) -> admissions
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._requests)
+
+    def __contains__(self, request: Request) -> bool:
+        return request in self._requests
+
+    def add(self, request: Request) -> None:
+        key = request.adapter_id
+        if self._requests and all(r.adapter_id != key for r in self._requests):
+            floor = min(self._served.get(r.adapter_id, 0) for r in self._requests)
+            self._served[key] = max(self._served.get(key, 0), floor)
+        self._requests.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out without serving it (abort)."""
+        self._requests.remove(request)
+
+    def admit(self, request: Request) -> None:
+        """Take a request out because it is being served: its adapter's turn count moves on."""
+        self._requests.remove(request)
+        self._served[request.adapter_id] = self._served.get(request.adapter_id, 0) + 1
+
+    def effective_priority(self, request: Request, now: float) -> int:
+        if self.aging_s is None:
+            return int(request.priority)
+        waited = max(0.0, now - request.arrival_time)
+        return max(0, int(request.priority) - int(waited / self.aging_s))
+
+    def ordered(self, now: float) -> list[Request]:
+        """The waiting requests in the order they should be admitted at time `now`."""
+        prio = {id(r): self.effective_priority(r, now) for r in self._requests}
+        turn: dict[int, int] = {}  # adapter's admissions + place among its (class, adapter) peers
+        seen: dict[tuple[int, str | None], int] = {}
+        for r in sorted(self._requests, key=lambda r: r.arrival_time):
+            peers = (prio[id(r)], r.adapter_id)
+            place = seen.get(peers, 0)
+            seen[peers] = place + 1
+            turn[id(r)] = self._served.get(r.adapter_id, 0) + place
+        return sorted(self._requests, key=lambda r: (prio[id(r)], turn[id(r)], r.arrival_time))

@@ -1,0 +1,216 @@
+"""Priorities, aging, adapter fairness, adapter-aware admission and preemption modes in the scheduler,
+with fake runner outputs (no model), plus a long randomized run checking invariants every step."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from engine.outputs import RunnerOutput
+from engine.preemption import KVSwapper
+from engine.request import Priority, Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from fake_adapters import make_spec, make_tier
+from test_scheduler import fake_run
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(num_pages: int = 64, block_size: int = 4, max_adapters: int = 4, max_num_seqs: int = 16,
+         max_batch_tokens: int = 64, preemption: str = "recompute", aging_s: float | None = 10.0,
+         max_adapters_per_step: int | None = None) -> tuple[Scheduler, Clock, torch.Tensor]:
+    kv, tier, cache = make_tier(num_pages, block_size, max_adapters)
+    clock = Clock()
+    config = SchedulerConfig(max_batch_tokens, max_num_seqs, 512, preemption, aging_s,
+                             max_adapters_per_step)
+    return Scheduler(config, kv, (0,), tier, KVSwapper(cache), clock), clock, cache
+
+
+def req(rid: str, prompt_len: int, max_tokens: int = 4, priority: Priority = Priority.STANDARD,
+        arrival: float = 0.0, adapter=None) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    salt = sum(map(ord, rid))  # distinct prompts, so the prefix cache does not blur the accounting
+    return Request(rid, [1 + (7 * i + salt) % 50 for i in range(prompt_len)], params, priority,
+                   adapter, arrival_time=arrival)
+
+
+def step(s: Scheduler) -> SchedulerOutput:
+    out = s.schedule()
+    s.update_from_output(out, fake_run(out))
+    return out
+
+
+def admitted_order(s: Scheduler, limit: int = 10_000) -> list[str]:
+    order: list[str] = []
+    for _ in range(limit):
+        if not s.has_unfinished():
+            return order
+        for r in step(s).requests:
+            if r.request_id not in order:
+                order.append(r.request_id)
+    raise AssertionError("did not finish")
+
+
+def test_aging_prevents_starvation() -> None:
+    s, clock, _ = make(max_num_seqs=1, aging_s=5.0)
+    s.add_request(req("shed", 3, priority=Priority.SHEDDABLE, arrival=0.0))
+    started_at = None
+    for t in range(40):  # a new critical request arrives every second, each runs ~2 steps
+        clock.now = float(t)
+        s.add_request(req(f"crit{t}", 3, max_tokens=2, priority=Priority.CRITICAL, arrival=clock.now))
+        if any(r.request_id == "shed" for r in step(s).requests):
+            started_at = clock.now
+            break
+    # sheddable -> standard after 5 s, -> critical after 10 s; then it is the oldest critical.
+    assert started_at is not None and 10.0 <= started_at <= 12.0
+
+
+def test_without_aging_sheddable_waits_for_critical_stream() -> None:
+    s, clock, _ = make(max_num_seqs=1, aging_s=None)
+    s.add_request(req("shed", 3, priority=Priority.SHEDDABLE, arrival=0.0))
+    for t in range(30):
+        clock.now = float(t)
+        s.add_request(req(f"crit{t}", 3, max_tokens=2, priority=Priority.CRITICAL, arrival=clock.now))
+        assert all(r.request_id != "shed" for r in step(s).requests)
+
+
+def test_fairness_across_adapters() -> None:
+    s, _, _ = make(max_num_seqs=1)
+    hot, cold = make_spec("hot", 4), make_spec("cold", 4)
+    for i in range(6):
+        s.add_request(req(f"hot{i}", 3, adapter=hot, arrival=float(i)))
+    s.add_request(req("cold0", 3, adapter=cold, arrival=10.0))
+    s.add_request(req("base0", 3, arrival=11.0))
+    order = admitted_order(s)
+    assert order[:3] == ["hot0", "cold0", "base0"]  # one of each adapter before hot's second
+    assert order[3:] == [f"hot{i}" for i in range(1, 6)]
+
+
+def test_critical_arrival_into_full_pool_starts_within_one_step() -> None:
+    for mode in ("recompute", "swap"):
+        s, clock, _ = make(num_pages=10, block_size=4, preemption=mode)
+        for i in range(5):
+            s.add_request(req(f"std{i}", 6, max_tokens=30, arrival=float(i)))
+        for _ in range(6):
+            step(s)
+        assert s.kv.pool.num_free <= 1 and len(s.running) >= 2  # the pool is full
+        clock.now = 10.0
+        s.add_request(req("crit", 6, max_tokens=3, priority=Priority.CRITICAL, arrival=10.0))
+        out = step(s)
+        assert "crit" in [r.request_id for r in out.requests], mode
+        assert out.preempted and all(r.priority is Priority.STANDARD for r in out.preempted)
+        assert s.preemption.counts[mode] > 0
+
+
+def test_skip_request_whose_adapter_cannot_be_loaded() -> None:
+    s, _, _ = make(max_adapters=1, max_num_seqs=8)
+    a, b = make_spec("a", 4), make_spec("b", 4)
+    s.add_request(req("a0", 3, max_tokens=20, adapter=a, arrival=0.0))
+    step(s)  # a0 runs and pins adapter a: the single device slot
+    s.add_request(req("b0", 3, adapter=b, arrival=1.0))  # b cannot come in while a is pinned
+    s.add_request(req("base", 3, arrival=2.0))
+    out = step(s)
+    ids = [r.request_id for r in out.requests]
+    assert "base" in ids and "b0" not in ids  # skipped, not blocking
+    admitted_order(s)  # and b0 runs once a0 is done
+    assert s.adapters.counters.evictions >= 1 and not s.has_unfinished()
+
+
+def test_distinct_adapters_per_step_bound() -> None:
+    s, _, _ = make(max_adapters=8, max_adapters_per_step=2)
+    specs = [make_spec(f"ad{i}", 2) for i in range(5)]
+    for i, spec in enumerate(specs):
+        s.add_request(req(f"r{i}", 3, max_tokens=6, adapter=spec, arrival=float(i)))
+    while s.has_unfinished():
+        out = step(s)
+        assert len({r.adapter_id for r in out.requests}) <= 2
+
+
+def test_swap_keeps_computed_tokens_and_kv_contents() -> None:
+    s, _, cache = make(num_pages=16, block_size=4, preemption="swap")
+    victim = req("v", 9, max_tokens=8, priority=Priority.SHEDDABLE, arrival=0.0)
+    s.add_request(victim)
+    step(s)
+    blocks = list(victim.block_ids)
+    cache[:, blocks] = torch.randn_like(cache[:, blocks])  # what the forward pass would have written
+    before = cache[:, blocks].clone()
+    computed = victim.num_computed_tokens
+    out = SchedulerOutput()
+    s._preempt(victim, out)
+    assert victim.swapped_kv is not None and victim.num_computed_tokens == computed
+    cache.zero_()
+    step(s)  # re-admitted: swapped in, then it decodes one token
+    assert victim.status is RequestStatus.RUNNING and victim.swapped_kv is None
+    restored = cache[:, victim.block_ids[: len(blocks)]]
+    assert torch.equal(restored[:, :-1], before[:, :-1])  # full blocks back, bit for bit
+    assert victim.num_computed_tokens == computed + 1
+
+
+def test_auto_mode_picks_by_measured_cost() -> None:
+    s, _, _ = make(preemption="auto")
+    r = req("x", 8, arrival=0.0)
+    s.add_request(r)
+    step(s)
+    s.preemption.seconds_per_token = 1.0  # recompute looks very expensive
+    assert s.preemption.choose(r) == "swap"
+    s.preemption.seconds_per_token = 1e-12  # recompute looks free
+    assert s.preemption.choose(r) == "recompute"
+
+
+def test_randomized_invariants_10k_steps() -> None:
+    rng = random.Random(2024)
+    s, clock, _ = make(num_pages=48, block_size=4, max_adapters=3, max_num_seqs=6,
+                       max_batch_tokens=24, preemption="auto", aging_s=3.0)
+    versions = {f"ad{i}": 1 for i in range(5)}
+    specs = {name: make_spec(name, rng.choice([1, 2, 4])) for name in versions}
+    submitted, ended = 0, set()
+    for n in range(10_000):
+        clock.now = n * 0.01
+        if rng.random() < 0.3:
+            adapter = specs[rng.choice(sorted(specs))] if rng.random() < 0.7 else None
+            s.add_request(req(f"q{submitted}", rng.randint(1, 20), rng.randint(1, 10),
+                              Priority(rng.randint(0, 2)), clock.now, adapter))
+            submitted += 1
+        if s.requests and rng.random() < 0.03:
+            rid = rng.choice(sorted(s.requests))
+            s.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            ended.add(rid)
+        if rng.random() < 0.01:  # reload an adapter: new requests get the new version
+            name = rng.choice(sorted(specs))
+            versions[name] += 1
+            specs[name] = make_spec(name, rng.choice([1, 2, 4]), versions[name])
+            s.adapters.retire(name, keep_version=versions[name])
+            s.kv.invalidate_adapter(name)
+        if s.has_unfinished():
+            out = s.schedule()
+            ended |= {r.request_id for r in s.update_from_output(out, fake_run(out))}
+        _check(s)
+    while s.has_unfinished():
+        out = s.schedule()
+        ended |= {r.request_id for r in s.update_from_output(out, fake_run(out))}
+        _check(s)
+    assert ended == {f"q{i}" for i in range(submitted)}  # every request finished or was aborted
+    assert s.num_preemptions > 0 and s.adapters.counters.evictions > 0
+    assert s.kv.pool.num_free + s.kv.num_evictable_blocks + s.adapters.num_pages == s.kv.pool.num_pages
+
+
+def _check(s: Scheduler) -> None:
+    s.kv.check_invariants(s.requests.values())
+    pool = s.kv.pool
+    adapter_pages = sum(res.num_pages for res in s.adapters.resident.values())
+    assert pool.num_run_pages == adapter_pages
+    for res in s.adapters.resident.values():
+        users = [r for r in s.running if r.adapter is not None
+                 and (r.adapter.adapter_id, r.adapter.version) == (res.spec.adapter_id, res.spec.version)]
+        assert res.pins == len(users)
+    assert len(s.running) <= s.config.max_num_seqs
+    for r in s.running:  # a running request's adapter is on the device: pinned, never evicted
+        assert r.swapped_kv is None
+        assert r.adapter is None or s.adapters.is_resident(r.adapter)
