@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -82,6 +83,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_cache, config.block_size,
                                   Sampler(self.eos_token_ids), device, self.device_adapters)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-prefetch")
         logger.info("engine ready: model=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
                     self.model_name, dtype, num_blocks, config.block_size, self.max_model_len)
 
@@ -122,9 +124,19 @@ class LLMEngine:
         self.check_request(prompt_token_ids, params, adapter)
         request = Request(request_id, list(prompt_token_ids), params, priority, adapter)
         self.scheduler.add_request(request)
+        if adapter is not None:
+            self._prefetch(adapter)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                                 params)
         return request
+
+    def _prefetch(self, adapter: AdapterSpec) -> None:
+        """Read a queued request's adapter into the host tier in the background, so admission only
+        copies it into the pool instead of waiting on the disk."""
+        if self.device_adapters.is_resident(adapter) or self.host_adapters.contains(adapter):
+            return
+        future = self._prefetcher.submit(self.host_adapters.prefetch, adapter)
+        future.add_done_callback(_log_prefetch_failure)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request and free its blocks; False if it was unknown or already finished."""
@@ -226,3 +238,9 @@ def _count_by_priority(requests: Iterable[Request]) -> tuple[tuple[str, int], ..
     for request in requests:
         counts[request.priority.name.lower()] += 1
     return tuple(counts.items())
+
+
+def _log_prefetch_failure(future: Future) -> None:
+    # Admission reads the adapter again and reports the error on the request; here it is only logged.
+    if future.exception() is not None:
+        logger.warning("adapter prefetch failed: %s", future.exception())

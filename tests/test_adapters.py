@@ -1,4 +1,5 @@
-"""engine/adapters.py against real PEFT adapters: parsing (ranks, scales, patterns), rejections, registry."""
+"""engine/adapter_config.py, adapter_files.py and adapters.py against real PEFT adapters: parsing (ranks,
+scales, patterns), rejections, registry, host cache."""
 
 from __future__ import annotations
 

@@ -173,3 +173,19 @@ def test_smollm2_adapters_match_peft(smollm2_dir: Path, tmp_path: Path) -> None:
     for name in jobs:
         expected = peft_greedy(smollm2_dir, None if name is None else tmp_path / name, prompt, n)
         assert reqs[name].output_token_ids == expected, name
+
+
+def test_queued_requests_adapters_are_prefetched_into_host_tier(tiny_adapter_dir, prompts) -> None:
+    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir),
+                                    max_num_seqs=1))
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    engine.add_request("first", prompts[0], params)
+    engine.step()  # "first" holds the only sequence slot: the next request waits
+    waiting = engine.add_request("queued", prompts[1], params, adapter_id="r16-kqup")
+    engine._prefetcher.submit(lambda: None).result()  # the prefetch queued before this has finished
+    assert engine.host_adapters.contains(waiting.adapter)
+    assert not engine.device_adapters.is_resident(waiting.adapter)  # host tier only, not yet device
+    assert waiting.status.value == "waiting"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.host_adapters.hits >= 1  # admission found it in the host tier
