@@ -14,18 +14,14 @@ two `loragate up` racing on a fresh cache both end up with one complete copy.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.model.sources import cache_root, resolve_model
+from engine.model.sources import build_atomically, cache_root, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -105,25 +101,7 @@ def demo_adapter_dir(model: str = "smollm2", *, steps: int = 30) -> Path:
         return target
     base_dir = resolve_model(model).path
     logger.info("training the demo adapters on %s into %s (once)", model, target)
-    return _build_atomically(target, lambda tmp: build_demo_adapters(base_dir, tmp, steps=steps))
-
-
-def _build_atomically(target: Path, build: Callable[[Path], object]) -> Path:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        build(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not target.is_dir():  # not a lost race: a real error
-                raise
-            logger.info("another process built %s first; using its copy", target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_atomically(target, lambda tmp: build_demo_adapters(base_dir, tmp, steps=steps))
 
 
 def build_demo_adapters(base_dir: Path, out_dir: Path, *, steps: int = 30, seed: int = 0,

@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,41 +22,18 @@ import torch
 from safetensors.torch import load_file
 
 from engine.model.sources import build_tiny_random, load_tokenizer
+from engine_server import start_engine_server
 from lora_fixtures import load_peft_model, make_peft_adapter, peft_greedy
 from loragate.cli import build_parser, main
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-random"
 PROMPT = "The quick brown fox"
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 HOSTILE_IDS = ["../x", "a/b", "x" * 10_000, "..", "/etc/passwd", ".hidden", "a\\b", "ü", "a b"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start_server(log_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    argv = [sys.executable, "-m", "loragate", "engine", "--model", MODEL, "--port", str(port),
-            "--max-model-len", "512", "--threads", "1", *extra]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"engine did not come up:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.3)
+    return start_engine_server(log_path, "--max-model-len", "512", *extra, model=MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import random
 
 import torch
 
-from engine.outputs import RunnerOutput
 from engine.preemption import KVSwapper
 from engine.request import Priority, Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput

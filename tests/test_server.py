@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from engine.model.sources import load_tokenizer
+from engine_server import start_engine_server
 from engine.protocol import ChatCompletionRequest, CompletionRequest, describe
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-random"
 MAX_MODEL_LEN = 1024  # tiny-random's whole context: long requests take ~1 s, time to disconnect
 PROMPT = "The quick brown fox"
@@ -34,31 +31,8 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_tokens": 12}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start_server(log_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    argv = [sys.executable, "-m", "loragate", "engine", "--model", MODEL, "--port", str(port),
-            "--max-model-len", str(MAX_MODEL_LEN), "--threads", "1", *extra]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"engine did not come up:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.3)
+    return start_engine_server(log_path, "--max-model-len", str(MAX_MODEL_LEN), *extra, model=MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -103,12 +103,15 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 def _cached(dirname: str, build: Callable[[Path], object]) -> Path:
     """The cache entry `dirname`, built by `build(tmp_dir)` and renamed into place if absent."""
-    root = cache_root()
-    target = root / dirname
-    if target.is_dir():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dirname}.tmp-", dir=root))
+    target = cache_root() / dirname
+    return target if target.is_dir() else build_atomically(target, build)
+
+
+def build_atomically(target: Path, build: Callable[[Path], object]) -> Path:
+    """Build `target` with `build(tmp_dir)` in a sibling temp dir, then rename it into place, so a
+    reader never sees a half-built directory and racing builders both end with one good copy."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         build(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared

@@ -1,0 +1,44 @@
+"""Start a real `loragate engine` process on 127.0.0.1 for HTTP tests, and wait until it answers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_engine_server(log_path: Path, *args: str, model: str = "tiny-random",
+                        timeout_s: float = 120.0) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m loragate engine --model MODEL --port FREE --threads 1 ARGS...`; (process, base URL)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "loragate", "engine", "--model", model, "--port", str(port),
+            "--threads", "1", *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"engine did not come up:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.3)
