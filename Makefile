@@ -27,6 +27,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/priority.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
