@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from typing import Any
 
 from jinja2 import TemplateError
+from opentelemetry.trace import Span
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -37,6 +38,7 @@ from engine.protocol import ChatCompletionRequest, CompletionRequest
 from engine.request import Priority, TokenLogprob
 from engine.responses import (SSE_DONE, ApiError, ChatFormatter, CompletionFormatter, Formatter, error_body,
                               error_response, list_body, model_card, sse)
+from engine.tracing import engine_span, record_error, record_output
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +156,17 @@ class Api:
 
     async def _generate(self, request: Request, req: GenerationRequest, prompt_ids: list[int],
                         fmt: Formatter, adapter_id: str | None) -> Response:
+        """Run the request inside its trace span; a streamed response takes the span over and ends it."""
+        operation = "chat" if isinstance(req, ChatCompletionRequest) else "text_completion"
+        with contextlib.ExitStack() as scope:
+            span = scope.enter_context(engine_span(request.headers, operation, req.model or self.base_model,
+                                                   adapter_id))
+            response = await self._run(request, req, prompt_ids, fmt, adapter_id, span, scope)
+            span.set_attribute("http.response.status_code", response.status_code)
+            return response
+
+    async def _run(self, request: Request, req: GenerationRequest, prompt_ids: list[int], fmt: Formatter,
+                   adapter_id: str | None, span: Span, scope: contextlib.ExitStack) -> Response:
         priority = _priority(request)
         try:
             params = req.to_sampling_params(context_left=self.max_model_len - len(prompt_ids))
@@ -169,8 +182,8 @@ class Api:
             first = await unless_disconnected(request.receive, _next(it, adapter_id))
             if req.stream:
                 streaming = True
-                return StreamingResponse(self._events(it, first, fmt, tracker, req.include_usage),
-                                         media_type="text/event-stream", headers=_SSE_HEADERS)
+                events = self._events(it, first, fmt, tracker, req.include_usage, span, scope.pop_all())
+                return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
             result = await unless_disconnected(request.receive, _collect(it, first, tracker))
         except ClientGone:
             tracker.finish("abort")
@@ -180,13 +193,18 @@ class Api:
                 await close_outputs(it)
         tracker.finish()
         text, logprobs, last = result
+        record_output(span, last)
         if last.finish_reason == "abort":
             raise _unavailable("the request was aborted: the engine is shutting down")
         return JSONResponse(fmt.response(text, logprobs, last))
 
     async def _events(self, it: AsyncIterator[RequestOutput], first: RequestOutput, fmt: Formatter,
-                      tracker: RequestTracker, include_usage: bool) -> AsyncIterator[bytes]:
-        """SSE chunks as the engine produces them. Starlette cancels this when the client leaves."""
+                      tracker: RequestTracker, include_usage: bool, span: Span,
+                      scope: contextlib.ExitStack) -> AsyncIterator[bytes]:
+        """SSE chunks as the engine produces them. Starlette cancels this when the client leaves.
+
+        `scope` holds the request's span: the stream ends it.
+        """
         out = first
         try:
             while True:
@@ -200,13 +218,17 @@ class Api:
             if include_usage:
                 yield sse(fmt.usage_chunk(out))
         except ApiError as exc:
+            record_error(span, exc)
             yield sse(error_body(exc.type, exc.message))
-        except Exception:
+        except Exception as exc:
             logger.exception("stream %s failed", fmt.request_id)
+            record_error(span, exc)
             yield sse(error_body("internal_error", "internal server error"))
         finally:
             await close_outputs(it)
             tracker.finish()
+            record_output(span, out)
+            scope.close()
         yield SSE_DONE
 
     async def models(self, request: Request) -> Response:

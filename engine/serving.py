@@ -12,6 +12,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.server import Api, build_app
+from engine.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class _DrainingServer(uvicorn.Server):
 
 def serve(config: EngineConfig, host: str, port: int, log_level: str = "info") -> None:
     """Load the model, then serve the OpenAI API until SIGINT/SIGTERM (with a graceful drain)."""
+    setup_tracing("loragate-engine")
     engine = LLMEngine(config)
     app = build_app(AsyncEngine(engine))
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,

@@ -1,9 +1,9 @@
-"""The `loragate` command line: `engine` serves one model, `up` starts a local stack.
+"""The `loragate` command line: `engine` serves one model, `gateway` fronts engines, `up` starts a local stack.
 
 `up` first makes sure the demo adapters exist (trained once into the cache, see loragate/demo.py), then
-launches each component as a child process (today only the engine; the gateway goes in front of it
-once it exists), waits until each answers /healthz, prints where to send requests, and stops them all
-on Ctrl-C or SIGTERM.
+launches each component as a child process (an engine on an internal port, then the gateway in front
+of it with policies/default.yaml and a fresh dev API key), waits until each answers /healthz, prints
+where to send requests, and stops them all on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -24,6 +26,8 @@ from types import FrameType
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _STARTUP_TIMEOUT_S = 600.0  # the first smollm2 start converts the GGUF weights (~40 s on 2 cores)
+_UP_ENGINE_PORT = 8001  # `up`'s engine listens here, on 127.0.0.1 only: clients go through the gateway
+_DEFAULT_POLICY = Path(__file__).resolve().parents[1] / "policies" / "default.yaml"
 
 
 def _positive(text: str) -> int:
@@ -106,12 +110,26 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
 
 
+def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gateway", help="serve the gateway in front of engine replicas",
+                       description="Tenant auth, rate limits, admission and routing in front of engines.")
+    p.add_argument("--policy", required=True, type=Path, help="the policy YAML file (CONTRACT.md format)")
+    p.add_argument("--upstream", required=True, action="append", metavar="URL",
+                   help="an engine's base URL, e.g. http://127.0.0.1:8001 (repeat for more replicas)")
+    p.add_argument("--redis", metavar="URL",
+                   help="share rate limits across gateway replicas through this Redis (default: in-process)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--max-body-mb", type=_positive, default=1, help="largest request body, in MiB")
+    p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loragate", description="Multi-LoRA LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{engine,up,gateway}")
     _add_engine_parser(sub)
     _add_up_parser(sub)
-    sub.add_parser("gateway", help="the gateway (not available yet)", add_help=False)
+    _add_gateway_parser(sub)
     return parser
 
 
@@ -146,6 +164,29 @@ def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return 0
 
 
+def run_gateway(args: argparse.Namespace) -> int:
+    from gateway.policy import PolicyError, load_policy
+    from gateway.serving import serve
+
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as exc:
+        print(f"loragate gateway: error: {exc}", file=sys.stderr)
+        return 2
+    for url in args.upstream:
+        if not url.startswith(("http://", "https://")):
+            print(f"loragate gateway: error: --upstream {url!r}: expected an http(s):// URL", file=sys.stderr)
+            return 2
+    _setup_logging(args.log_level)
+    try:
+        serve(args.policy, args.upstream, args.redis, args.host, args.port, policy=policy,
+              max_body_bytes=args.max_body_mb << 20, log_level=args.log_level)
+    except PolicyError as exc:  # e.g. two tenants sharing a key through env: references
+        print(f"loragate gateway: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 @dataclass
 class Component:
     """One child process of `loragate up`."""
@@ -154,12 +195,13 @@ class Component:
     argv: list[str]
     url: str  # its base URL; ready when GET {url}/healthz answers 200
     process: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] | None = None  # None: inherit ours
 
 
 def launch(components: Sequence[Component], timeout_s: float = _STARTUP_TIMEOUT_S) -> None:
     """Start each component in order and wait until it is healthy (raise RuntimeError if it dies)."""
     for comp in components:
-        comp.process = subprocess.Popen(comp.argv)
+        comp.process = subprocess.Popen(comp.argv, env=comp.env)
         deadline = time.monotonic() + timeout_s
         while not _healthy(comp.url):
             if comp.process.poll() is not None:
@@ -219,27 +261,48 @@ def _served_adapters(url: str) -> list[str]:
         return []
 
 
-def _banner(url: str, adapter_ids: list[str]) -> str:
+def _banner(url: str, adapter_ids: list[str], dev_key: str = "<your API key>") -> str:
     from loragate.demo import DEMOS
 
     about = {demo.adapter_id: demo.description for demo in DEMOS}
-    lines = [f"\nloragate is up: OpenAI API at {url}/v1 (no API key needed yet: no gateway)"]
+    lines = [f"\nloragate is up: OpenAI API at {url}/v1 (the gateway; the engine behind it is internal)",
+             f"dev API key (new every run): {dev_key}",
+             f"  export KEY={dev_key}"]
     if adapter_ids:
         lines.append("adapters (choose one with the X-Adapter-ID header, or as the body's model):")
         lines += [f"  {a:<12} {about.get(a, '')}".rstrip() for a in adapter_ids]
     example = next((d.adapter_id for d in DEMOS if d.adapter_id in adapter_ids),
                    adapter_ids[0] if adapter_ids else None)
     header = f"-H 'X-Adapter-ID: {example}' " if example is not None else ""
-    lines += [f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' {header}\\",
+    lines += [f"  curl {url}/v1/chat/completions -H \"Authorization: Bearer $KEY\" \\",
+              f"    -H 'Content-Type: application/json' {header}\\",
               "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Tell me about the moon.\"}], "
               "\"max_tokens\": 48}'",
-              f"  curl {url}/v1/adapters     # list them; POST / DELETE load and unload at run time",
+              f"  curl {url}/v1/models -H \"Authorization: Bearer $KEY\"     # what this key may use",
               "Ctrl-C stops it."]
     return "\n".join(lines)
 
 
+def _up_components(args: argparse.Namespace, adapter_dir: Path | None, engine_url: str, url: str,
+                   dev_key: str) -> list[Component]:
+    engine_argv = [sys.executable, "-m", "loragate", "engine", "--model", args.model,
+                   "--host", "127.0.0.1", "--port", str(_UP_ENGINE_PORT), "--log-level", args.log_level]
+    if adapter_dir is not None:
+        engine_argv += ["--adapter-dir", str(adapter_dir)]
+    gateway_argv = [sys.executable, "-m", "loragate", "gateway", "--policy", str(_DEFAULT_POLICY),
+                    "--upstream", engine_url, "--host", args.host, "--port", str(args.port),
+                    "--log-level", args.log_level]
+    env = {**os.environ, "LORAGATE_DEV_API_KEY": dev_key, "LORAGATE_ADMIN_KEY": secrets.token_urlsafe(32)}
+    return [Component("engine", engine_argv, engine_url), Component("gateway", gateway_argv, url, env=env)]
+
+
 def run_up(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}"
+    engine_url = f"http://127.0.0.1:{_UP_ENGINE_PORT}"
+    if args.port == _UP_ENGINE_PORT:
+        print(f"loragate up: error: port {_UP_ENGINE_PORT} is the engine's; choose another --port",
+              file=sys.stderr)
+        return 2
     components: list[Component] = []
 
     def on_term(signum: int, frame: FrameType | None) -> None:
@@ -251,14 +314,12 @@ def run_up(args: argparse.Namespace) -> int:
             adapter_dir = _up_adapter_dir(args)
         except (ValueError, OSError) as exc:
             raise RuntimeError(f"cannot prepare the demo adapters: {exc}") from None
-        argv = [sys.executable, "-m", "loragate", "engine", "--model", args.model,
-                "--host", args.host, "--port", str(args.port), "--log-level", args.log_level]
-        if adapter_dir is not None:
-            argv += ["--adapter-dir", str(adapter_dir)]
-        components.append(Component("engine", argv, url))
-        print(f"loragate up: starting the engine ({args.model}) on {url} ...", flush=True)
+        dev_key = secrets.token_urlsafe(24)
+        components += _up_components(args, adapter_dir, engine_url, url, dev_key)
+        print(f"loragate up: starting the engine ({args.model}) on {engine_url} and the gateway on "
+              f"{url} ...", flush=True)
         launch(components)
-        print(_banner(url, _served_adapters(url)), flush=True)
+        print(_banner(url, _served_adapters(engine_url), dev_key), flush=True)
         _wait_any_exit(components)
         print("loragate up: a component exited; stopping the rest", file=sys.stderr)
         return 1
@@ -273,13 +334,9 @@ def run_up(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "gateway":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args = parser.parse_args(argv)
     if args.command == "engine":
         return run_engine(args, parser)
-    if args.command == "up":
-        return run_up(args)
-    print("loragate gateway: error: the gateway is not available yet; use `loragate engine`",
-          file=sys.stderr)
-    return 2
+    if args.command == "gateway":
+        return run_gateway(args)
+    return run_up(args)

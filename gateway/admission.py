@@ -1,0 +1,298 @@
+"""Admission: a bounded number of requests in flight per upstream, a priority queue for the rest.
+
+`AdmissionController.acquire(priority, tenant)` returns a `Slot` on an upstream or raises `Shed`:
+- An upstream can take a request when its breaker allows it and fewer than `max_inflight_per_upstream`
+  requests are in flight on it; among those the least loaded is chosen (ties rotate).
+- Otherwise the request waits in one of three bands (critical, standard, sheddable). Within a band the
+  tenants take turns (round-robin over tenants that have someone waiting, FIFO within a tenant), so a
+  tenant with 100 queued cannot starve one with 1. Whenever a slot is released or a breaker changes
+  state, the best waiter that some upstream has room for gets the slot.
+- The queue holds at most `max_queue` waiters. When it is full, the newest waiter of the lowest non-empty
+  band is shed (`queue_full`) if that band is lower than the arrival; otherwise the arrival is shed.
+- A waiter gives up after `queue_timeout_s` (`queue_timeout`); a cancelled waiter (client gone) leaves
+  the queue at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from engine.request import Priority
+from gateway.breaker import CircuitBreaker
+
+BAND_NAMES = ("critical", "standard", "sheddable")  # indexed by Priority
+QUEUE_RETRY_AFTER_S = 1.0  # Retry-After for queue_full / queue_timeout / draining / no_upstream
+
+_MESSAGES = {
+    "queue_full": "the gateway's admission queue is full",
+    "queue_timeout": "the request waited too long for a free upstream slot",
+    "draining": "the gateway is draining and takes no new requests",
+    "circuit_open": "every upstream's circuit breaker is open",
+    "no_upstream": "no upstream is available for this request",
+}
+
+
+class Shed(Exception):
+    """A request refused by admission; the app answers 503 with Retry-After and X-Loragate-Reason."""
+
+    status = 503
+
+    def __init__(self, reason: str, retry_after_s: float = QUEUE_RETRY_AFTER_S) -> None:
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        self.message = _MESSAGES.get(reason, reason)
+        super().__init__(f"{reason}: {self.message}")
+
+
+@dataclass(eq=False, slots=True)
+class Upstream:
+    url: str
+    breaker: CircuitBreaker
+    inflight: int = 0
+
+
+class Slot:
+    """The right to send one request to `upstream`. `release()` is idempotent and wakes the next waiter."""
+
+    __slots__ = ("upstream", "wait_s", "_controller", "_released")
+
+    def __init__(self, upstream: Upstream, controller: AdmissionController, wait_s: float) -> None:
+        self.upstream = upstream
+        self.wait_s = wait_s  # seconds spent queued (0 when admitted at once)
+        self._controller = controller
+        self._released = False
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.upstream.inflight -= 1
+        self._controller._dispatch()
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    priority: Priority
+    tenant: str
+    exclude: frozenset[str]
+    seq: int
+    enqueued_at: float
+    future: asyncio.Future[Slot]
+
+
+@dataclass(slots=True)
+class _Band:
+    """One priority band: tenants in turn order, each with its FIFO of waiters."""
+
+    order: deque[str] = field(default_factory=deque)  # tenants with someone waiting; next turn first
+    queues: dict[str, deque[_Waiter]] = field(default_factory=dict)
+
+    def add(self, waiter: _Waiter) -> None:
+        if waiter.tenant not in self.queues:
+            self.queues[waiter.tenant] = deque()
+            self.order.append(waiter.tenant)
+        self.queues[waiter.tenant].append(waiter)
+
+    def remove(self, waiter: _Waiter) -> None:
+        queue = self.queues[waiter.tenant]
+        queue.remove(waiter)
+        if not queue:
+            del self.queues[waiter.tenant]
+            self.order.remove(waiter.tenant)
+
+    def served(self, waiter: _Waiter) -> None:
+        """Remove a waiter that got a slot; its tenant's next turn comes after every other tenant's."""
+        self.remove(waiter)
+        if waiter.tenant in self.queues:
+            self.order.remove(waiter.tenant)
+            self.order.append(waiter.tenant)
+
+    def newest(self) -> _Waiter | None:
+        tails = [queue[-1] for queue in self.queues.values()]
+        return max(tails, key=lambda w: w.seq, default=None)
+
+    def in_turn_order(self) -> Iterator[_Waiter]:
+        """Waiters in serving order; stop iterating before changing the band."""
+        for tenant in self.order:
+            yield from self.queues[tenant]
+
+
+class AdmissionController:
+    def __init__(
+        self,
+        upstreams: list[Upstream],
+        max_inflight_per_upstream: int,
+        max_queue: int,
+        queue_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert max_inflight_per_upstream >= 1 and max_queue >= 0
+        self.upstreams = list(upstreams)
+        self.max_inflight_per_upstream = max_inflight_per_upstream
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
+        self._clock = clock
+        self._bands = [_Band() for _ in Priority]
+        self._depths = [0 for _ in Priority]  # waiters per band; each queued waiter's future is pending
+        self._seq = itertools.count()
+        self._rotation = 0  # rotates ties between equally loaded upstreams
+        self._draining = False
+        self._wakeup: asyncio.TimerHandle | None = None  # re-dispatch when an open breaker turns half-open
+        for upstream in self.upstreams:
+            upstream.breaker.subscribe(self._dispatch)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    async def acquire(
+        self, priority: Priority, tenant: str, exclude: frozenset[str] = frozenset()
+    ) -> Slot:
+        if self._draining:
+            raise Shed("draining")
+        candidates = [u for u in self.upstreams if u.url not in exclude]
+        if not candidates:
+            raise Shed("no_upstream")
+        if not any(u.breaker.can_allow() for u in candidates):
+            raise Shed("circuit_open", min(u.breaker.retry_after_s() for u in candidates))
+        if not any(self._depths[: priority + 1]):  # nobody at this priority or above is waiting
+            upstream = self._pick(exclude)
+            if upstream is not None:
+                return self._grant(upstream, wait_s=0.0)
+        self._make_room(priority)
+        future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(priority, tenant, exclude, next(self._seq), self._clock(), future)
+        self._bands[priority].add(waiter)
+        self._depths[priority] += 1
+        self._dispatch()
+        return await self._wait(waiter)
+
+    def drain(self) -> None:
+        """Refuse new requests and fail every queued one with `draining`; slots in flight finish."""
+        self._draining = True
+        for band in self._bands:
+            for waiter in list(band.in_turn_order()):
+                self._shed(waiter, Shed("draining"))
+
+    def close(self) -> None:
+        """Detach from the breakers (for a controller being replaced, e.g. on policy reload)."""
+        for upstream in self.upstreams:
+            upstream.breaker.unsubscribe(self._dispatch)
+        if self._wakeup is not None:
+            self._wakeup.cancel()
+            self._wakeup = None
+
+    def queue_depths(self) -> dict[str, int]:
+        return dict(zip(BAND_NAMES, self._depths, strict=True))
+
+    def inflight(self) -> dict[str, int]:
+        return {u.url: u.inflight for u in self.upstreams}
+
+    async def _wait(self, waiter: _Waiter) -> Slot:
+        # A timer sheds the waiter on timeout, not asyncio.wait_for: on Python 3.11 wait_for swallows a
+        # cancellation that lands in the tick the slot is granted (gh-86296). One of grant/shed settles it.
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(self.queue_timeout_s, self._shed, waiter, Shed("queue_timeout"))
+        try:
+            return await waiter.future
+        except BaseException:
+            self._remove(waiter)
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().release()  # granted, but the caller was cancelled (client gone)
+            raise
+        finally:
+            timer.cancel()
+
+    def _pick(self, exclude: frozenset[str]) -> Upstream | None:
+        """The least loaded upstream with room whose breaker allows a request (a probe, if half-open)."""
+        n = len(self.upstreams)
+        order = sorted(
+            range(n), key=lambda i: (self.upstreams[i].inflight, (i - self._rotation) % n)
+        )
+        for i in order:
+            upstream = self.upstreams[i]
+            if upstream.url in exclude or upstream.inflight >= self.max_inflight_per_upstream:
+                continue
+            if upstream.breaker.allow():
+                self._rotation += 1
+                return upstream
+        return None
+
+    def _grant(self, upstream: Upstream, wait_s: float) -> Slot:
+        upstream.inflight += 1
+        return Slot(upstream, self, wait_s)
+
+    def _make_room(self, priority: Priority) -> None:
+        """Ensure the queue can take one more waiter of `priority`, or raise Shed(queue_full)."""
+        if sum(self._depths) < self.max_queue:
+            return
+        for band_priority in reversed(Priority):
+            if band_priority <= priority:
+                break
+            victim = self._bands[band_priority].newest()
+            if victim is not None:
+                self._shed(victim, Shed("queue_full"))
+                return
+        raise Shed("queue_full")
+
+    def _remove(self, waiter: _Waiter) -> None:
+        """Take a waiter out of the queue if it is still there (idempotent)."""
+        band = self._bands[waiter.priority]
+        if waiter in band.queues.get(waiter.tenant, ()):
+            band.remove(waiter)
+            self._depths[waiter.priority] -= 1
+
+    def _shed(self, waiter: _Waiter, error: Shed) -> None:
+        self._remove(waiter)
+        if not waiter.future.done():
+            waiter.future.set_exception(error)
+
+    def _dispatch(self) -> None:
+        """Hand free slots to the best waiters: band by band, tenants in turn, FIFO within a tenant."""
+        while any(self._depths) and self._grant_one():
+            pass
+        if any(self._depths):
+            self._schedule_wakeup()
+
+    def _grant_one(self) -> bool:
+        """Give one slot to the first waiter in priority and turn order that an upstream has room for."""
+        cap = self.max_inflight_per_upstream
+        if not any(u.inflight < cap and u.breaker.can_allow() for u in self.upstreams):
+            return False  # fast path: nothing is free
+        refused: set[frozenset[str]] = set()  # exclude sets no upstream can serve right now
+        for priority, band in zip(Priority, self._bands, strict=True):
+            for waiter in band.in_turn_order():
+                if waiter.exclude in refused:
+                    continue
+                upstream = self._pick(waiter.exclude)
+                if upstream is None:
+                    refused.add(waiter.exclude)
+                    continue
+                band.served(waiter)
+                self._depths[priority] -= 1
+                waiter.future.set_result(self._grant(upstream, self._clock() - waiter.enqueued_at))
+                return True
+        return False
+
+    def _schedule_wakeup(self) -> None:
+        """Waiters are left and some breaker is open: look again when the soonest turns half-open."""
+        if self._wakeup is not None:
+            return
+        delays = [u.breaker.retry_after_s() for u in self.upstreams if u.breaker.state == "open"]
+        if not delays:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._wakeup = loop.call_later(min(delays), self._on_wakeup)
+
+    def _on_wakeup(self) -> None:
+        self._wakeup = None
+        self._dispatch()

@@ -1,0 +1,283 @@
+"""The gateway's HTTP app (Starlette): one generation request's path through the gateway.
+
+  auth (Bearer key -> tenant, else 401) -> body (413 / 400) -> adapter (X-Adapter-ID or `model`; a rollout
+  name -> its first variant; not allowed -> 403; unknown -> 404) -> priority (X-Priority capped to the
+  tenant's max_priority) -> rate limit (429 rate_limited | tokens_exhausted) -> admission (503 queue_full |
+  queue_timeout | circuit_open | no_upstream | draining) -> proxy (gateway/proxy.py) -> settle: release
+  the slot, reconcile the token reservation with the real usage, metrics, span.
+
+The generation routes are plain ASGI callables (not request -> response functions) so that one task owns
+the request from the first byte read to the last byte sent: the span stays current while the stream
+runs, and the settle step runs after the response is done, however it ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+
+import anyio
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.middleware import Middleware
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from engine.http_io import ClientGone, adapter_not_found, unless_disconnected
+from engine.responses import ApiError, error_response
+from gateway.admin import AdminRoutes, PolicyStore, unauthorized
+from gateway.admission import AdmissionController, Shed, Upstream
+from gateway.breaker import CircuitBreaker
+from gateway.policy import Policy, Tenant
+from gateway.proxy import Call, Exchange, Proxy
+from gateway.ratelimit import Decision, RateLimiter, RateLimiterUnavailable, Reservation
+from gateway.request_context import GenerationBody, HeaderLimit, read_body, resolve_priority
+from gateway.routes import HANDLERS, Api
+from gateway.telemetry import GatewayMetrics, finish_span, request_span
+from gateway.upstream import DEFAULT_READ_TIMEOUT_S, UpstreamCatalog, make_client
+
+logger = logging.getLogger(__name__)
+
+
+# The X-Loragate-Reason values; the metrics' reason label takes only these.
+REASONS = frozenset({"rate_limited", "tokens_exhausted", "queue_full", "queue_timeout", "circuit_open",
+                     "no_upstream", "draining", "ratelimit_unavailable"})
+
+
+def _seconds(value: float) -> str:
+    return str(max(1, math.ceil(value)))
+
+
+def shed_response(shed: Shed, headers: dict[str, str]) -> JSONResponse:
+    return error_response(503, "service_unavailable", shed.message,
+                          {**headers, "X-Loragate-Reason": shed.reason, "Retry-After": _seconds(shed.retry_after_s)})
+
+
+def ratelimit_headers(decision: Decision) -> dict[str, str]:
+    return {"RateLimit-Limit": str(decision.limit), "RateLimit-Remaining": str(max(0, decision.remaining)),
+            "RateLimit-Reset": str(math.ceil(max(0.0, decision.reset_s)))}
+
+
+class Gateway:
+    """The state one app serves from: policy, limiter, admission, upstreams, proxy, metrics."""
+
+    def __init__(self, store: PolicyStore, limiter: RateLimiter, admission: AdmissionController,
+                 catalog: UpstreamCatalog, proxy: Proxy, metrics: GatewayMetrics, max_body_bytes: int) -> None:
+        self.store = store
+        self.limiter = limiter
+        self.admission = admission
+        self.catalog = catalog
+        self.proxy = proxy
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.draining = False
+        self._decisions: dict[str, tuple[Decision, float]] = {}  # tenant -> last decision, for headers
+
+    def drain(self) -> None:
+        """Stop admitting (503 draining, /readyz 503); requests in flight finish."""
+        self.draining = True
+        self.admission.drain()
+
+    def base_name(self, named: str | None) -> str:
+        """The base model a request without an adapter is served by (the one it named, if several)."""
+        bases = self.catalog.cached().bases
+        if named in bases:
+            return named
+        return min(bases) if bases else "base"
+
+    def tenant(self, request: Request) -> Tenant:
+        tenant = self.store.active.auth.tenant_for(request.headers.get("authorization"))
+        if tenant is None:
+            raise unauthorized("a valid API key is required (Authorization: Bearer <key>)")
+        return tenant
+
+    def known_headers(self, tenant: str) -> dict[str, str]:
+        """RateLimit-* from the tenant's last decision, for answers given before the limiter is asked."""
+        last = self._decisions.get(tenant)
+        if last is None:
+            return {}
+        decision, at = last
+        elapsed = time.monotonic() - at
+        return ratelimit_headers(Decision(decision.allowed, decision.reason, 0.0, decision.limit,
+                                          decision.remaining, max(0.0, decision.reset_s - elapsed)))
+
+    async def resolve_adapter(self, request: Request, body: GenerationBody, tenant: Tenant) -> str | None:
+        """The adapter to serve (None: the base model); 403 not allowed, 404 unknown."""
+        name = request.headers.get("x-adapter-id", "").strip() or (body.model or "").strip()
+        models = await self.catalog.models()
+        if not name or name in models.bases:
+            return None
+        if not tenant.allows(name):
+            raise ApiError(403, "permission_denied", f"adapter {name!r} is not allowed for tenant {tenant.id!r}")
+        rollout = self.store.active.policy.rollout(name)
+        adapter = rollout.variants[0].adapter if rollout is not None else name
+        if models.all and adapter not in models.adapters:  # nothing learned yet: the upstream decides
+            raise adapter_not_found(adapter)
+        return adapter
+
+    async def rate_limit(self, tenant: Tenant, tokens: int) -> tuple[dict[str, str], Reservation | None]:
+        """The RateLimit-* headers and the reservation; 429 over a limit, 503 when Redis fails closed."""
+        try:
+            decision, reservation = await self.limiter.acquire(
+                tenant.id, self.store.active.policy.limits_for(tenant), tokens)
+        except RateLimiterUnavailable:
+            self.metrics.count_ratelimit("unavailable")
+            raise ApiError(503, "service_unavailable", "the rate limiter's store is unreachable",
+                           {"Retry-After": "1", "X-Loragate-Reason": "ratelimit_unavailable"}) from None
+        self._decisions[tenant.id] = (decision, time.monotonic())
+        headers = ratelimit_headers(decision)
+        self.metrics.count_ratelimit("allowed" if decision.allowed else (decision.reason or "rate_limited"))
+        if not decision.allowed:
+            reason = decision.reason or "rate_limited"
+            what = "requests" if reason == "rate_limited" else "tokens per minute"
+            raise ApiError(429, "rate_limit_exceeded", f"tenant {tenant.id!r} is over its {what} limit",
+                           {**headers, "Retry-After": _seconds(decision.retry_after_s),
+                            "X-Loragate-Reason": reason})
+        return headers, reservation
+
+    async def settle(self, exchange: Exchange) -> None:
+        """After the response: close the upstream, free the slot, give back unused reserved tokens."""
+        with anyio.CancelScope(shield=True):
+            await exchange.close_upstream()
+            if exchange.slot is not None:
+                exchange.slot.release()
+            reservation, exchange.reservation = exchange.reservation, None  # settle it once
+            if reservation is None:
+                return
+            if exchange.prompt_tokens is not None and exchange.completion_tokens is not None:
+                used = exchange.prompt_tokens + exchange.completion_tokens
+            else:  # no usage seen: nothing was generated, or we cannot tell (then keep the reservation)
+                used = reservation.tokens if exchange.delivered else 0
+            try:
+                await self.limiter.reconcile(reservation, used)
+            except Exception:
+                logger.exception("reconciling %s's token reservation failed", reservation.tenant)
+
+
+class Generate:
+    """POST /v1/completions or /v1/chat/completions, as an ASGI app."""
+
+    def __init__(self, gateway: Gateway, path: str, chat: bool) -> None:
+        self.gw = gateway
+        self.path = path
+        self.chat = chat
+        self.operation = "chat" if chat else "text_completion"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        started = time.monotonic()
+        tenant_id = "unknown"
+        try:
+            tenant = self.gw.tenant(request)
+            tenant_id = tenant.id
+            data = await read_body(request, self.gw.max_body_bytes)
+            body = GenerationBody.parse(data, self.chat)
+            adapter = await self.gw.resolve_adapter(request, body, tenant)
+            priority = resolve_priority(request.headers.get("x-priority"), self.gw.store.active.policy, tenant)
+        except ApiError as exc:
+            headers = {**self.gw.known_headers(tenant_id), **exc.headers}
+            await error_response(exc.status, exc.type, exc.message, headers)(scope, receive, send)
+            self.gw.metrics.observe_request(tenant_id, "", exc.status, exc.headers.get("X-Loragate-Reason"),
+                                            time.monotonic() - started)
+            return
+        shown = adapter or self.gw.base_name(body.model)
+        call = Call(self.path, data, tenant.id, adapter, shown, priority, body.stream, body.include_usage,
+                    started)
+        with request_span(self.operation, shown, tenant=tenant.id, adapter=shown,
+                          priority=priority.name.lower()) as span:
+            exchange = Exchange()
+            try:
+                try:
+                    response = await self._admit_and_forward(request, tenant, body, call, exchange)
+                except ApiError as exc:
+                    exchange.status = exc.status
+                    exchange.outcome = exc.headers.get("X-Loragate-Reason", exc.type)
+                    response = error_response(exc.status, exc.type, exc.message, exc.headers)
+                await response(scope, receive, send)
+            finally:
+                await self.gw.settle(exchange)
+                exchange.status = exchange.status or 500  # 0: an unexpected error, answered 500 by Starlette
+                finish_span(span, status_code=exchange.status, outcome=exchange.outcome,
+                            input_tokens=exchange.prompt_tokens, output_tokens=exchange.completion_tokens)
+                reason = exchange.outcome if exchange.outcome in REASONS else None
+                self.gw.metrics.observe_request(tenant.id, shown, exchange.status, reason,
+                                                time.monotonic() - started)
+
+    async def _admit_and_forward(self, request: Request, tenant: Tenant, body: GenerationBody, call: Call,
+                                 exchange: Exchange) -> Response:
+        if self.gw.draining:
+            raise ApiError(503, "service_unavailable", "the gateway is draining and takes no new requests",
+                           {"Retry-After": "1", "X-Loragate-Reason": "draining"})
+        headers, exchange.reservation = await self.gw.rate_limit(tenant, body.reserve_tokens)
+        try:
+            exchange.slot = await unless_disconnected(
+                request.receive, self.gw.admission.acquire(call.priority, tenant.id))
+            response = await unless_disconnected(request.receive, self.gw.proxy.forward(call, exchange))
+        except Shed as shed:
+            exchange.status, exchange.outcome = 503, shed.reason
+            return shed_response(shed, headers)
+        except ClientGone:
+            exchange.status, exchange.outcome = 499, "client_gone"
+            return Response(status_code=499)  # nobody reads it; uvicorn drops it
+        if exchange.status == 0:
+            exchange.status = response.status_code
+        response.headers.update(headers)
+        if response.status_code < 400:
+            response.headers["X-Loragate-Adapter"] = call.served
+        return response
+
+
+def build_app(policy: Policy, upstream_urls: list[str], limiter: RateLimiter, *,
+              metrics: GatewayMetrics | None = None, max_body_bytes: int = 1 << 20,
+              client: httpx.AsyncClient | None = None, policy_path: Path | None = None,
+              environ: Mapping[str, str] = os.environ,
+              read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> Starlette:
+    """The gateway app in front of `upstream_urls`; `policy_path` enables POST /admin/reload."""
+    metrics = metrics if metrics is not None else GatewayMetrics()
+    b = policy.breaker
+    upstreams = [Upstream(url.rstrip("/"), CircuitBreaker(b.failure_threshold, b.open_seconds, b.half_open_probes))
+                 for url in upstream_urls]
+    a = policy.admission
+    admission = AdmissionController(upstreams, a.max_inflight_per_upstream, a.max_queue, a.queue_timeout_s)
+    own_client = client is None
+    http = client if client is not None else make_client(a.max_inflight_per_upstream, len(upstreams),
+                                                         read_timeout_s)
+    store = PolicyStore(policy, policy_path, environ)
+    gateway = Gateway(store, limiter, admission, UpstreamCatalog(upstreams, http), Proxy(http, admission, metrics),
+                      metrics, max_body_bytes)
+    metrics.bind(queue_depths=admission.queue_depths, inflight=admission.inflight,
+                 breaker_states=lambda: {u.url: u.breaker.state for u in upstreams},
+                 redis_errors=lambda: int(getattr(limiter, "redis_errors", 0)))
+    api, admin = Api(gateway), AdminRoutes(store)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            gateway.drain()
+            if own_client:
+                await http.aclose()
+            await limiter.aclose()
+
+    routes = [
+        Route("/v1/completions", Generate(gateway, "/v1/completions", chat=False), methods=["POST"]),
+        Route("/v1/chat/completions", Generate(gateway, "/v1/chat/completions", chat=True), methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/healthz", api.healthz, methods=["GET"]),
+        Route("/readyz", api.readyz, methods=["GET"]),
+        Route("/metrics", api.metrics_text, methods=["GET"]),
+        Route("/admin/policy", admin.policy, methods=["GET"]),
+        Route("/admin/reload", admin.reload, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan,
+                    middleware=[Middleware(HeaderLimit)])
+    app.state.gateway = gateway
+    return app

@@ -1,0 +1,286 @@
+"""The gateway policy: tenants, API keys, limits, rollouts, admission and breaker settings.
+
+A policy file (YAML, CONTRACT.md format, `version: 1`) is parsed once, at the edge, into the frozen
+pydantic models below; nothing deeper in the gateway reads raw dicts. Every problem in a file raises
+`PolicyError`, whose message names the offending key (`tenants[0].limits.burst: ...`), so a reload can
+be refused with a message the operator can act on.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import model_validator
+
+from engine.request import Priority
+
+__all__ = [
+    "Admission", "Breaker", "Defaults", "Limits", "Policy", "PolicyError", "RateLimitPolicy",
+    "Rollback", "Rollout", "Tenant", "Variant", "load_policy", "parse_policy",
+]
+
+_HASH_RE = re.compile(r"sha256:[0-9a-f]{64}")
+_ENV_RE = re.compile(r"env:[A-Za-z_][A-Za-z0-9_]*")
+_HEADER_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
+
+
+class PolicyError(ValueError):
+    """A policy file that cannot be used; the message names the key at fault."""
+
+
+def _key_ref(value: str) -> str:
+    # The value is never echoed: a raw key pasted here by mistake must not end up in logs.
+    if not (_HASH_RE.fullmatch(value) or _ENV_RE.fullmatch(value)):
+        raise ValueError("must be 'sha256:<64 lowercase hex digits>' or 'env:<ENV_VAR_NAME>'")
+    return value
+
+
+def _sticky_key(value: str) -> str:
+    if value != "tenant" and not (value.startswith("header:") and _HEADER_RE.fullmatch(value[7:])):
+        raise ValueError("must be 'tenant' or 'header:<Header-Name>'")
+    return value
+
+
+def _header_name(value: str) -> str:
+    if not _HEADER_RE.fullmatch(value):
+        raise ValueError("must be an HTTP header name")
+    return value
+
+
+KeyRef = Annotated[str, AfterValidator(_key_ref)]
+PriorityName = Literal["critical", "standard", "sheddable"]
+# Numbers are strict: `burst: "20"` or `burst: true` in YAML is a mistake, not something to coerce.
+PosInt = Annotated[int, Field(strict=True, ge=1)]
+NonNegInt = Annotated[int, Field(strict=True, ge=0)]
+PosFloat = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Limits(_Model):
+    requests_per_second: PosFloat
+    burst: PosInt
+    tokens_per_minute: PosInt
+
+
+class Defaults(_Model):
+    priority: PriorityName = "standard"
+    limits: Limits = Limits(requests_per_second=10, burst=20, tokens_per_minute=60000)
+
+
+class Tenant(_Model):
+    id: NonEmptyStr
+    api_keys: tuple[KeyRef, ...]
+    adapters: tuple[NonEmptyStr, ...] = ()  # globs over adapter ids and rollout names
+    max_priority: PriorityName = "critical"
+    limits: Limits | None = None  # None: the policy's defaults
+
+    def allows(self, adapter_id: str) -> bool:
+        """Whether this tenant may use an adapter id or rollout name (case-sensitive globs)."""
+        return any(fnmatch.fnmatchcase(adapter_id, glob) for glob in self.adapters)
+
+    @property
+    def priority_cap(self) -> Priority:
+        return Priority.parse(self.max_priority)
+
+    def cap(self, priority: Priority) -> Priority:
+        """The priority a request asking for `priority` gets. CRITICAL is 0, so the cap is a max()."""
+        return max(priority, self.priority_cap)
+
+
+class Variant(_Model):
+    adapter: NonEmptyStr
+    weight: Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
+
+
+class Rollback(_Model):
+    max_error_rate: Annotated[float, Field(strict=True, ge=0, le=1)]
+    max_ttft_p99_ms: PosFloat
+    min_requests: PosInt
+    window_s: PosFloat
+
+
+def _check_variants(variants: tuple[Variant, ...]) -> tuple[Variant, ...]:
+    if sum(v.weight for v in variants) <= 0:
+        raise ValueError("weights must sum to more than 0")
+    seen = [v.adapter for v in variants]
+    dup = next((a for i, a in enumerate(seen) if a in seen[:i]), None)
+    if dup is not None:
+        raise ValueError(f"adapter {dup!r} is listed twice")
+    return variants
+
+
+class Rollout(_Model):
+    name: NonEmptyStr
+    sticky_key: Annotated[str, AfterValidator(_sticky_key)] = "header:X-User-ID"
+    variants: Annotated[tuple[Variant, ...], Field(min_length=1), AfterValidator(_check_variants)]
+    override_header: Annotated[str, AfterValidator(_header_name)] | None = None
+    rollback: Rollback | None = None
+
+
+class Admission(_Model):
+    max_inflight_per_upstream: PosInt = 32
+    max_queue: NonNegInt = 256  # 0: no queue, shed when every upstream is full
+    queue_timeout_ms: PosInt = 10000
+
+    @property
+    def queue_timeout_s(self) -> float:
+        return self.queue_timeout_ms / 1000
+
+
+class Breaker(_Model):
+    failure_threshold: PosInt = 5
+    open_seconds: PosFloat = 10.0
+    half_open_probes: PosInt = 1
+
+
+class RateLimitPolicy(_Model):
+    on_redis_error: Literal["open", "closed"] = "open"
+
+
+class Policy(_Model):
+    version: Literal[1]
+    defaults: Defaults = Defaults()
+    admin_keys: tuple[KeyRef, ...] = ()
+    tenants: tuple[Tenant, ...] = ()
+    rollouts: tuple[Rollout, ...] = ()
+    admission: Admission = Admission()
+    breaker: Breaker = Breaker()
+    ratelimit: RateLimitPolicy = RateLimitPolicy()
+
+    _tenants: dict[str, Tenant] = PrivateAttr(default_factory=dict)
+    _rollouts: dict[str, Rollout] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_unique(self) -> Policy:
+        # Messages carry their own path: a model validator's error has no location of its own.
+        _first_duplicate(self.tenants, lambda t: t.id, "tenants", "id", "tenant id")
+        _first_duplicate(self.rollouts, lambda r: r.name, "rollouts", "name", "rollout name")
+        owner: dict[str, str] = {}
+        for i, tenant in enumerate(self.tenants):
+            for j, ref in enumerate(tenant.api_keys):
+                if ref.startswith("sha256:") and owner.setdefault(ref, tenant.id) != tenant.id:
+                    where = f"tenants[{i}].api_keys[{j}]"
+                    raise ValueError(f"{where}: key already belongs to tenant {owner[ref]!r}")
+        return self
+
+    def model_post_init(self, context: Any, /) -> None:
+        self._tenants = {t.id: t for t in self.tenants}
+        self._rollouts = {r.name: r for r in self.rollouts}
+
+    def tenant(self, tenant_id: str) -> Tenant | None:
+        return self._tenants.get(tenant_id)
+
+    def rollout(self, name: str) -> Rollout | None:
+        return self._rollouts.get(name)
+
+    def limits_for(self, tenant: Tenant) -> Limits:
+        return tenant.limits if tenant.limits is not None else self.defaults.limits
+
+    @property
+    def default_priority(self) -> Priority:
+        return Priority.parse(self.defaults.priority)
+
+
+def _first_duplicate(items: tuple[Any, ...], key: Any, where: str, field: str, what: str) -> None:
+    seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first = seen.setdefault(key(item), i)
+        if first != i:
+            raise ValueError(
+                f"{where}[{i}].{field}: duplicate {what} {key(item)!r} (first at {where}[{first}])"
+            )
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a mapping naming the same key twice (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                mark = key_node.start_mark
+                raise PolicyError(f"duplicate key {key!r} at line {mark.line + 1}, column {mark.column + 1}")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_policy(text: str) -> Policy:
+    """Parse and validate policy YAML; raises PolicyError naming the offending key."""
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise PolicyError(f"invalid YAML{where}: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise PolicyError(f"invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        got = "an empty document" if data is None else f"a {type(data).__name__}"
+        raise PolicyError(f"the policy must be a mapping at the top level, got {got}")
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as e:
+        raise PolicyError("; ".join(_describe(err) for err in e.errors())) from None
+
+
+def load_policy(path: Path) -> Policy:
+    """Read and parse a policy file; errors are prefixed with the file's path."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PolicyError(f"{path}: cannot read policy file: {e}") from None
+    try:
+        return parse_policy(text)
+    except PolicyError as e:
+        raise PolicyError(f"{path}: {e}") from None
+
+
+# pydantic speaks Python; a policy author wrote YAML.
+_PLAIN_MESSAGES = {"tuple_type": "Input should be a list", "model_type": "Input should be a mapping"}
+
+
+def _describe(err: Any) -> str:
+    """One pydantic error as `key.path[0].leaf: message`, without echoing the input value."""
+    loc = err["loc"]
+    if err["type"] == "extra_forbidden":
+        allowed = ", ".join(_model_at(loc[:-1]).model_fields)
+        message = f"unknown key (expected one of: {allowed})"
+    elif err["type"] == "value_error":
+        message = str(err["ctx"]["error"])
+    elif err["type"] in _PLAIN_MESSAGES:
+        message = _PLAIN_MESSAGES[err["type"]]
+    else:
+        message = err["msg"].replace("Tuple should", "List should")
+    path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+    return f"{path}: {message}" if path else message
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
+    """The model class whose fields live at `loc` (list indexes skipped)."""
+    model: type[BaseModel] = Policy
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        model = _inner_model(model.model_fields[part].annotation)
+    return model
+
+
+def _inner_model(annotation: Any) -> type[BaseModel]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        try:
+            return _inner_model(arg)
+        except LookupError:
+            continue
+    raise LookupError(annotation)

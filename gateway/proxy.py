@@ -1,0 +1,300 @@
+"""Forward one admitted request to an engine replica and relay its answer.
+
+- Non-streaming: the upstream's JSON (any status below 500) is passed through unchanged.
+- Streaming: Server-Sent Events are relayed one event at a time, as they arrive (never buffered beyond an
+  event boundary). The gateway always asks the upstream for the final usage chunk (to settle the
+  tenant's token budget with real numbers) and drops it, and the `"usage": null` it puts on every
+  chunk, when the client did not ask for it.
+- Failures: a connect error, a timeout or a 5xx counts against the upstream's circuit breaker (a 4xx is
+  the client's doing and does not). A failure before the first byte reached the client is retried ONCE
+  on another upstream; after it, the client gets `data: {"error": ...}` then `data: [DONE]`, so no token
+  is ever sent twice.
+
+The `Exchange` records what happened (status, outcome, tokens, the slot held); the app settles it
+(release the slot, reconcile the reservation) once the response has been sent, whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+from starlette.responses import Response, StreamingResponse
+
+from engine.request import Priority
+from engine.responses import SSE_DONE, error_body, error_response, sse
+from gateway.admission import AdmissionController, Shed, Slot
+from gateway.ratelimit import Reservation
+from gateway.telemetry import GatewayMetrics, inject_headers
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One request as it goes upstream."""
+
+    path: str
+    body: dict[str, Any]  # the client's body, forwarded as-is (the engine validates it)
+    tenant: str
+    adapter: str | None  # the resolved adapter id; None: the base model
+    served: str  # what X-Loragate-Adapter and the metrics' adapter label say: the adapter or base model
+    priority: Priority
+    stream: bool
+    include_usage: bool  # the client wants the final usage chunk
+    started_at: float  # time.monotonic() when the gateway received it
+
+
+@dataclass(slots=True)
+class Exchange:
+    """The mutable record of one proxied request (owned by one request's task)."""
+
+    slot: Slot | None = None
+    reservation: Reservation | None = None  # the tenant's reserved tokens, settled after the response
+    status: int = 0
+    outcome: str = "ok"
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    delivered: bool = False  # some byte of the answer reached the client
+    upstream: httpx.Response | None = None  # an open upstream stream, closed on settle
+    tried: set[str] = field(default_factory=set)
+
+    def take_usage(self, usage: Any) -> None:
+        if isinstance(usage, dict):
+            self.prompt_tokens = _int_or_none(usage.get("prompt_tokens"))
+            self.completion_tokens = _int_or_none(usage.get("completion_tokens"))
+
+    async def close_upstream(self) -> None:
+        if self.upstream is not None:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+            self.upstream = None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class UpstreamFailed(Exception):
+    """One attempt failed in a way that counts against the upstream; `response` is what to answer."""
+
+    def __init__(self, response: Response, outcome: str) -> None:
+        super().__init__(outcome)
+        self.response = response
+        self.outcome = outcome
+
+
+def _failure(status: int, type_: str, message: str) -> UpstreamFailed:
+    return UpstreamFailed(error_response(status, type_, message), type_)
+
+
+def _passthrough(resp: httpx.Response) -> Response:
+    headers = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
+    return Response(resp.content, status_code=resp.status_code, headers=headers,
+                    media_type=resp.headers.get("content-type", "application/json"))
+
+
+class SseReader:
+    """Splits an upstream byte stream into whole SSE events (each ending in a blank line)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self._chunks = chunks
+        self._buffer = b""
+
+    async def next_event(self) -> bytes | None:
+        """The next event including its b"\\n\\n"; None at a clean end of stream."""
+        while (end := self._buffer.find(b"\n\n")) < 0:
+            chunk = await anext(self._chunks, None)
+            if chunk is None:
+                return None
+            self._buffer += chunk.replace(b"\r\n", b"\n")
+        event, self._buffer = self._buffer[: end + 2], self._buffer[end + 2:]
+        return event
+
+
+class Proxy:
+    def __init__(self, client: httpx.AsyncClient, admission: AdmissionController,
+                 metrics: GatewayMetrics) -> None:
+        self.client = client
+        self.admission = admission
+        self.metrics = metrics
+
+    async def forward(self, call: Call, exchange: Exchange) -> Response:
+        """The response for `call`, retried once on another upstream if the first attempt fails."""
+        last: UpstreamFailed | None = None
+        for attempt in range(2):
+            if attempt == 1:
+                if not await self._reacquire(call, exchange):
+                    break
+            try:
+                return await self._attempt(call, exchange)
+            except UpstreamFailed as failed:
+                assert exchange.slot is not None
+                exchange.slot.upstream.breaker.record_failure()
+                logger.warning("upstream %s failed (%s)", exchange.slot.upstream.url, failed.outcome)
+                last = failed
+        assert last is not None
+        exchange.outcome = last.outcome
+        return last.response
+
+    async def _reacquire(self, call: Call, exchange: Exchange) -> bool:
+        """Swap the failed upstream's slot for one on another upstream; False if there is none."""
+        assert exchange.slot is not None
+        exchange.slot.release()
+        try:
+            exchange.slot = await self.admission.acquire(call.priority, call.tenant,
+                                                         exclude=frozenset(exchange.tried))
+        except Shed:
+            exchange.slot = None
+            return False
+        return True
+
+    async def _attempt(self, call: Call, exchange: Exchange) -> Response:
+        assert exchange.slot is not None
+        url = exchange.slot.upstream.url
+        exchange.tried.add(url)
+        body = call.body
+        if call.stream:  # always ask for usage: the token budget is settled with it
+            body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
+        headers = {"Content-Type": "application/json", "X-Priority": call.priority.name.lower()}
+        if call.adapter is not None:
+            headers["X-Adapter-ID"] = call.adapter
+        inject_headers(headers)
+        request = self.client.build_request("POST", f"{url}{call.path}", json=body, headers=headers)
+        try:
+            resp = await self.client.send(request, stream=True)
+        except httpx.TimeoutException as exc:
+            raise _failure(504, "upstream_timeout", f"upstream {url} timed out: {exc!r}") from None
+        except httpx.HTTPError as exc:
+            raise _failure(502, "upstream_error", f"upstream {url} failed: {exc!r}") from None
+        exchange.upstream = resp
+        if resp.status_code >= 400 or not call.stream:
+            return await self._whole(resp, exchange)
+        return await self._start_stream(call, resp, exchange)
+
+    async def _whole(self, resp: httpx.Response, exchange: Exchange) -> Response:
+        """A non-streaming answer, or an error status of a streaming one: read it all, pass it through."""
+        url = str(resp.request.url)
+        try:
+            await resp.aread()
+        except httpx.TimeoutException as exc:
+            raise _failure(504, "upstream_timeout", f"upstream {url} timed out: {exc!r}") from None
+        except httpx.HTTPError as exc:
+            raise _failure(502, "upstream_error", f"upstream {url} broke off: {exc!r}") from None
+        finally:
+            await exchange.close_upstream()
+        if resp.status_code >= 500:
+            raise UpstreamFailed(_passthrough(resp), f"upstream_{resp.status_code}")
+        assert exchange.slot is not None
+        exchange.slot.upstream.breaker.record_success()
+        exchange.status = resp.status_code
+        if resp.status_code >= 400:
+            exchange.outcome = "upstream_client_error"
+            return _passthrough(resp)
+        try:
+            exchange.take_usage(resp.json().get("usage"))
+        except (ValueError, AttributeError):
+            pass
+        return _passthrough(resp)
+
+    async def _start_stream(self, call: Call, resp: httpx.Response, exchange: Exchange) -> Response:
+        """Wait for the first whole event (a failure until then is retryable), then relay the rest."""
+        url = str(resp.request.url)
+        reader = SseReader(resp.aiter_raw())
+        try:
+            first = await reader.next_event()
+        except httpx.HTTPError as exc:
+            await exchange.close_upstream()
+            raise _failure(502, "upstream_error", f"upstream {url} broke off: {exc!r}") from None
+        if first is None:
+            await exchange.close_upstream()
+            raise _failure(502, "upstream_error", f"upstream {url} closed the stream before any event")
+        exchange.status = 200
+        return StreamingResponse(self._relay(call, reader, first, exchange),
+                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    async def _relay(self, call: Call, reader: SseReader, first: bytes,
+                     exchange: Exchange) -> AsyncIterator[bytes]:
+        """Upstream events to the client as they come; a break-off ends the stream with an error event."""
+        timing = _Timing(call.started_at)
+        event: bytes | None = first
+        done = False
+        try:
+            while event is not None:
+                out, done = self._event(call, event, exchange, timing)
+                if out:
+                    exchange.delivered = True
+                    yield out
+                if done:
+                    break
+                event = await reader.next_event()
+            if not done:
+                raise httpx.RemoteProtocolError("the stream ended without [DONE]")
+        except httpx.HTTPError as exc:
+            assert exchange.slot is not None
+            exchange.slot.upstream.breaker.record_failure()
+            exchange.outcome = "upstream_error"
+            logger.warning("upstream stream broke off: %r", exc)
+            yield sse(error_body("upstream_error", f"the upstream stream broke off: {exc}"))
+            yield SSE_DONE
+            return
+        finally:
+            await exchange.close_upstream()
+        assert exchange.slot is not None
+        exchange.slot.upstream.breaker.record_success()
+        timing.report(self.metrics, call.served, exchange.completion_tokens)
+
+    def _event(self, call: Call, event: bytes, exchange: Exchange, timing: _Timing) -> tuple[bytes, bool]:
+        """What to send the client for one upstream event, and whether it was the last ([DONE])."""
+        data = event.removeprefix(b"data:").strip()
+        if data == b"[DONE]":
+            return SSE_DONE, True
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return event, False  # a comment or unknown field: relay as-is
+        if not isinstance(chunk, dict):
+            return event, False
+        if "error" in chunk:
+            exchange.outcome = "upstream_error"
+        choices = chunk.get("choices")
+        if chunk.get("usage") is not None and not choices:  # the final usage chunk
+            exchange.take_usage(chunk["usage"])
+            return (event if call.include_usage else b""), False
+        if choices:
+            timing.content()
+        if not call.include_usage and "usage" in chunk:
+            del chunk["usage"]
+            return sse(chunk), False
+        return event, False
+
+
+class _Timing:
+    """Time to first token and time per output token of one stream."""
+
+    def __init__(self, started_at: float) -> None:
+        self.started_at = started_at
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def content(self) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+        self.last = now
+
+    def report(self, metrics: GatewayMetrics, adapter: str, completion_tokens: int | None) -> None:
+        if self.first is None or self.last is None:
+            return
+        metrics.observe_ttft(adapter, self.first - self.started_at)
+        if completion_tokens is not None and completion_tokens > 1:
+            metrics.observe_tpot(adapter, (self.last - self.first) / (completion_tokens - 1))
+

@@ -1,0 +1,149 @@
+"""The rate limiter shared by gateway replicas: ratelimit.decide's arithmetic in one Lua script per step.
+
+Keys per tenant: `<prefix><tenant>:req` holds the GCRA theoretical arrival time (seconds, Redis clock) and
+`<prefix><tenant>:tok` a hash {tokens, ts} (level at ts). The scripts read the clock with TIME, never the
+caller's, so replicas agree; each key expires (PX / PEXPIRE) when its bucket would be full again, since a
+missing key means exactly "full", so idle tenants leave nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Literal
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.ratelimit import Decision, RateLimiterUnavailable, Reservation, refill_per_s
+
+if TYPE_CHECKING:
+    from gateway.policy import Limits
+
+__all__ = ["RedisRateLimiter"]
+
+logger = logging.getLogger(__name__)
+
+# A dead or stalled Redis must cost a request at most this long, never hang it.
+SOCKET_TIMEOUT_S = 0.5
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+_REASONS = {1: "rate_limited", 2: "tokens_exhausted"}
+
+# Shared head: `now` from the Redis clock and the token level of KEYS[tok] refilled to now.
+# Numbers go back to Redis through string.format: Lua's default number->string keeps only 14 digits.
+_LEVEL = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local function level_of(key, cap, rate)
+  local b = redis.call('HMGET', key, 'tokens', 'ts')
+  if not b[1] then return cap end
+  return math.min(cap, tonumber(b[1]) + (now - tonumber(b[2])) * rate)
+end
+local function store_level(key, level, cap, rate)
+  if level >= cap then redis.call('DEL', key) return end
+  redis.call('HSET', key, 'tokens', string.format('%.17g', level), 'ts', string.format('%.17g', now))
+  redis.call('PEXPIRE', key, string.format('%d', math.max(1, math.ceil((cap - level) / rate * 1000))))
+end
+"""
+
+# KEYS: req, tok. ARGV: interval_s, burst, capacity, refill_per_s, need.
+# Returns {allowed 0|1, reason 0|1|2, retry_after_s, remaining, reset_s}; floats as strings (Lua numbers
+# come back to the client as truncated integers).
+_ACQUIRE = _LEVEL + """
+local interval, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local cap, rate, need = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local eps = 1e-6
+local span = interval * burst
+local tat = tonumber(redis.call('GET', KEYS[1])) or now
+if tat < now then tat = now end
+local req_wait = tat + interval - span - now
+if req_wait <= eps then req_wait = 0 end
+local level = level_of(KEYS[2], cap, rate)
+local tok_wait = 0
+if need > cap then tok_wait = 60
+elseif need > level + eps then tok_wait = (need - level) / rate end
+if req_wait > 0 or tok_wait > 0 then
+  local reason = 1
+  if tok_wait > req_wait then reason = 2 end
+  local remaining = math.floor((now + span - tat) / interval + eps)
+  return {0, reason, string.format('%.17g', math.max(req_wait, tok_wait)), remaining,
+          string.format('%.17g', tat - now)}
+end
+tat = tat + interval
+redis.call('SET', KEYS[1], string.format('%.17g', tat), 'PX',
+           string.format('%d', math.max(1, math.ceil((tat - now) * 1000))))
+store_level(KEYS[2], level - need, cap, rate)
+return {1, 0, '0', math.floor((now + span - tat) / interval + eps), string.format('%.17g', tat - now)}
+"""
+
+# KEYS: tok. ARGV: capacity, refill_per_s, delta (reserved - used; negative debits over-use).
+_RECONCILE = _LEVEL + """
+local cap, rate, delta = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+store_level(KEYS[1], math.min(cap, level_of(KEYS[1], cap, rate) + delta), cap, rate)
+return 0
+"""
+
+
+class RedisRateLimiter:
+    """GCRA + token bucket in Redis. on_error: "open" admits while Redis is unreachable, "closed" raises
+    RateLimiterUnavailable; either way `redis_errors` counts the failures."""
+
+    def __init__(self, url: str, on_error: Literal["open", "closed"] = "open",
+                 prefix: str = "loragate:rl:") -> None:
+        if on_error not in ("open", "closed"):
+            raise ValueError(f"on_error must be 'open' or 'closed', not {on_error!r}")
+        self.on_error = on_error
+        self.prefix = prefix
+        self.redis_errors = 0
+        # No client-side retries: a refused connection fails at once and a stalled one after the timeout.
+        self._redis = aioredis.Redis.from_url(
+            url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 0), decode_responses=True)
+        self._acquire = self._redis.register_script(_ACQUIRE)
+        self._reconcile = self._redis.register_script(_RECONCILE)
+
+    def keys(self, tenant: str) -> tuple[str, str]:
+        """(request key, token key) of a tenant."""
+        return f"{self.prefix}{tenant}:req", f"{self.prefix}{tenant}:tok"
+
+    async def acquire(self, tenant: str, limits: Limits, tokens: int) -> tuple[Decision, Reservation | None]:
+        args = (repr(1.0 / limits.requests_per_second), limits.burst, limits.tokens_per_minute,
+                repr(refill_per_s(limits)), tokens)
+        try:
+            allowed, reason, retry_after, remaining, reset = await self._acquire(self.keys(tenant), args)
+        except _UNREACHABLE as exc:
+            self._failed("acquire", exc)
+            # Fail open: admit, and reserve nothing (reconcile then debits whatever was used, if it can).
+            return Decision(True, None, 0.0, limits.burst, limits.burst, 0.0), Reservation(tenant, 0, limits)
+        decision = Decision(bool(allowed), _REASONS.get(int(reason)), float(retry_after), limits.burst,
+                            int(remaining), float(reset))
+        return decision, Reservation(tenant, tokens, limits) if decision.allowed else None
+
+    async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
+        """Best effort in both modes: the response has already been served."""
+        limits = reservation.limits
+        if limits is None:
+            return
+        args = (limits.tokens_per_minute, repr(refill_per_s(limits)), reservation.tokens - used_tokens)
+        try:
+            await self._reconcile(self.keys(reservation.tenant)[1:], args)
+        except _UNREACHABLE as exc:
+            self.redis_errors += 1
+            logger.warning("rate limiter: reconcile for %s lost, Redis unreachable: %s", reservation.tenant, exc)
+
+    async def healthy(self) -> bool:
+        try:
+            return bool(await self._redis.ping())
+        except _UNREACHABLE:
+            return False
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.redis_errors += 1
+        logger.warning("rate limiter: %s failed, Redis unreachable (failing %s): %s", what, self.on_error, exc)
+        if self.on_error == "closed":
+            raise RateLimiterUnavailable(f"rate limiter store unreachable: {exc}") from exc

@@ -1,0 +1,154 @@
+"""What the gateway learns from one generation request before it spends anything on it.
+
+`read_body` enforces the size limit and the JSON-object shape; `GenerationBody.parse` checks the few fields
+the gateway itself acts on (`model`, `stream`, `stream_options`, `max_tokens`); everything else in the body
+is the engine's to validate, and is forwarded untouched. `resolve_priority` and `estimate_tokens` turn
+headers and body into the admission priority and the rate-limit reservation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engine.http_io import bad_request
+from engine.request import Priority
+from engine.responses import ApiError, error_response
+from gateway.policy import Policy, Tenant
+
+MAX_HEADER_BYTES = 64 * 1024  # the request's headers, names and values together
+DEFAULT_MAX_TOKENS = 256  # reserved for a request that names no max_tokens (the engine's own default may differ)
+BYTES_PER_TOKEN = 4  # the prompt estimate: UTF-8 bytes / 4, rounded up (about right for BPE on English)
+
+
+class HeaderLimit:
+    """ASGI middleware: 431 when a request's headers total more than `limit` bytes.
+
+    uvicorn's h11 limit (serving.py) only bounds a head that is still incomplete; one that arrives in a
+    single read passes it, so the app checks the parsed headers too.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_HEADER_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and sum(len(k) + len(v) for k, v in scope["headers"]) > self.limit:
+            response = error_response(431, "request_header_fields_too_large",
+                                      f"headers: larger than {self.limit} bytes")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, "request_too_large", f"body: larger than {limit} bytes")
+
+
+async def read_body(request: Request, limit: int) -> dict[str, Any]:
+    """The JSON object in the body; 413 past `limit` bytes (declared length first, then bytes read)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large(limit)
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise bad_request(f"body: malformed JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise bad_request("body: must be a JSON object")
+    return data
+
+
+def _optional(data: dict[str, Any], key: str, kinds: tuple[type, ...], what: str) -> Any:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise bad_request(f"{key}: must be {what}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationBody:
+    """The fields of a /v1/completions or /v1/chat/completions body the gateway acts on."""
+
+    model: str | None
+    stream: bool
+    include_usage: bool  # the client asked for the final usage chunk
+    max_tokens: int | None
+    prompt_tokens: int  # the estimate, see estimate_tokens
+
+    @classmethod
+    def parse(cls, data: dict[str, Any], chat: bool) -> GenerationBody:
+        model = _optional(data, "model", (str,), "a string")
+        stream = bool(_optional(data, "stream", (bool,), "a boolean"))
+        options = _optional(data, "stream_options", (dict,), "an object")
+        include_usage = bool(options and options.get("include_usage") is True)
+        max_tokens = _optional(data, "max_tokens", (int,), "an integer")
+        if chat and max_tokens is None:
+            max_tokens = _optional(data, "max_completion_tokens", (int,), "an integer")
+        if max_tokens is not None and max_tokens < 1:
+            raise bad_request("max_tokens: must be at least 1")
+        if chat:
+            messages = data.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise bad_request("messages: must be a non-empty list")
+            prompt_tokens = _text_tokens(messages)
+        else:
+            if "prompt" not in data:
+                raise bad_request("prompt: field required")
+            prompt_tokens = _prompt_tokens(data["prompt"])
+        return cls(model, stream, stream and include_usage, max_tokens, prompt_tokens)
+
+    @property
+    def reserve_tokens(self) -> int:
+        """Tokens to reserve against the tenant's budget: the prompt estimate + max_tokens (or 256)."""
+        return self.prompt_tokens + (self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS)
+
+
+def estimate_tokens(text: str) -> int:
+    return math.ceil(len(text.encode("utf-8", "surrogatepass")) / BYTES_PER_TOKEN)
+
+
+def _text_tokens(value: Any) -> int:
+    """Estimated tokens of every string inside `value` (chat messages: contents, names, text parts)."""
+    if isinstance(value, str):
+        return estimate_tokens(value)
+    if isinstance(value, list):
+        return sum(_text_tokens(item) for item in value)
+    if isinstance(value, dict):
+        return sum(_text_tokens(item) for item in value.values())
+    return 0
+
+
+def _prompt_tokens(prompt: Any) -> int:
+    """A completions prompt: text is estimated; token ids (a list of ints, or a batch of them) count exactly."""
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(_prompt_tokens(p) for p in prompt)
+    if isinstance(prompt, str):
+        return estimate_tokens(prompt)
+    raise bad_request("prompt: must be a string, a list of strings or a list of token ids")
+
+
+def resolve_priority(header: str | None, policy: Policy, tenant: Tenant) -> Priority:
+    """X-Priority (or the policy default), capped to the tenant's max_priority; 400 on an unknown name."""
+    if header is None or not header.strip():
+        priority = policy.default_priority
+    else:
+        try:
+            priority = Priority.parse(header.strip())
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+    return tenant.cap(priority)

@@ -1,0 +1,161 @@
+"""The gateway's Prometheus metrics and OpenTelemetry spans.
+
+`GatewayMetrics` owns a `CollectorRegistry` (never prometheus-client's global default), so several
+gateways in one process (tests) do not collide. Counters and histograms are fed per request by the app;
+queue depths, in-flight requests, breaker states and Redis errors belong to other components and are
+read from callbacks at scrape time (`bind`), so there is one owner of each number.
+
+Each request runs in a SERVER span (`request_span`, named "{operation} {model}" after the GenAI semantic
+conventions); `inject_headers` puts its context in the upstream request as a W3C `traceparent`, which the
+engine continues (engine/tracing.py), so gateway and engine spans share one trace. `setup_tracing` is the
+engine's: both services read the same OTEL_* environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from engine.tracing import setup_tracing
+
+__all__ = ["GatewayMetrics", "finish_span", "inject_headers", "request_span", "setup_tracing"]
+
+_DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+RATELIMIT_DECISIONS = ("allowed", "rate_limited", "tokens_exhausted", "unavailable")
+BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+
+_propagator = TraceContextTextMapPropagator()
+_tracer = trace.get_tracer("loragate.gateway")  # a proxy: follows whatever provider is set later
+
+
+class _Bound:
+    """The scrape-time callbacks given to `GatewayMetrics.bind`."""
+
+    def __init__(self, queue_depths: Callable[[], dict[str, int]], inflight: Callable[[], dict[str, int]],
+                 breaker_states: Callable[[], dict[str, str]], redis_errors: Callable[[], int]) -> None:
+        self.queue_depths = queue_depths
+        self.inflight = inflight
+        self.breaker_states = breaker_states
+        self.redis_errors = redis_errors
+
+
+class _StateCollector:
+    """Gauges and the Redis error counter, computed from the bound callbacks at each scrape."""
+
+    def __init__(self) -> None:
+        self.bound: _Bound | None = None
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        bound = self.bound
+        if bound is None:
+            return
+        queue = GaugeMetricFamily("loragate_gateway_queue_depth", "Requests queued for admission, by "
+                                  "priority band.", labels=["band"])
+        for band, depth in sorted(bound.queue_depths().items()):
+            queue.add_metric([band], depth)
+        yield queue
+        inflight = GaugeMetricFamily("loragate_gateway_inflight", "Requests in flight to each upstream.",
+                                     labels=["upstream"])
+        for upstream, count in sorted(bound.inflight().items()):
+            inflight.add_metric([upstream], count)
+        yield inflight
+        breaker = GaugeMetricFamily("loragate_gateway_breaker_state", "Circuit breaker of each upstream: "
+                                    "0 closed, 1 half_open, 2 open.", labels=["upstream", "state"])
+        for upstream, state in sorted(bound.breaker_states().items()):
+            breaker.add_metric([upstream, state], BREAKER_STATES[state])
+        yield breaker
+        yield CounterMetricFamily("loragate_gateway_redis_errors", "Rate limiter calls that failed to "
+                                  "reach Redis.", value=bound.redis_errors())
+
+
+class GatewayMetrics:
+    """The gateway's metrics, in a registry of their own; `render` is the body of GET /metrics."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.requests = Counter("loragate_gateway_requests", "Requests answered, by tenant, adapter, "
+                                "HTTP status and X-Loragate-Reason (empty when none).",
+                                ["tenant", "adapter", "status", "reason"], registry=self.registry)
+        self.duration = Histogram("loragate_gateway_request_duration_seconds", "Arrival to the last byte "
+                                  "of the response, by adapter and status class (2xx, 4xx, ...).",
+                                  ["adapter", "status_class"], buckets=_DURATION_BUCKETS,
+                                  registry=self.registry)
+        self.ttft = Histogram("loragate_gateway_time_to_first_token_seconds", "Arrival to the first "
+                              "generated token reaching the client.", ["adapter"], buckets=_TTFT_BUCKETS,
+                              registry=self.registry)
+        self.tpot = Histogram("loragate_gateway_time_per_output_token_seconds", "Mean time between "
+                              "output tokens after the first, per request.", ["adapter"],
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.ratelimit = Counter("loragate_gateway_ratelimit_decisions", "Rate limiter decisions.",
+                                 ["decision"], registry=self.registry)
+        for decision in RATELIMIT_DECISIONS:  # every series exists from the start (rate() needs a 0)
+            self.ratelimit.labels(decision)
+        self._state = _StateCollector()
+        self.registry.register(self._state)
+
+    def observe_request(self, tenant: str, adapter: str, status: int, reason: str | None,
+                        duration_s: float) -> None:
+        self.requests.labels(tenant, adapter, str(status), reason or "").inc()
+        self.duration.labels(adapter, f"{status // 100}xx").observe(duration_s)
+
+    def observe_ttft(self, adapter: str, seconds: float) -> None:
+        self.ttft.labels(adapter).observe(seconds)
+
+    def observe_tpot(self, adapter: str, seconds: float) -> None:
+        self.tpot.labels(adapter).observe(seconds)
+
+    def count_ratelimit(self, decision: str) -> None:
+        self.ratelimit.labels(decision).inc()
+
+    def bind(self, *, queue_depths: Callable[[], dict[str, int]], inflight: Callable[[], dict[str, int]],
+             breaker_states: Callable[[], dict[str, str]], redis_errors: Callable[[], int]) -> None:
+        """Read these at each scrape; binding again replaces the callbacks."""
+        self._state.bound = _Bound(queue_depths, inflight, breaker_states, redis_errors)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+@contextmanager
+def request_span(operation: str, model: str, *, tenant: str, adapter: str,
+                 priority: str) -> Iterator[Span]:
+    """The current SERVER span of one gateway request; an exception is recorded, marks it an error and
+    is re-raised. Upstream calls made inside it carry its context (`inject_headers`)."""
+    attributes = {"gen_ai.operation.name": operation, "gen_ai.request.model": model,
+                  "loragate.tenant": tenant, "loragate.adapter": adapter, "loragate.priority": priority}
+    with _tracer.start_as_current_span(f"{operation} {model}", kind=SpanKind.SERVER,
+                                       attributes=attributes) as span:
+        yield span
+
+
+def finish_span(span: Span, *, status_code: int, outcome: str, input_tokens: int | None = None,
+                output_tokens: int | None = None) -> None:
+    """What the request came to: status, outcome (e.g. "ok" or an X-Loragate-Reason) and token usage.
+
+    Only a server-side failure (>= 500) marks the span as an error: a 4xx is the client's.
+    """
+    span.set_attribute("http.response.status_code", status_code)
+    span.set_attribute("loragate.outcome", outcome)
+    if input_tokens is not None:
+        span.set_attribute("gen_ai.usage.input_tokens", input_tokens)
+    if output_tokens is not None:
+        span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+    if status_code >= 500:
+        span.set_attribute("error.type", outcome)
+        span.set_status(StatusCode.ERROR, outcome)
+
+
+def inject_headers(headers: dict[str, str]) -> None:
+    """Add the current span's W3C `traceparent` to `headers` (nothing when no span is recording)."""
+    _propagator.inject(headers)

@@ -1,0 +1,217 @@
+"""A fake engine replica for gateway tests: a real HTTP server on 127.0.0.1 (uvicorn in a thread).
+
+It answers the engine's OpenAI surface (/v1/models, /v1/completions, /v1/chat/completions, /healthz) with
+canned text: the completion is the tokens "t0 t1 t2 ..." (`tokens` of them), streamed one chunk per token
+every `token_interval_s`, with the usage chunk when `stream_options.include_usage` is set. Its behaviour
+can be changed while it runs (`mock.behavior.<field> = ...`), and it records every generation request it
+receives (path, headers, body) in `mock.received`:
+
+    with MockUpstream() as mock:                # or mock = MockUpstream().start(); ...; mock.stop()
+        mock.behavior.fail_status = 500         # answer 500
+        mock.behavior.drop_before_first_byte = True   # send headers, then close the connection
+        mock.behavior.die_after_chunks = 3      # stream 3 token chunks, then close the connection
+        mock.behavior.delay_s = 0.5             # wait before answering
+        mock.behavior.pause_after_chunks = 1    # stream 1 chunk, then wait for mock.resume()
+        mock.hold()  / mock.release()           # park requests until released
+        mock.count, mock.received[0].headers["traceparent"], mock.streams_aborted
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+BASE_MODEL = "mock-base"
+PROMPT_TOKENS = 5
+
+
+@dataclass
+class Behavior:
+    fail_status: int | None = None  # answer generation requests with this status (JSON error body)
+    drop_before_first_byte: bool = False  # start the response, then close the connection
+    die_after_chunks: int | None = None  # stream this many token chunks, then close the connection
+    delay_s: float = 0.0  # sleep before answering
+    tokens: int = 8  # completion length
+    token_interval_s: float = 0.005  # between stream chunks
+    pause_after_chunks: int | None = None  # stream this many chunks, then wait for `resume()`
+
+
+@dataclass(frozen=True)
+class Received:
+    path: str
+    headers: dict[str, str]  # lower-case names
+    body: dict[str, Any]
+    at: float = field(default_factory=time.monotonic)
+
+
+class _BrokenOnPurpose(Exception):
+    """Raised after the response started: uvicorn then closes the connection mid-response."""
+
+
+class MockUpstream:
+    def __init__(self, adapters: tuple[str, ...] = ("a1", "a2"), base_model: str = BASE_MODEL) -> None:
+        self.adapters = adapters
+        self.base_model = base_model
+        self.behavior = Behavior()
+        self.received: list[Received] = []
+        self._lock = threading.Lock()
+        self._open = threading.Event()
+        self._open.set()
+        self._resume = threading.Event()
+        self.streams_finished = 0  # streams that sent [DONE]
+        self.streams_aborted = 0  # streams cancelled because the client (the gateway) went away
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.url = ""
+
+    # ---- lifecycle ----
+    def start(self) -> MockUpstream:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(self._app(), log_level="critical", lifespan="off", http="h11")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("mock upstream did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._open.set()
+        self._resume.set()
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> MockUpstream:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- control ----
+    def hold(self) -> None:
+        """Park every generation request (after recording it) until `release()`."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    def resume(self) -> None:
+        """Let streams paused by `pause_after_chunks` go on."""
+        self._resume.set()
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return len(self.received)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.received.clear()
+        self.behavior = Behavior()
+
+    # ---- the app ----
+    def _app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/v1/completions", self._generate, methods=["POST"]),
+            Route("/v1/chat/completions", self._generate, methods=["POST"]),
+            Route("/healthz", self._healthz, methods=["GET"]),
+        ])
+
+    async def _healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def _models(self, request: Request) -> Response:
+        cards = [{"id": self.base_model, "object": "model", "parent": None}]
+        cards += [{"id": a, "object": "model", "parent": self.base_model} for a in self.adapters]
+        return JSONResponse({"object": "list", "data": cards})
+
+    async def _generate(self, request: Request) -> Response:
+        body = json.loads(await request.body())
+        with self._lock:
+            self.received.append(Received(request.url.path, dict(request.headers), body))
+        while not self._open.is_set():
+            await asyncio.sleep(0.005)
+        behavior = self.behavior
+        if behavior.delay_s:
+            await asyncio.sleep(behavior.delay_s)
+        if behavior.fail_status is not None:
+            return JSONResponse({"error": {"type": "mock_error", "message": "failing on purpose"}},
+                                status_code=behavior.fail_status)
+        chat = request.url.path.endswith("chat/completions")
+        model = request.headers.get("x-adapter-id") or body.get("model") or self.base_model
+        if body.get("stream"):
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(self._events(behavior, chat, model, usage), media_type="text/event-stream")
+        if behavior.drop_before_first_byte:
+            return StreamingResponse(self._nothing(), media_type="application/json")
+        text = "".join(f"t{i} " for i in range(behavior.tokens))
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                  if chat else {"index": 0, "text": text, "finish_reason": "length"})
+        return JSONResponse({"id": "mock-1", "object": "chat.completion" if chat else "text_completion",
+                             "created": 0, "model": model, "choices": [choice],
+                             "usage": _usage(behavior.tokens)})
+
+    async def _nothing(self) -> AsyncIterator[bytes]:
+        raise _BrokenOnPurpose("closing before the first byte")
+        yield b""  # pragma: no cover - makes this an async generator
+
+    async def _events(self, behavior: Behavior, chat: bool, model: str, usage: bool) -> AsyncIterator[bytes]:
+        if behavior.drop_before_first_byte:
+            raise _BrokenOnPurpose("closing before the first byte")
+        try:
+            async for event in self._chunks(behavior, chat, model, usage):
+                yield event
+        except (asyncio.CancelledError, GeneratorExit):
+            self.streams_aborted += 1
+            raise
+        self.streams_finished += 1
+
+    async def _chunks(self, behavior: Behavior, chat: bool, model: str, usage: bool) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        for i in range(behavior.tokens):
+            if i == behavior.pause_after_chunks:
+                while not self._resume.is_set():
+                    await asyncio.sleep(0.005)
+            if behavior.die_after_chunks is not None and i >= behavior.die_after_chunks:
+                raise _BrokenOnPurpose(f"dying after {i} chunks")
+            last = i == behavior.tokens - 1
+            choice = ({"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": "length" if last else None}
+                      if chat else {"index": 0, "text": f"t{i} ", "finish_reason": "length" if last else None})
+            chunk: dict[str, Any] = {"id": "mock-1", "object": obj, "created": 0, "model": model,
+                                     "choices": [choice]}
+            if usage:
+                chunk["usage"] = None
+            yield _sse(chunk)
+            await asyncio.sleep(behavior.token_interval_s)
+        if usage:
+            yield _sse({"id": "mock-1", "object": obj, "created": 0, "model": model, "choices": [],
+                        "usage": _usage(behavior.tokens)})
+        yield b"data: [DONE]\n\n"
+
+
+def _usage(completion: int) -> dict[str, int]:
+    return {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": completion,
+            "total_tokens": PROMPT_TOKENS + completion}
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"

@@ -1,0 +1,130 @@
+"""A real, throwaway redis-server on 127.0.0.1 for tests (no persistence, its own temp dir).
+
+    from redis_server import redis_server_fixture, redis_url_fixture, start_redis
+    redis_url = redis_url_fixture()                          # module-scoped fixture `redis_url` (a URL)
+    redis_server = redis_server_fixture(scope="function")    # fixture `redis_server`: a RedisServer to stop/start
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ping(port: int, timeout_s: float = 0.5) -> bool:
+    """True when a Redis on 127.0.0.1:port answers PING (raw RESP, no client library needed)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@dataclass
+class RedisServer:
+    port: int
+    dir: Path
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def log_path(self) -> Path:
+        return self.dir / "redis.log"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start (or restart, on the same port) and wait until it answers PING."""
+        assert self.proc is None, "already running"
+        argv = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.dir), "--logfile", str(self.log_path), "--daemonize", "no"]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while not ping(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                log = self.log_path.read_text() if self.log_path.exists() else ""
+                raise RuntimeError(f"redis-server did not come up on port {self.port}:\n{log[-2000:]}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """Stop it and wait until the port no longer answers."""
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        self.proc = None
+
+
+def start_redis(directory: Path | None = None) -> RedisServer:
+    """A running server on a free port; stop() it when done (tries a few ports against bind races)."""
+    directory = directory or Path(tempfile.mkdtemp(prefix="loragate-redis-"))
+    for attempt in range(3):
+        server = RedisServer(free_port(), directory)
+        try:
+            server.start()
+            return server
+        except RuntimeError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _require_binary() -> None:
+    if shutil.which(REDIS_SERVER) is None:
+        pytest.skip("needs redis-server (apt-get install redis-server)")
+
+
+def redis_server_fixture(scope: Any = "module", name: str = "redis_server") -> Callable[..., Iterator[RedisServer]]:
+    """A fixture called `name` (assign it to a module-level variable) yielding a fresh RedisServer, stopped
+    afterwards."""
+
+    @pytest.fixture(scope=scope, name=name)
+    def fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+        _require_binary()
+        server = start_redis(tmp_path_factory.mktemp("redis"))
+        try:
+            yield server
+        finally:
+            server.stop()
+
+    return fixture
+
+
+def redis_url_fixture(scope: Any = "module", name: str = "redis_url") -> Callable[..., Iterator[str]]:
+    """A fixture called `name` (assign it to a module-level variable) yielding the URL of a fresh
+    redis-server."""
+
+    @pytest.fixture(scope=scope, name=name)
+    def fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+        _require_binary()
+        server = start_redis(tmp_path_factory.mktemp("redis"))
+        try:
+            yield server.url
+        finally:
+            server.stop()
+
+    return fixture
