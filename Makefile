@@ -28,6 +28,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/priority.py
+	$(BIN)/python bench/gateway_overhead.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -211,7 +211,10 @@ def test_headers_over_the_limit_are_431(mock: MockUpstream) -> None:
 
 
 def test_success_forwards_adapter_and_capped_priority_with_headers(mock: MockUpstream) -> None:
-    policy = parse_policy(policy_yaml(max_priority="standard"))
+    # A refill takes 100 s, so RateLimit-Remaining can only go down during the test.
+    policy = parse_policy(policy_yaml(
+        max_priority="standard",
+        limits="{requests_per_second: 0.01, burst: 100, tokens_per_minute: 1000000}"))
 
     async def scenario() -> list[httpx.Response]:
         async with asgi(make_app([mock], policy)) as gw:

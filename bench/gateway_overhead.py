@@ -1,0 +1,135 @@
+"""Gateway overhead: the same requests sent straight to a mock upstream and through one gateway process.
+
+The mock (tests/mock_upstream.py, in its own process) answers 4-token completions at once; the gateway
+(`loragate gateway`, its own process) enforces a policy whose limits never bind; the client (this process)
+sends non-streamed completions at concurrency 1 and 10 and reports latency p50/p99 and the latency the
+gateway adds, then the most requests/s one gateway process holds at concurrency 32. Everything is on
+127.0.0.1, bounded in count and time.
+
+    python bench/gateway_overhead.py [--requests 400]
+
+Reference (FACTS.md, same machine kind): LiteLLM added 32 ms p50 at c=1 and ~300 ms at c=10, ~30 req/s.
+Targets: <= 1 ms p50 added at c=1, <= 5 ms at c=10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+KEY = "bench-key"
+POLICY = """version: 1
+tenants:
+  - id: bench
+    api_keys: ["env:LORAGATE_BENCH_KEY"]
+    adapters: ["*"]
+    limits: {requests_per_second: 1000000, burst: 1000000, tokens_per_minute: 1000000000}
+admission: {max_inflight_per_upstream: 64, max_queue: 1024, queue_timeout_ms: 30000}
+"""
+MOCK = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from mock_upstream import MockUpstream
+mock = MockUpstream().start()
+mock.behavior.tokens = 4
+mock.behavior.token_interval_s = 0.0
+print(mock.url, flush=True)
+while True:
+    time.sleep(3600)
+"""
+BODY = {"model": "mock-base", "prompt": "The quick brown fox", "max_tokens": 4}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up")
+
+
+async def latencies(url: str, concurrency: int, total: int, headers: dict[str, str]) -> list[float]:
+    """Send `total` completions with `concurrency` in flight; each one's latency in seconds."""
+    out: list[float] = []
+    remaining = total
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30,
+                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+        async def worker() -> None:
+            nonlocal remaining
+            while remaining > 0:
+                remaining -= 1
+                t0 = time.perf_counter()
+                r = await client.post("/v1/completions", json=BODY)
+                out.append(time.perf_counter() - t0)
+                assert r.status_code == 200, r.text
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=400)
+    args = ap.parse_args()
+    env = {**os.environ, "LORAGATE_BENCH_KEY": KEY, "PYTHONPATH": str(REPO)}
+    procs: list[subprocess.Popen] = []
+    try:
+        mock = subprocess.Popen([sys.executable, "-c", MOCK.format(tests=str(REPO / "tests"))],
+                                stdout=subprocess.PIPE, text=True, env=env)
+        procs.append(mock)
+        mock_url = mock.stdout.readline().strip()
+        policy = Path(tempfile.mkdtemp()) / "policy.yaml"
+        policy.write_text(POLICY)
+        port = free_port()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "loragate", "gateway", "--policy", str(policy), "--upstream", mock_url,
+             "--port", str(port), "--log-level", "warning"], env=env, cwd=REPO))
+        gateway_url = f"http://127.0.0.1:{port}"
+        wait_healthy(mock_url)
+        wait_healthy(gateway_url)
+        auth = {"Authorization": f"Bearer {KEY}"}
+        asyncio.run(latencies(gateway_url, 4, 40, auth))  # warm both paths up
+        asyncio.run(latencies(mock_url, 4, 40, {}))
+        for c in (1, 10):
+            direct = asyncio.run(latencies(mock_url, c, args.requests, {}))
+            through = asyncio.run(latencies(gateway_url, c, args.requests, auth))
+            print(f"c={c:2d}  direct p50 {1e3 * pct(direct, .5):6.2f} ms p99 {1e3 * pct(direct, .99):6.2f} ms"
+                  f"   gateway p50 {1e3 * pct(through, .5):6.2f} ms p99 {1e3 * pct(through, .99):6.2f} ms"
+                  f"   added p50 {1e3 * (pct(through, .5) - pct(direct, .5)):6.2f} ms"
+                  f" p99 {1e3 * (pct(through, .99) - pct(direct, .99)):6.2f} ms")
+        t0 = time.perf_counter()
+        done = asyncio.run(latencies(gateway_url, 32, 4 * args.requests, auth))
+        print(f"throughput through one gateway process at c=32: {len(done) / (time.perf_counter() - t0):.0f} req/s")
+        print("targets: added p50 <= 1 ms at c=1, <= 5 ms at c=10; LiteLLM: 32 ms / ~300 ms, ~30 req/s")
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
