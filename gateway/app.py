@@ -30,7 +30,7 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from engine.http_io import ClientGone, adapter_not_found, unless_disconnected
+from engine.http_io import ClientGone, adapter_not_found, read_json, unless_disconnected
 from engine.responses import ApiError, error_response
 from gateway.admin import AdminRoutes, PolicyStore, unauthorized
 from gateway.admission import AdmissionController, Shed, Upstream
@@ -38,7 +38,7 @@ from gateway.breaker import CircuitBreaker
 from gateway.policy import Policy, Tenant
 from gateway.proxy import Call, Exchange, Proxy
 from gateway.ratelimit import Decision, RateLimiter, RateLimiterUnavailable, Reservation
-from gateway.request_context import GenerationBody, HeaderLimit, read_body, resolve_priority
+from gateway.request_context import GenerationBody, HeaderLimit, resolve_priority
 from gateway.routes import HANDLERS, Api
 from gateway.telemetry import GatewayMetrics, finish_span, request_span
 from gateway.upstream import DEFAULT_READ_TIMEOUT_S, UpstreamCatalog, make_client
@@ -177,7 +177,7 @@ class Generate:
         try:
             tenant = self.gw.tenant(request)
             tenant_id = tenant.id
-            data = await read_body(request, self.gw.max_body_bytes)
+            data = await read_json(request, self.gw.max_body_bytes)
             body = GenerationBody.parse(data, self.chat)
             adapter = await self.gw.resolve_adapter(request, body, tenant)
             priority = resolve_priority(request.headers.get("x-priority"), self.gw.store.active.policy, tenant)

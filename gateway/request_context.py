@@ -1,6 +1,6 @@
 """What the gateway learns from one generation request before it spends anything on it.
 
-`read_body` enforces the size limit and the JSON-object shape; `GenerationBody.parse` checks the few fields
+`engine.http_io.read_json` enforces the size limit and the JSON-object shape; `GenerationBody.parse` checks the few fields
 the gateway itself acts on (`model`, `stream`, `stream_options`, `max_tokens`); everything else in the body
 is the engine's to validate, and is forwarded untouched. `resolve_priority` and `estimate_tokens` turn
 headers and body into the admission priority and the rate-limit reservation.
@@ -8,17 +8,15 @@ headers and body into the admission priority and the rate-limit reservation.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.http_io import bad_request
 from engine.request import Priority
-from engine.responses import ApiError, error_response
+from engine.responses import error_response
 from gateway.policy import Policy, Tenant
 
 MAX_HEADER_BYTES = 64 * 1024  # the request's headers, names and values together
@@ -44,29 +42,6 @@ class HeaderLimit:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
-
-
-def too_large(limit: int) -> ApiError:
-    return ApiError(413, "request_too_large", f"body: larger than {limit} bytes")
-
-
-async def read_body(request: Request, limit: int) -> dict[str, Any]:
-    """The JSON object in the body; 413 past `limit` bytes (declared length first, then bytes read)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large(limit)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large(limit)
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise bad_request(f"body: malformed JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise bad_request("body: must be a JSON object")
-    return data
 
 
 def _optional(data: dict[str, Any], key: str, kinds: tuple[type, ...], what: str) -> Any:
