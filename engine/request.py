@@ -154,9 +154,14 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def token_id_at(self, position: int) -> int:
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) of prompt + outputs, without copying the whole sequence."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def is_finished(self) -> bool:

@@ -93,8 +93,7 @@ class ModelRunner:
             start = request.num_computed_tokens
             end = start + n
             row = len(token_ids)
-            all_ids = request.all_token_ids
-            token_ids.extend(all_ids[start:end])
+            token_ids.extend(request.token_ids(start, end))
             pos_list.extend(range(start, end))
             blocks = request.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))

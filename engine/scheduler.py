@@ -112,7 +112,9 @@ class Scheduler:
         made_room = len(out.preempted)
         budget = self._schedule_running(out, self.config.max_batch_tokens)
         if len(out.preempted) == made_room:  # no running request ran out of pages: admit more
-            self._schedule_waiting(out, budget, self.waiting.ordered(self.clock()))
+            if made_room:  # the victims went back into the queue: order it again
+                order = self.waiting.ordered(self.clock())
+            self._schedule_waiting(out, budget, order)
         return out
 
     def _make_room_for(self, head: Request, out: SchedulerOutput) -> None:

@@ -1,4 +1,4 @@
-"""Start a real `loragate engine` process on 127.0.0.1 for HTTP tests, and wait until it answers."""
+"""Start real `loragate engine` / `loragate gateway` processes on 127.0.0.1 for HTTP tests."""
 
 from __future__ import annotations
 
@@ -24,9 +24,15 @@ def free_port() -> int:
 def start_engine_server(log_path: Path, *args: str, model: str = "tiny-random",
                         timeout_s: float = 120.0) -> tuple[subprocess.Popen[bytes], str]:
     """`python -m loragate engine --model MODEL --port FREE --threads 1 ARGS...`; (process, base URL)."""
+    return start_loragate(log_path, "engine", "--model", model, "--threads", "1", *args,
+                          timeout_s=timeout_s)
+
+
+def start_loragate(log_path: Path, *args: str, timeout_s: float = 120.0
+                   ) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m loragate ARGS... --port FREE` (engine or gateway), once its /healthz answers 200."""
     port = free_port()
-    argv = [sys.executable, "-m", "loragate", "engine", "--model", model, "--port", str(port),
-            "--threads", "1", *args]
+    argv = [sys.executable, "-m", "loragate", *args, "--port", str(port)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -40,5 +46,5 @@ def start_engine_server(log_path: Path, *args: str, model: str = "tiny-random",
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            pytest.fail(f"engine did not come up:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.3)
+            pytest.fail(f"`loragate {args[0]}` did not come up:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.2)

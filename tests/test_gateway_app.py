@@ -29,7 +29,7 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 
-from engine_server import start_engine_server
+from engine_server import start_engine_server, start_loragate
 from gateway.app import build_app
 from gateway.auth import hash_key
 from gateway.policy import Policy, parse_policy
@@ -591,37 +591,14 @@ def test_openai_client_through_the_gateway_to_a_real_engine(tmp_path: Path, tiny
 # ---- gateway processes -------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_gateway(tmp_path: Path, name: str, policy: str, upstreams: list[str],
                   *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     policy_path = tmp_path / f"{name}.yaml"
     policy_path.write_text(policy)
-    port = free_port()
-    argv = [sys.executable, "-m", "loragate", "gateway", "--policy", str(policy_path), "--port", str(port),
-            "--log-level", "warning", *extra]
+    args = ["gateway", "--policy", str(policy_path), "--log-level", "warning", *extra]
     for upstream in upstreams:
-        argv += ["--upstream", upstream]
-    log_path = tmp_path / f"{name}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                                stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"gateway {name} did not come up:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.1)
+        args += ["--upstream", upstream]
+    return start_loragate(tmp_path / f"{name}.log", *args, timeout_s=30)
 
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:
