@@ -1,8 +1,19 @@
 """Admission: a bounded number of requests in flight per upstream, a priority queue for the rest.
 
-`AdmissionController.acquire(priority, tenant)` returns a `Slot` on an upstream or raises `Shed`:
-- An upstream can take a request when its breaker allows it and fewer than `max_inflight_per_upstream`
-  requests are in flight on it; among those the least loaded is chosen (ties rotate).
+`AdmissionController.acquire(priority, tenant, exclude, affinity)` returns a `Slot` on an upstream or
+raises `Shed`:
+- An upstream can take a request when it is not in `exclude`, its breaker allows it and fewer than
+  `max_inflight_per_upstream` requests are in flight on it.
+- Without an affinity key (a base-model request) the least loaded of those is chosen (ties rotate).
+- With an affinity key (an adapter id) the upstreams are ranked by rendezvous (highest-random-weight)
+  hashing of (key, url), so each adapter has a stable preferred replica that keeps it loaded and warm
+  instead of every replica paging it in. The first upstream in that order that can take the request and
+  has fewer than `spill_inflight` in flight gets it; when every one that can take it is at or above
+  `spill_inflight`, the request spills to the least loaded of them (ties in rendezvous order), trading a
+  cold adapter load for not piling onto one hot replica. `spills` counts requests that did not get their
+  first healthy choice because it was that busy. An upstream whose breaker is open is skipped, so its
+  adapters move to their next choice and come back when it recovers; removing an upstream remaps only the
+  adapters it was first choice for (`rendezvous_order` is the pure ranking, shared with admin views).
 - Otherwise the request waits in one of three bands (critical, standard, sheddable). Within a band the
   tenants take turns (round-robin over tenants that have someone waiting, FIFO within a tenant), so a
   tenant with 100 queued cannot starve one with 1. Whenever a slot is released or a breaker changes
@@ -16,10 +27,11 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engine.request import Priority
@@ -35,6 +47,29 @@ _MESSAGES = {
     "circuit_open": "every upstream's circuit breaker is open",
     "no_upstream": "no upstream is available for this request",
 }
+
+
+def rendezvous_score(key: str, url: str) -> int:
+    """The weight of `url` for `key`: stable across processes and hosts (unlike `hash()`, which is salted).
+
+    The key is length-prefixed so that ("ab", "c") and ("a", "bc") hash different bytes.
+    """
+    raw = key.encode()
+    digest = hashlib.blake2b(len(raw).to_bytes(4, "big") + raw + url.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _rank(key: str, url: str) -> tuple[int, str]:
+    return rendezvous_score(key, url), url  # the url breaks (vanishingly rare) score ties deterministically
+
+
+def rendezvous_order(key: str, urls: Sequence[str]) -> list[str]:
+    """`urls` from most to least preferred for `key` (highest score first).
+
+    Each url's score depends only on (key, url), so removing a url changes the first choice only of the
+    keys it was first for, and adding one moves only the keys that now score it highest.
+    """
+    return sorted(urls, key=lambda url: _rank(key, url), reverse=True)
 
 
 class Shed(Exception):
@@ -80,6 +115,7 @@ class _Waiter:
     priority: Priority
     tenant: str
     exclude: frozenset[str]
+    affinity: str | None
     seq: int
     enqueued_at: float
     future: asyncio.Future[Slot]
@@ -130,10 +166,17 @@ class AdmissionController:
         max_queue: int,
         queue_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        spill_inflight: int | None = None,
     ) -> None:
         assert max_inflight_per_upstream >= 1 and max_queue >= 0
+        assert spill_inflight is None or spill_inflight >= 1
         self.upstreams = list(upstreams)
         self.max_inflight_per_upstream = max_inflight_per_upstream
+        if spill_inflight is None:
+            spill_inflight = max(1, max_inflight_per_upstream * 3 // 4)
+        self.spill_inflight = min(spill_inflight, max_inflight_per_upstream)
+        self.spills = 0  # affinity requests sent past a busy first choice (exported as a metric)
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self._clock = clock
@@ -151,8 +194,13 @@ class AdmissionController:
         return self._draining
 
     async def acquire(
-        self, priority: Priority, tenant: str, exclude: frozenset[str] = frozenset()
+        self,
+        priority: Priority,
+        tenant: str,
+        exclude: frozenset[str] = frozenset(),
+        affinity: str | None = None,
     ) -> Slot:
+        """A slot for one request; `affinity` (an adapter id, None for the base model) steers the choice."""
         if self._draining:
             raise Shed("draining")
         candidates = [u for u in self.upstreams if u.url not in exclude]
@@ -161,12 +209,12 @@ class AdmissionController:
         if not any(u.breaker.can_allow() for u in candidates):
             raise Shed("circuit_open", min(u.breaker.retry_after_s() for u in candidates))
         if not any(self._depths[: priority + 1]):  # nobody at this priority or above is waiting
-            upstream = self._pick(exclude)
+            upstream = self._pick(exclude, affinity)
             if upstream is not None:
                 return self._grant(upstream, wait_s=0.0)
         self._make_room(priority)
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(priority, tenant, exclude, next(self._seq), self._clock(), future)
+        waiter = _Waiter(priority, tenant, exclude, affinity, next(self._seq), self._clock(), future)
         self._bands[priority].add(waiter)
         self._depths[priority] += 1
         self._dispatch()
@@ -193,6 +241,13 @@ class AdmissionController:
     def inflight(self) -> dict[str, int]:
         return {u.url: u.inflight for u in self.upstreams}
 
+    def preferred(self, affinity: str) -> str | None:
+        """Where `affinity` goes when load is not a concern: its first healthy rendezvous choice, if any."""
+        for upstream in self._rendezvous(affinity):
+            if upstream.breaker.can_allow():
+                return upstream.url
+        return None
+
     async def _wait(self, waiter: _Waiter) -> Slot:
         # A timer sheds the waiter on timeout, not asyncio.wait_for: on Python 3.11 wait_for swallows a
         # cancellation that lands in the tick the slot is granted (gh-86296). One of grant/shed settles it.
@@ -209,8 +264,18 @@ class AdmissionController:
         finally:
             timer.cancel()
 
-    def _pick(self, exclude: frozenset[str]) -> Upstream | None:
-        """The least loaded upstream with room whose breaker allows a request (a probe, if half-open)."""
+    def _pick(self, exclude: frozenset[str], affinity: str | None = None) -> Upstream | None:
+        """An upstream with room whose breaker allows a request (taking a probe place, if half-open).
+
+        Whether one is found depends only on `exclude`, never on `affinity`: spill lets an affinity
+        request use any upstream with room, just as a base-model request can.
+        """
+        if affinity is None:
+            return self._pick_least_loaded(exclude)
+        return self._pick_affine(exclude, affinity)
+
+    def _pick_least_loaded(self, exclude: frozenset[str]) -> Upstream | None:
+        """The least loaded upstream with room whose breaker allows a request."""
         n = len(self.upstreams)
         order = sorted(
             range(n), key=lambda i: (self.upstreams[i].inflight, (i - self._rotation) % n)
@@ -223,6 +288,28 @@ class AdmissionController:
                 self._rotation += 1
                 return upstream
         return None
+
+    def _pick_affine(self, exclude: frozenset[str], affinity: str) -> Upstream | None:
+        """The first calm upstream (below `spill_inflight`) in `affinity`'s rendezvous order, else the
+        least loaded one with room.
+
+        Breakers are only asked `can_allow()` while ranking: `allow()` takes a half-open probe place, so it
+        is called on the upstream actually chosen.
+        """
+        healthy = [u for u in self._rendezvous(affinity) if u.url not in exclude and u.breaker.can_allow()]
+        roomy = [u for u in healthy if u.inflight < self.max_inflight_per_upstream]
+        calm = [u for u in roomy if u.inflight < self.spill_inflight]
+        busy = sorted((u for u in roomy if u.inflight >= self.spill_inflight), key=lambda u: u.inflight)
+        for upstream in calm + busy:  # sorted() is stable: equally loaded busy ones stay in rendezvous order
+            if upstream.breaker.allow():
+                if upstream is not healthy[0]:
+                    self.spills += 1  # the first healthy choice was at or above spill_inflight
+                return upstream
+        return None
+
+    def _rendezvous(self, affinity: str) -> list[Upstream]:
+        """The upstreams in `affinity`'s rendezvous order (the ranking `rendezvous_order` gives urls)."""
+        return sorted(self.upstreams, key=lambda u: _rank(affinity, u.url), reverse=True)
 
     def _grant(self, upstream: Upstream, wait_s: float) -> Slot:
         upstream.inflight += 1
@@ -265,12 +352,15 @@ class AdmissionController:
         cap = self.max_inflight_per_upstream
         if not any(u.inflight < cap and u.breaker.can_allow() for u in self.upstreams):
             return False  # fast path: nothing is free
-        refused: set[frozenset[str]] = set()  # exclude sets no upstream can serve right now
+        # Exclude sets no upstream can serve right now. Keyed by exclude alone: whether `_pick` finds an
+        # upstream does not depend on the affinity (it only orders the upstreams with room), so a refusal
+        # holds for every waiter with the same exclude set, whatever adapter it asks for.
+        refused: set[frozenset[str]] = set()
         for priority, band in zip(Priority, self._bands, strict=True):
             for waiter in band.in_turn_order():
                 if waiter.exclude in refused:
                     continue
-                upstream = self._pick(waiter.exclude)
+                upstream = self._pick(waiter.exclude, waiter.affinity)
                 if upstream is None:
                     refused.add(waiter.exclude)
                     continue
