@@ -1,14 +1,19 @@
-"""The `loragate` command line: `engine` serves one model, `gateway` fronts engines, `up` starts a local stack.
+"""The `loragate` command line: `engine` serves one model, `gateway` fronts engines, `up` starts a local stack,
+`policy` checks policy files offline.
 
 `up` first makes sure the demo adapters exist (trained once into the cache, see loragate/demo.py), then
 launches each component as a child process (an engine on an internal port, then the gateway in front
 of it with policies/default.yaml and a fresh dev API key), waits until each answers /healthz, prints
 where to send requests, and stops them all on Ctrl-C or SIGTERM.
+
+`policy check FILE...` runs the gateway's own parser over policy files (so CI can refuse a bad file
+before a gateway ever reloads it) and `policy schema` prints their JSON Schema for editors and linters.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -121,12 +126,25 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
 
 
+def _add_policy_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("policy", help="check policy files, print their JSON Schema",
+                       description="Work with gateway policy files (CONTRACT.md format) offline.")
+    actions = p.add_subparsers(dest="policy_command", required=True, metavar="{check,schema}")
+    check = actions.add_parser("check", help="validate policy files the way the gateway loads them",
+                               description="Validate policy files with the gateway's own parser; exit 1 if "
+                                           "any is invalid.")
+    check.add_argument("files", nargs="+", type=Path, metavar="FILE", help="a policy YAML file")
+    actions.add_parser("schema", help="print the policy file's JSON Schema (Draft 2020-12)",
+                       description="Print the policy file's JSON Schema (Draft 2020-12) to stdout.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loragate", description="Multi-LoRA LLM serving.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{engine,up,gateway}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{engine,up,gateway,policy}")
     _add_engine_parser(sub)
     _add_up_parser(sub)
     _add_gateway_parser(sub)
+    _add_policy_parser(sub)
     return parser
 
 
@@ -182,6 +200,41 @@ def run_gateway(args: argparse.Namespace) -> int:
         print(f"loragate gateway: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _check_policy_file(path: Path) -> str:
+    """One file's `ok:` line; raises PolicyError naming the file and the key at fault."""
+    from gateway.policy import PolicyError, load_policy
+
+    policy = load_policy(path)
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as exc:  # gone between the parse and the hash
+        raise PolicyError(f"{path}: cannot read policy file: {exc}") from None
+    return (f"ok: {path} ({_plural(len(policy.tenants), 'tenant')}, "
+            f"{_plural(len(policy.rollouts), 'rollout')}, sha256 {digest[:12]})")
+
+
+def run_policy(args: argparse.Namespace) -> int:
+    if args.policy_command == "schema":
+        from gateway.policy_schema import render_policy_json_schema
+
+        sys.stdout.write(render_policy_json_schema())
+        return 0
+    from gateway.policy import PolicyError
+
+    failed = False
+    for path in args.files:  # every file, so one run reports every problem
+        try:
+            print(_check_policy_file(path), flush=True)
+        except PolicyError as exc:
+            print(f"loragate policy check: error: {exc}", file=sys.stderr, flush=True)
+            failed = True
+    return 1 if failed else 0
 
 
 @dataclass
@@ -336,4 +389,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_engine(args, parser)
     if args.command == "gateway":
         return run_gateway(args)
+    if args.command == "policy":
+        return run_policy(args)
     return run_up(args)
