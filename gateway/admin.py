@@ -1,9 +1,17 @@
 """The active policy, its hot reload, and the routes only an admin key may call.
 
-`PolicyStore.active` is replaced as a whole (policy + the Authenticator built from it), so a request sees
-one consistent policy. A reload that fails (unreadable file, invalid YAML, a bad key) changes nothing: the
-gateway keeps its last good policy and the caller gets 400 with the message naming the offending key.
-Admission and breaker sizes, and the rate limiter's on_redis_error, are fixed when the gateway starts.
+`PolicyStore.active` is replaced as a whole (policy + the Authenticator and the rollouts built from it):
+a request takes the ActivePolicy once when it starts and finishes under it, whatever reloads meanwhile.
+A reload comes from POST /admin/reload or from the file watcher (gateway/watch.py; the gateway's
+background loop polls the file about once a second). One that fails (unreadable file, invalid YAML, a bad
+key, a rollout variant no upstream serves) changes nothing: the gateway keeps its last good policy, logs
+why, counts it in loragate_gateway_policy_reload_errors_total and shows it as `last_error` in GET
+/admin/policy; POST /admin/reload answers 400 with the message naming the offending key.
+
+Rollout state across reloads: a reload from the file keeps the state (windows, rollback) of every rollout
+whose definition is unchanged; POST /admin/reload starts every rollout afresh and clears the rollbacks
+shared with other replicas. Admission and breaker sizes, and the rate limiter's on_redis_error, are fixed
+when the gateway starts.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 from engine.responses import ApiError
 from gateway.auth import Authenticator
 from gateway.policy import Policy, PolicyError, parse_policy
+from gateway.rollout import Rollback, RollbackShare, Rollouts
 
 logger = logging.getLogger(__name__)
 
@@ -34,50 +43,112 @@ def unauthorized(message: str) -> ApiError:
     return ApiError(401, "authentication_error", message, BEARER)
 
 
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
 @dataclass(frozen=True, slots=True)
 class ActivePolicy:
     policy: Policy
     auth: Authenticator
+    rollouts: Rollouts
     sha256: str  # of the policy file's bytes (or of the canonical JSON of a policy built in code)
     loaded_at: float  # wall-clock time (time.time())
 
 
+def check_variants(policy: Policy, served: frozenset[str]) -> None:
+    """PolicyError naming the key when a rollout variant is an adapter no upstream serves.
+
+    `served` empty means the upstreams have not been asked yet (or none answered): nothing to check then.
+    """
+    if not served:
+        return
+    for i, rollout in enumerate(policy.rollouts):
+        for j, variant in enumerate(rollout.variants):
+            if variant.adapter not in served:
+                raise PolicyError(f"rollouts[{i}].variants[{j}].adapter: unknown adapter {variant.adapter!r} "
+                                  "(no upstream serves it)")
+
+
 class PolicyStore:
-    def __init__(self, policy: Policy, path: Path | None, environ: Mapping[str, str] = os.environ) -> None:
+    def __init__(self, policy: Policy, path: Path | None, environ: Mapping[str, str] = os.environ,
+                 share: RollbackShare | None = None,
+                 on_rollback: Callable[[str, Rollback], None] | None = None,
+                 on_reload_error: Callable[[], None] | None = None) -> None:
         self.path = path
         self._environ = environ
+        self._share = share
+        self._on_rollback = on_rollback
+        self._on_reload_error = on_reload_error
+        self.last_error: tuple[str, float] | None = None  # (message, wall-clock time)
+        self.reload_errors = 0
         if path is not None and path.is_file():
             digest = hashlib.sha256(path.read_bytes()).hexdigest()
         else:
             digest = hashlib.sha256(json.dumps(policy.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
-        self.active = ActivePolicy(policy, Authenticator(policy, environ), digest, time.time())
+        self.active = self._activate(policy, digest, previous=None)
 
-    def reload(self) -> ActivePolicy:
-        """Load the policy file again; raises PolicyError (the old policy stays active)."""
-        if self.path is None:
-            raise PolicyError("this gateway was not started from a policy file; nothing to reload")
+    def _activate(self, policy: Policy, digest: str, previous: Rollouts | None) -> ActivePolicy:
+        rollouts = Rollouts(policy.rollouts, self._share, previous=previous, on_rollback=self._on_rollback)
+        return ActivePolicy(policy, Authenticator(policy, self._environ), rollouts, digest, time.time())
+
+    def reload(self, served: frozenset[str] = frozenset(), *, fresh: bool = True) -> ActivePolicy:
+        """Load the policy file again and switch to it; raises PolicyError (the old policy stays active).
+
+        `served`: the adapters the upstreams serve (rollout variants must be among them, when known).
+        `fresh`: start every rollout afresh (POST /admin/reload); otherwise unchanged rollouts keep their state.
+        """
         try:
-            raw = self.path.read_bytes()
-            text = raw.decode("utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise PolicyError(f"{self.path}: cannot read policy file: {exc}") from None
-        policy = parse_policy(text)
-        active = ActivePolicy(policy, Authenticator(policy, self._environ),
-                              hashlib.sha256(raw).hexdigest(), time.time())
+            if self.path is None:
+                raise PolicyError("this gateway was not started from a policy file; nothing to reload")
+            try:
+                raw = self.path.read_bytes()
+                text = raw.decode("utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise PolicyError(f"{self.path}: cannot read policy file: {exc}") from None
+            try:
+                policy = parse_policy(text)
+                check_variants(policy, served)
+            except PolicyError as exc:
+                raise PolicyError(f"{self.path}: {exc}") from None
+            # Built before the switch: a bad env: key reference (PolicyError) leaves the old policy active.
+            active = self._activate(policy, hashlib.sha256(raw).hexdigest(),
+                                    previous=None if fresh else self.active.rollouts)
+        except PolicyError as exc:
+            self.last_error = (str(exc), time.time())
+            self.reload_errors += 1
+            if self._on_reload_error is not None:
+                self._on_reload_error()
+            logger.warning("policy reload refused, keeping sha256 %s: %s", self.active.sha256[:12], exc)
+            raise
         self.active = active
         logger.info("policy reloaded from %s (sha256 %s)", self.path, active.sha256[:12])
         return active
 
+    def file_changed(self) -> bool:
+        """Whether the policy file's bytes differ from the active policy's (False when unreadable)."""
+        if self.path is None:
+            return False
+        try:
+            return hashlib.sha256(self.path.read_bytes()).hexdigest() != self.active.sha256
+        except OSError:
+            return False
+
     def describe(self) -> dict[str, Any]:
         active = self.active
+        last = None if self.last_error is None else {"message": self.last_error[0], "at": _iso(self.last_error[1])}
         return {"policy": active.policy.model_dump(mode="json"), "sha256": active.sha256,
-                "loaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(active.loaded_at)),
-                "path": str(self.path) if self.path is not None else None}
+                "loaded_at": _iso(active.loaded_at),
+                "path": str(self.path) if self.path is not None else None,
+                "last_error": last, "reload_errors": self.reload_errors,
+                "rollouts": active.rollouts.describe()}
 
 
 class AdminRoutes:
-    def __init__(self, store: PolicyStore) -> None:
+    def __init__(self, store: PolicyStore, served: Callable[[], Awaitable[frozenset[str]]]) -> None:
+        """`served`: the adapter ids the upstreams serve now (refreshed), to check rollout variants against."""
         self.store = store
+        self._served = served
 
     def _require_admin(self, request: Request) -> None:
         if not self.store.active.auth.is_admin(request.headers.get("authorization")):
@@ -88,10 +159,14 @@ class AdminRoutes:
         return JSONResponse(self.store.describe())
 
     async def reload(self, request: Request) -> Response:
+        """Reload the file now; every rollout starts afresh, here and (through Redis) on every replica."""
         self._require_admin(request)
         try:
-            self.store.reload()
+            active = self.store.reload(await self._served(), fresh=True)
         except PolicyError as exc:
-            logger.warning("policy reload refused: %s", exc)
             raise ApiError(400, "invalid_policy", str(exc)) from None
+        try:
+            await active.rollouts.clear_shared()
+        except Exception as exc:  # Redis down: this replica is fresh, the others keep a shared rollback
+            logger.warning("could not clear the shared rollbacks: %s", exc)
         return JSONResponse(self.store.describe())

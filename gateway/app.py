@@ -1,18 +1,24 @@
 """The gateway's HTTP app (Starlette): one generation request's path through the gateway.
 
   auth (Bearer key -> tenant, else 401) -> body (413 / 400) -> adapter (X-Adapter-ID or `model`; a rollout
-  name -> its first variant; not allowed -> 403; unknown -> 404) -> priority (X-Priority capped to the
-  tenant's max_priority) -> rate limit (429 rate_limited | tokens_exhausted) -> admission (503 queue_full |
-  queue_timeout | circuit_open | no_upstream | draining) -> proxy (gateway/proxy.py) -> settle: release
-  the slot, reconcile the token reservation with the real usage, metrics, span.
+  name -> one of its variants, gateway/rollout.py; not allowed -> 403; unknown -> 404) -> priority
+  (X-Priority capped to the tenant's max_priority) -> rate limit (429 rate_limited | tokens_exhausted) ->
+  admission (an upstream by adapter affinity; 503 queue_full | queue_timeout | circuit_open | no_upstream |
+  draining) -> proxy (gateway/proxy.py) -> settle: release the slot, reconcile the token reservation with
+  the real usage, record the rollout variant's outcome, metrics, span.
 
-The generation routes are plain ASGI callables (not request -> response functions) so that one task owns
-the request from the first byte read to the last byte sent: the span stays current while the stream
-runs, and the settle step runs after the response is done, however it ended.
+A request reads `store.active` once, when it starts, and finishes under that policy whatever reloads
+meanwhile. The generation routes are plain ASGI callables (not request -> response functions) so that
+one task owns the request from the first byte read to the last byte sent: the span stays current while
+the stream runs, and the settle step runs after the response is done, however it ended.
+
+A background loop (the app's lifespan) polls the policy file for changes and exchanges rollbacks with the
+other replicas through Redis, about once a second.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -32,21 +38,25 @@ from starlette.types import Receive, Scope, Send
 
 from engine.http_io import ClientGone, adapter_not_found, read_json, unless_disconnected
 from engine.responses import ApiError, error_response
-from gateway.admin import AdminRoutes, PolicyStore, unauthorized
+from gateway.admin import ActivePolicy, AdminRoutes, PolicyStore, unauthorized
 from gateway.admission import AdmissionController, Shed, Upstream
 from gateway.breaker import CircuitBreaker
-from gateway.policy import Policy, Tenant
+from gateway.policy import Policy, PolicyError, Tenant
 from gateway.proxy import Call, Exchange, Proxy
 from gateway.ratelimit import Decision, RateLimiter, RateLimiterUnavailable, Reservation
 from gateway.request_context import GenerationBody, HeaderLimit, resolve_priority
+from gateway.rollout import LocalShare, RollbackShare, Routed
 from gateway.routes import HANDLERS, Api
 from gateway.telemetry import GatewayMetrics, finish_span, request_span
 from gateway.upstream import DEFAULT_READ_TIMEOUT_S, UpstreamCatalog, make_client
+from gateway.watch import PolicyWatcher
 
 logger = logging.getLogger(__name__)
 
 
 # The X-Loragate-Reason values; the metrics' reason label takes only these.
+BACKGROUND_INTERVAL_S = 1.0  # policy file polls and rollback exchanges
+
 REASONS = frozenset({"rate_limited", "tokens_exhausted", "queue_full", "queue_timeout", "circuit_open",
                      "no_upstream", "draining", "ratelimit_unavailable"})
 
@@ -79,6 +89,36 @@ class Gateway:
         self.max_body_bytes = max_body_bytes
         self.draining = False
         self._decisions: dict[str, tuple[Decision, float]] = {}  # tenant -> last decision, for headers
+        self.watcher = PolicyWatcher(store.path, lambda: None) if store.path is not None else None
+        self._sync_failing = False
+
+    async def served_adapters(self) -> frozenset[str]:
+        """The adapter ids the upstreams serve (empty when none has answered yet)."""
+        return (await self.catalog.models()).adapters
+
+    async def background(self, interval_s: float) -> None:
+        """Until cancelled: reload a changed policy file, exchange rollbacks with the other replicas."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.housekeeping()
+            except Exception:
+                logger.exception("gateway housekeeping failed")
+
+    async def housekeeping(self) -> None:
+        """One round of the background loop (tests call it directly)."""
+        # file_changed: not when POST /admin/reload already loaded these bytes
+        if self.watcher is not None and self.watcher.check() and self.store.file_changed():
+            with contextlib.suppress(PolicyError):  # logged, counted and shown by the store
+                self.store.reload(await self.served_adapters(), fresh=False)
+        try:
+            await self.store.active.rollouts.sync()
+        except Exception as exc:
+            if not self._sync_failing:
+                logger.warning("sharing rollbacks failed (kept locally until it works): %s", exc)
+            self._sync_failing = True
+        else:
+            self._sync_failing = False
 
     def drain(self) -> None:
         """Stop admitting (503 draining, /readyz 503); requests in flight finish."""
@@ -92,8 +132,9 @@ class Gateway:
             return named
         return min(bases) if bases else "base"
 
-    def tenant(self, request: Request) -> Tenant:
-        tenant = self.store.active.auth.tenant_for(request.headers.get("authorization"))
+    def tenant(self, request: Request, active: ActivePolicy | None = None) -> Tenant:
+        active = active if active is not None else self.store.active
+        tenant = active.auth.tenant_for(request.headers.get("authorization"))
         if tenant is None:
             raise unauthorized("a valid API key is required (Authorization: Bearer <key>)")
         return tenant
@@ -108,25 +149,38 @@ class Gateway:
         return ratelimit_headers(Decision(decision.allowed, decision.reason, 0.0, decision.limit,
                                           decision.remaining, max(0.0, decision.reset_s - elapsed)))
 
-    async def resolve_adapter(self, request: Request, body: GenerationBody, tenant: Tenant) -> str | None:
-        """The adapter to serve (None: the base model); 403 not allowed, 404 unknown."""
+    async def resolve_adapter(self, request: Request, body: GenerationBody, tenant: Tenant,
+                              active: ActivePolicy) -> tuple[str | None, Routed | None]:
+        """The adapter to serve (None: the base model), and the rollout routing that chose it, if any.
+
+        403 not allowed, 404 unknown; a rollout's override header may answer 400 or 403 (rollout.py)."""
         name = request.headers.get("x-adapter-id", "").strip() or (body.model or "").strip()
         models = await self.catalog.models()
         if not name or name in models.bases:
-            return None
+            return None, None
         if not tenant.allows(name):
             raise ApiError(403, "permission_denied", f"adapter {name!r} is not allowed for tenant {tenant.id!r}")
-        rollout = self.store.active.policy.rollout(name)
-        adapter = rollout.variants[0].adapter if rollout is not None else name
+        routed = None
+        if active.policy.rollout(name) is not None:
+            routed = active.rollouts.route(name, tenant, request.headers.get)
+        adapter = routed.adapter if routed is not None else name
         if models.all and adapter not in models.adapters:  # nothing learned yet: the upstream decides
+            if routed is not None:  # a variant nobody serves is the rollout's failure, not the client's
+                self.observe_variant(active, routed.rollout, adapter, error=True, ttft_s=None)
             raise adapter_not_found(adapter)
-        return adapter
+        return adapter, routed
 
-    async def rate_limit(self, tenant: Tenant, tokens: int) -> tuple[dict[str, str], Reservation | None]:
+    def observe_variant(self, active: ActivePolicy, rollout: str, adapter: str, error: bool,
+                        ttft_s: float | None) -> None:
+        """One finished request of a rollout variant: its metrics and its rollback window."""
+        self.metrics.observe_variant(rollout, adapter, error, ttft_s)
+        active.rollouts.record(rollout, adapter, error, ttft_s)
+
+    async def rate_limit(self, tenant: Tenant, tokens: int,
+                         active: ActivePolicy) -> tuple[dict[str, str], Reservation | None]:
         """The RateLimit-* headers and the reservation; 429 over a limit, 503 when Redis fails closed."""
         try:
-            decision, reservation = await self.limiter.acquire(
-                tenant.id, self.store.active.policy.limits_for(tenant), tokens)
+            decision, reservation = await self.limiter.acquire(tenant.id, active.policy.limits_for(tenant), tokens)
         except RateLimiterUnavailable:
             self.metrics.count_ratelimit("unavailable")
             raise ApiError(503, "service_unavailable", "the rate limiter's store is unreachable",
@@ -174,13 +228,14 @@ class Generate:
         request = Request(scope, receive)
         started = time.monotonic()
         tenant_id = "unknown"
+        active = self.gw.store.active  # this request's policy, to the end
         try:
-            tenant = self.gw.tenant(request)
+            tenant = self.gw.tenant(request, active)
             tenant_id = tenant.id
             data = await read_json(request, self.gw.max_body_bytes)
             body = GenerationBody.parse(data, self.chat)
-            adapter = await self.gw.resolve_adapter(request, body, tenant)
-            priority = resolve_priority(request.headers.get("x-priority"), self.gw.store.active.policy, tenant)
+            adapter, routed = await self.gw.resolve_adapter(request, body, tenant, active)
+            priority = resolve_priority(request.headers.get("x-priority"), active.policy, tenant)
         except ApiError as exc:
             headers = {**self.gw.known_headers(tenant_id), **exc.headers}
             await error_response(exc.status, exc.type, exc.message, headers)(scope, receive, send)
@@ -189,13 +244,13 @@ class Generate:
             return
         shown = adapter or self.gw.base_name(body.model)
         call = Call(self.path, data, tenant.id, adapter, shown, priority, body.stream, body.include_usage,
-                    started)
+                    started, routed.rollout if routed is not None else None)
         with request_span(self.operation, shown, tenant=tenant.id, adapter=shown,
                           priority=priority.name.lower()) as span:
             exchange = Exchange()
             try:
                 try:
-                    response = await self._admit_and_forward(request, tenant, body, call, exchange)
+                    response = await self._admit_and_forward(request, tenant, body, call, exchange, active)
                 except ApiError as exc:
                     exchange.status = exc.status
                     exchange.outcome = exc.headers.get("X-Loragate-Reason", exc.type)
@@ -209,16 +264,19 @@ class Generate:
                 reason = exchange.outcome if exchange.outcome in REASONS else None
                 self.gw.metrics.observe_request(tenant.id, shown, exchange.status, reason,
                                                 time.monotonic() - started)
+                if call.rollout is not None and exchange.tried:  # it reached a variant: judge the variant
+                    error = exchange.status >= 500 or exchange.outcome == "upstream_error"
+                    self.gw.observe_variant(active, call.rollout, shown, error, exchange.ttft_s)
 
     async def _admit_and_forward(self, request: Request, tenant: Tenant, body: GenerationBody, call: Call,
-                                 exchange: Exchange) -> Response:
+                                 exchange: Exchange, active: ActivePolicy) -> Response:
         if self.gw.draining:
             raise ApiError(503, "service_unavailable", "the gateway is draining and takes no new requests",
                            {"Retry-After": "1", "X-Loragate-Reason": "draining"})
-        headers, exchange.reservation = await self.gw.rate_limit(tenant, body.reserve_tokens)
+        headers, exchange.reservation = await self.gw.rate_limit(tenant, body.reserve_tokens, active)
         try:
             exchange.slot = await unless_disconnected(
-                request.receive, self.gw.admission.acquire(call.priority, tenant.id))
+                request.receive, self.gw.admission.acquire(call.priority, tenant.id, affinity=call.adapter))
             response = await unless_disconnected(request.receive, self.gw.proxy.forward(call, exchange))
         except Shed as shed:
             exchange.status, exchange.outcome = 503, shed.reason
@@ -238,34 +296,51 @@ def build_app(policy: Policy, upstream_urls: list[str], limiter: RateLimiter, *,
               metrics: GatewayMetrics | None = None, max_body_bytes: int = 1 << 20,
               client: httpx.AsyncClient | None = None, policy_path: Path | None = None,
               environ: Mapping[str, str] = os.environ,
-              read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> Starlette:
-    """The gateway app in front of `upstream_urls`; `policy_path` enables POST /admin/reload."""
+              read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, rollback_share: RollbackShare | None = None,
+              background_interval_s: float = BACKGROUND_INTERVAL_S) -> Starlette:
+    """The gateway app in front of `upstream_urls`.
+
+    `policy_path` enables hot reload (POST /admin/reload, and the file watched while the app's lifespan
+    runs); `rollback_share` (gateway.rollout.RedisShare) shares rollbacks with other replicas.
+    """
     metrics = metrics if metrics is not None else GatewayMetrics()
     b = policy.breaker
     upstreams = [Upstream(url.rstrip("/"), CircuitBreaker(b.failure_threshold, b.open_seconds, b.half_open_probes))
                  for url in upstream_urls]
     a = policy.admission
-    admission = AdmissionController(upstreams, a.max_inflight_per_upstream, a.max_queue, a.queue_timeout_s)
+    admission = AdmissionController(upstreams, a.max_inflight_per_upstream, a.max_queue, a.queue_timeout_s,
+                                    spill_inflight=a.spill_at)
     own_client = client is None
     http = client if client is not None else make_client(a.max_inflight_per_upstream, len(upstreams),
                                                          read_timeout_s)
-    store = PolicyStore(policy, policy_path, environ)
-    gateway = Gateway(store, limiter, admission, UpstreamCatalog(upstreams, http), Proxy(http, admission, metrics),
-                      metrics, max_body_bytes)
+    share = rollback_share if rollback_share is not None else LocalShare()
+    store = PolicyStore(policy, policy_path, environ, share,
+                        on_rollback=lambda name, rollback: metrics.count_rollback(name, rollback.reason),
+                        on_reload_error=metrics.count_reload_error)
+    catalog = UpstreamCatalog(upstreams, http)
+    gateway = Gateway(store, limiter, admission, catalog, Proxy(http, admission, metrics), metrics, max_body_bytes)
     metrics.bind(queue_depths=admission.queue_depths, inflight=admission.inflight,
                  breaker_states=lambda: {u.url: u.breaker.state for u in upstreams},
-                 redis_errors=lambda: int(getattr(limiter, "redis_errors", 0)))
-    api, admin = Api(gateway), AdminRoutes(store)
+                 redis_errors=lambda: int(getattr(limiter, "redis_errors", 0)),
+                 rolled_back=lambda: {name: store.active.rollouts.is_rolled_back(name)
+                                      for name in store.active.rollouts.states},
+                 spills=lambda: admission.spills)
+    api, admin = Api(gateway), AdminRoutes(store, gateway.served_adapters)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        background = asyncio.create_task(gateway.background(background_interval_s))
         try:
             yield
         finally:
+            background.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await background
             gateway.drain()
             if own_client:
                 await http.aclose()
             await limiter.aclose()
+            await share.aclose()
 
     routes = [
         Route("/v1/completions", Generate(gateway, "/v1/completions", chat=False), methods=["POST"]),

@@ -96,8 +96,19 @@ class Tenant(_Model):
         return max(priority, self.priority_cap)
 
 
+_GLOB_CHARS = frozenset("*?[]")
+
+
+def _adapter_id(value: str) -> str:
+    if _GLOB_CHARS & set(value):
+        raise ValueError("must name one adapter id, not a pattern (no * ? [ ])")
+    if value != value.strip() or "/" in value or value in (".", ".."):
+        raise ValueError("must be an adapter id (no surrounding spaces, no '/')")
+    return value
+
+
 class Variant(_Model):
-    adapter: NonEmptyStr
+    adapter: Annotated[str, Field(min_length=1), AfterValidator(_adapter_id)]
     weight: Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
 
 
@@ -130,6 +141,15 @@ class Admission(_Model):
     max_inflight_per_upstream: PosInt = 32
     max_queue: NonNegInt = 256  # 0: no queue, shed when every upstream is full
     queue_timeout_ms: PosInt = 10000
+    # Adapter affinity: an adapter's requests go to its preferred upstream until this many are in flight
+    # there, then spill to the next choice. None: three quarters of max_inflight_per_upstream.
+    spill_inflight: PosInt | None = None
+
+    @property
+    def spill_at(self) -> int:
+        if self.spill_inflight is not None:
+            return min(self.spill_inflight, self.max_inflight_per_upstream)
+        return max(1, self.max_inflight_per_upstream * 3 // 4)
 
     @property
     def queue_timeout_s(self) -> float:

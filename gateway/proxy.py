@@ -51,6 +51,7 @@ class Call:
     stream: bool
     include_usage: bool  # the client wants the final usage chunk
     started_at: float  # time.monotonic() when the gateway received it
+    rollout: str | None = None  # the rollout name the client asked for, when `adapter` is one of its variants
 
 
 @dataclass(slots=True)
@@ -64,6 +65,7 @@ class Exchange:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     delivered: bool = False  # some byte of the answer reached the client
+    ttft_s: float | None = None  # arrival to the first token sent (a whole answer: to the answer)
     upstream: httpx.Response | None = None  # an open upstream stream, closed on settle
     tried: set[str] = field(default_factory=set)
 
@@ -151,7 +153,7 @@ class Proxy:
         exchange.slot.release()
         try:
             exchange.slot = await self.admission.acquire(call.priority, call.tenant,
-                                                         exclude=frozenset(exchange.tried))
+                                                         exclude=frozenset(exchange.tried), affinity=call.adapter)
         except Shed:
             exchange.slot = None
             return False
@@ -177,10 +179,10 @@ class Proxy:
             raise _failure(502, "upstream_error", f"upstream {url} failed: {exc!r}") from None
         exchange.upstream = resp
         if resp.status_code >= 400 or not call.stream:
-            return await self._whole(resp, exchange)
+            return await self._whole(call, resp, exchange)
         return await self._start_stream(call, resp, exchange)
 
-    async def _whole(self, resp: httpx.Response, exchange: Exchange) -> Response:
+    async def _whole(self, call: Call, resp: httpx.Response, exchange: Exchange) -> Response:
         """A non-streaming answer, or an error status of a streaming one: read it all, pass it through."""
         url = str(resp.request.url)
         try:
@@ -199,6 +201,7 @@ class Proxy:
         if resp.status_code >= 400:
             exchange.outcome = "upstream_client_error"
             return _passthrough(resp)
+        exchange.ttft_s = time.monotonic() - call.started_at
         try:
             exchange.take_usage(resp.json().get("usage"))
         except (ValueError, AttributeError):
@@ -271,6 +274,8 @@ class Proxy:
             return (event if call.include_usage else b""), False
         if choices:
             timing.content()
+            if exchange.ttft_s is None:
+                exchange.ttft_s = time.monotonic() - call.started_at
         if not call.include_usage and "usage" in chunk:
             del chunk["usage"]
             return sse(chunk), False

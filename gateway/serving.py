@@ -13,6 +13,7 @@ from gateway.app import Gateway, build_app
 from gateway.policy import Policy, load_policy
 from gateway.ratelimit import make_limiter
 from gateway.request_context import MAX_HEADER_BYTES
+from gateway.rollout import RedisShare
 from gateway.telemetry import setup_tracing
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,9 @@ def serve(policy_path: Path, upstreams: list[str], redis_url: str | None, host: 
     policy = policy if policy is not None else load_policy(policy_path)
     setup_tracing("loragate-gateway")
     limiter = make_limiter(redis_url, policy)
-    app = build_app(policy, upstreams, limiter, max_body_bytes=max_body_bytes, policy_path=policy_path)
+    share = RedisShare(redis_url) if redis_url is not None else None  # rollbacks, shared like the limits
+    app = build_app(policy, upstreams, limiter, max_body_bytes=max_body_bytes, policy_path=policy_path,
+                    rollback_share=share)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S,
                             http="h11",  # h11 bounds a request head still being received

@@ -40,11 +40,14 @@ class _Bound:
     """The scrape-time callbacks given to `GatewayMetrics.bind`."""
 
     def __init__(self, queue_depths: Callable[[], dict[str, int]], inflight: Callable[[], dict[str, int]],
-                 breaker_states: Callable[[], dict[str, str]], redis_errors: Callable[[], int]) -> None:
+                 breaker_states: Callable[[], dict[str, str]], redis_errors: Callable[[], int],
+                 rolled_back: Callable[[], dict[str, bool]], spills: Callable[[], int]) -> None:
         self.queue_depths = queue_depths
         self.inflight = inflight
         self.breaker_states = breaker_states
         self.redis_errors = redis_errors
+        self.rolled_back = rolled_back
+        self.spills = spills
 
 
 class _StateCollector:
@@ -77,6 +80,14 @@ class _StateCollector:
         yield breaker
         yield CounterMetricFamily("loragate_gateway_redis_errors", "Rate limiter calls that failed to "
                                   "reach Redis.", value=bound.redis_errors())
+        rolled = GaugeMetricFamily("loragate_gateway_rollout_rolled_back", "1 while a rollout serves only its "
+                                   "first variant after an automatic rollback.", labels=["rollout"])
+        for rollout, flag in sorted(bound.rolled_back().items()):
+            rolled.add_metric([rollout], int(flag))
+        yield rolled
+        yield CounterMetricFamily("loragate_gateway_affinity_spills", "Adapter requests sent to another "
+                                  "upstream because their preferred one had spill_inflight requests in flight.",
+                                  value=bound.spills())
 
 
 class GatewayMetrics:
@@ -101,6 +112,18 @@ class GatewayMetrics:
                                  ["decision"], registry=self.registry)
         for decision in RATELIMIT_DECISIONS:  # every series exists from the start (rate() needs a 0)
             self.ratelimit.labels(decision)
+        self.reload_errors = Counter("loragate_gateway_policy_reload_errors", "Policy reloads refused (the "
+                                     "last good policy stayed active).", registry=self.registry)
+        self.rollout_requests = Counter("loragate_gateway_rollout_requests", "Requests of a rollout that "
+                                        "reached a variant, by rollout, variant and result (ok or error).",
+                                        ["rollout", "variant", "result"], registry=self.registry)
+        self.rollout_ttft = Histogram("loragate_gateway_rollout_time_to_first_token_seconds", "Arrival to the "
+                                      "first token (a whole answer: to the answer) of a rollout's successful "
+                                      "requests, by variant.", ["rollout", "variant"], buckets=_TTFT_BUCKETS,
+                                      registry=self.registry)
+        self.rollbacks = Counter("loragate_gateway_rollout_rollbacks", "Automatic rollbacks this replica "
+                                 "decided, by rollout and the bound broken (error_rate or ttft_p99).",
+                                 ["rollout", "reason"], registry=self.registry)
         self._state = _StateCollector()
         self.registry.register(self._state)
 
@@ -118,10 +141,22 @@ class GatewayMetrics:
     def count_ratelimit(self, decision: str) -> None:
         self.ratelimit.labels(decision).inc()
 
+    def observe_variant(self, rollout: str, variant: str, error: bool, ttft_s: float | None) -> None:
+        self.rollout_requests.labels(rollout, variant, "error" if error else "ok").inc()
+        if not error and ttft_s is not None:
+            self.rollout_ttft.labels(rollout, variant).observe(ttft_s)
+
+    def count_rollback(self, rollout: str, reason: str) -> None:
+        self.rollbacks.labels(rollout, reason).inc()
+
+    def count_reload_error(self) -> None:
+        self.reload_errors.inc()
+
     def bind(self, *, queue_depths: Callable[[], dict[str, int]], inflight: Callable[[], dict[str, int]],
-             breaker_states: Callable[[], dict[str, str]], redis_errors: Callable[[], int]) -> None:
+             breaker_states: Callable[[], dict[str, str]], redis_errors: Callable[[], int],
+             rolled_back: Callable[[], dict[str, bool]] = dict, spills: Callable[[], int] = int) -> None:
         """Read these at each scrape; binding again replaces the callbacks."""
-        self._state.bound = _Bound(queue_depths, inflight, breaker_states, redis_errors)
+        self._state.bound = _Bound(queue_depths, inflight, breaker_states, redis_errors, rolled_back, spills)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

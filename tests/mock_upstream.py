@@ -8,6 +8,7 @@ receives (path, headers, body) in `mock.received`:
 
     with MockUpstream() as mock:                # or mock = MockUpstream().start(); ...; mock.stop()
         mock.behavior.fail_status = 500         # answer 500
+        mock.behavior.fail_adapters = frozenset({"a2"})   # answer 500 to requests for adapter a2 only
         mock.behavior.drop_before_first_byte = True   # send headers, then close the connection
         mock.behavior.die_after_chunks = 3      # stream 3 token chunks, then close the connection
         mock.behavior.delay_s = 0.5             # wait before answering
@@ -40,6 +41,7 @@ PROMPT_TOKENS = 5
 @dataclass
 class Behavior:
     fail_status: int | None = None  # answer generation requests with this status (JSON error body)
+    fail_adapters: frozenset[str] = frozenset()  # answer 500 to requests for these adapters (X-Adapter-ID)
     drop_before_first_byte: bool = False  # start the response, then close the connection
     die_after_chunks: int | None = None  # stream this many token chunks, then close the connection
     delay_s: float = 0.0  # sleep before answering
@@ -153,9 +155,10 @@ class MockUpstream:
         behavior = self.behavior
         if behavior.delay_s:
             await asyncio.sleep(behavior.delay_s)
-        if behavior.fail_status is not None:
+        failing = request.headers.get("x-adapter-id") in behavior.fail_adapters
+        if behavior.fail_status is not None or failing:
             return JSONResponse({"error": {"type": "mock_error", "message": "failing on purpose"}},
-                                status_code=behavior.fail_status)
+                                status_code=behavior.fail_status or 500)
         chat = request.url.path.endswith("chat/completions")
         model = request.headers.get("x-adapter-id") or body.get("model") or self.base_model
         if body.get("stream"):

@@ -10,7 +10,6 @@ processes matter run it under a real uvicorn.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -19,18 +18,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 
-from engine_server import start_engine_server, start_loragate
+from engine_server import start_engine_server
 from gateway.app import build_app
+from gateway_testing import asgi, assert_error, run, serve_app, start_gateway, stop_process, wait_until
 from gateway.auth import hash_key
 from gateway.policy import Policy, parse_policy
 from gateway.ratelimit import MemoryRateLimiter, RateLimiter, RedisRateLimiter
@@ -76,13 +75,6 @@ def make_app(upstreams: list[MockUpstream], policy: Policy | None = None, limite
                      limiter or MemoryRateLimiter(), metrics=GatewayMetrics(), **kwargs)
 
 
-@contextlib.asynccontextmanager
-async def asgi(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
-                                 timeout=30) as client:
-        yield client
-
-
 @pytest.fixture
 def mock() -> Iterator[MockUpstream]:
     with MockUpstream() as upstream:
@@ -95,31 +87,9 @@ def mock_b() -> Iterator[MockUpstream]:
         yield upstream
 
 
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
-def assert_error(resp: httpx.Response, status: int, type_: str | None = None, reason: str | None = None) -> None:
-    assert resp.status_code == status, resp.text
-    error = resp.json()["error"]
-    assert isinstance(error["message"], str) and error["message"]
-    if type_ is not None:
-        assert error["type"] == type_
-    if reason is not None:
-        assert resp.headers["X-Loragate-Reason"] == reason
-        assert int(resp.headers["Retry-After"]) >= 1
-
-
 def assert_ratelimit_headers(resp: httpx.Response) -> None:
     for name in ("RateLimit-Limit", "RateLimit-Remaining", "RateLimit-Reset"):
         assert int(resp.headers[name]) >= 0, name
-
-
-async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 # ---- 401, 400, 403, 404, 413 ----------------------------------------------------------------------------
@@ -230,7 +200,7 @@ def test_success_forwards_adapter_and_capped_priority_with_headers(mock: MockUps
         assert_ratelimit_headers(resp)
     assert adapter.headers["X-Loragate-Adapter"] == "a1"
     assert adapter.json()["choices"][0]["text"] == "t0 t1 t2 t3 t4 t5 t6 t7 "
-    assert rollout.headers["X-Loragate-Adapter"] == "a2"  # a rollout name serves its first variant
+    assert rollout.headers["X-Loragate-Adapter"] == "a2"  # no X-User-ID: split by tenant, acme lands on a2 (90%)
     assert base.headers["X-Loragate-Adapter"] == BASE_MODEL
     assert int(adapter.headers["RateLimit-Remaining"]) > int(base.headers["RateLimit-Remaining"])
     first, second, third = mock.received
@@ -444,26 +414,6 @@ def test_admin_policy_and_reload_keep_the_last_good_policy(mock: MockUpstream, t
 # ---- under a real uvicorn: streaming, retries, disconnects ----------------------------------------------
 
 
-@contextlib.contextmanager
-def serve_app(app: Starlette) -> Iterator[str]:
-    """Run `app` under uvicorn in a thread on a free 127.0.0.1 port; yields its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http="h11"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "gateway did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
-
-
 def sse_events(lines: Iterator[str]) -> Iterator[str]:
     """The data of each SSE event."""
     for line in lines:
@@ -589,26 +539,6 @@ def test_openai_client_through_the_gateway_to_a_real_engine(tmp_path: Path, tiny
 
 
 # ---- gateway processes -------------------------------------------------------------------------------
-
-
-def start_gateway(tmp_path: Path, name: str, policy: str, upstreams: list[str],
-                  *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    policy_path = tmp_path / f"{name}.yaml"
-    policy_path.write_text(policy)
-    args = ["gateway", "--policy", str(policy_path), "--log-level", "warning", *extra]
-    for upstream in upstreams:
-        args += ["--upstream", upstream]
-    return start_loragate(tmp_path / f"{name}.log", *args, timeout_s=30)
-
-
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
 
 
 def test_bad_policy_file_exits_2_naming_the_key(tmp_path: Path) -> None:

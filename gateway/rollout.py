@@ -1,0 +1,353 @@
+"""Rollouts: sticky canary / A-B splits of one adapter name over several adapters, with automatic rollback.
+
+Routing (`Rollouts.route`): a request that names a rollout gets one of its variants.
+- Sticky split: blake2b(rollout name, sticky value) into `BUCKETS` buckets, walked against the
+  cumulative weights, so every gateway replica (and every restart) sends the same user to the same
+  variant, and a weight change moves only the users whose bucket changes hands. The sticky value is
+  the tenant id (`sticky_key: tenant`) or a request header (`header:NAME`); a request without that
+  header falls back to its tenant id, so one tenant's header-less traffic stays on one variant.
+- Override: the rollout's `override_header` may name one of its adapters to force that variant, when
+  the tenant's `adapters` globs allow that adapter itself (403 otherwise; 400 when it names no variant).
+  An override is honoured even after a rollback: it is an explicit, permitted ask.
+- Rollback: once rolled back, a rollout serves its first variant to everyone.
+
+Health (`Rollouts.record`): every request that reached an upstream is recorded against its variant in a
+sliding window of `rollback.window_s`. When a variant other than the first has at least `min_requests`
+in its window and its error rate exceeds `max_error_rate`, or the p99 of its time to first token
+exceeds `max_ttft_p99_ms`, the rollout is rolled back: logged, counted, shown in GET /admin/policy.
+It stays rolled back until the policy is reloaded with POST /admin/reload; a file-change reload that
+leaves the rollout's definition unchanged keeps its state (windows and rollback), a changed definition
+starts afresh.
+
+Sharing (`RollbackShare`): with Redis, a rollback is written to a key named after the rollout and a
+hash of its definition, and every replica adopts the keys it finds (`Rollouts.sync`, about once a
+second), so all replicas roll back together. A rollback decided while Redis is unreachable is kept
+locally and published when Redis is back. The windows themselves stay per replica.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.responses import ApiError
+from gateway.policy import Rollout, Tenant, Variant
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = 10_000
+
+
+def bucket(rollout: str, sticky: str) -> int:
+    """The bucket (0..BUCKETS-1) of a sticky value in a rollout: a stable hash, the same in every process."""
+    data = f"{rollout}\x00{sticky}".encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") % BUCKETS
+
+
+def bucket_bounds(variants: Iterable[Variant]) -> list[int]:
+    """The exclusive upper bucket of each variant: cumulative weights scaled to BUCKETS."""
+    weights = [v.weight for v in variants]
+    total = sum(weights)
+    bounds, running = [], 0.0
+    for w in weights:
+        running += w
+        bounds.append(round(running / total * BUCKETS))
+    bounds[-1] = BUCKETS
+    return bounds
+
+
+def pick_variant(rollout: Rollout, sticky: str) -> Variant:
+    """The variant a sticky value lands on: the first whose bound lies above its bucket."""
+    b = bucket(rollout.name, sticky)
+    bounds = bucket_bounds(rollout.variants)
+    return rollout.variants[bisect.bisect_right(bounds, b)]
+
+
+def sticky_value(rollout: Rollout, tenant: Tenant, header: Callable[[str], str | None]) -> str:
+    """The value a request is split by: its sticky header, or the tenant id (sticky_key tenant, or no header)."""
+    if rollout.sticky_key.startswith("header:"):
+        value = (header(rollout.sticky_key[7:]) or "").strip()
+        if value:
+            return value
+    return tenant.id
+
+
+def definition_hash(rollout: Rollout) -> str:
+    """A short hash of a rollout's definition: state carries over a reload only while this is unchanged."""
+    text = json.dumps(rollout.model_dump(mode="json"), sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Rollback:
+    """Why and when a rollout was sent back to its first variant."""
+
+    variant: str  # the variant that broke a bound
+    reason: str  # "error_rate" or "ttft_p99"
+    detail: str  # e.g. "error rate 0.120 > 0.05 over 100 requests in 60 s"
+    at: float  # wall-clock time
+
+    def to_json(self) -> dict[str, Any]:
+        return {"variant": self.variant, "reason": self.reason, "detail": self.detail,
+                "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.at))}
+
+    def dumps(self) -> str:
+        return json.dumps({"variant": self.variant, "reason": self.reason, "detail": self.detail, "at": self.at})
+
+    @classmethod
+    def loads(cls, text: str) -> Rollback | None:
+        try:
+            d = json.loads(text)
+            return cls(str(d["variant"]), str(d["reason"]), str(d["detail"]), float(d["at"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+class Window:
+    """One variant's outcomes over the last `span_s` seconds: request and error counts and sorted TTFTs."""
+
+    def __init__(self, span_s: float) -> None:
+        self.span_s = span_s
+        self.clear()
+
+    def clear(self) -> None:
+        self._events: deque[tuple[float, bool, float | None]] = deque()  # (at, error, ttft_s)
+        self._ttfts: list[float] = []  # sorted
+        self.errors = 0
+
+    def add(self, now: float, error: bool, ttft_s: float | None) -> None:
+        self._expire(now)
+        self._events.append((now, error, ttft_s))
+        self.errors += error
+        if ttft_s is not None:
+            bisect.insort(self._ttfts, ttft_s)
+
+    def stats(self, now: float) -> tuple[int, int, float | None]:
+        """(requests, errors, p99 TTFT in seconds or None) in the window ending at `now`."""
+        self._expire(now)
+        return len(self._events), self.errors, self.p99()
+
+    def p99(self) -> float | None:
+        if not self._ttfts:
+            return None
+        return self._ttfts[max(0, math.ceil(0.99 * len(self._ttfts)) - 1)]  # nearest rank
+
+    def _expire(self, now: float) -> None:
+        while self._events and self._events[0][0] <= now - self.span_s:
+            _, error, ttft = self._events.popleft()
+            self.errors -= error
+            if ttft is not None:
+                del self._ttfts[bisect.bisect_left(self._ttfts, ttft)]
+
+
+class RollbackShare(Protocol):
+    """Where replicas publish rollbacks. The default shares nothing (one gateway replica)."""
+
+    async def fetch(self, keys: list[str]) -> dict[str, str]: ...
+    async def publish(self, key: str, value: str) -> None: ...
+    async def clear(self, keys: list[str]) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+class LocalShare:
+    """No sharing: each replica decides for itself."""
+
+    async def fetch(self, keys: list[str]) -> dict[str, str]:
+        return {}
+
+    async def publish(self, key: str, value: str) -> None:
+        return None
+
+    async def clear(self, keys: list[str]) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+@dataclass(eq=False)
+class RolloutState:
+    """One rollout's health: a window per variant, and the rollback once decided."""
+
+    rollout: Rollout
+    key: str  # the shared key: name + definition hash
+    windows: dict[str, Window] = field(default_factory=dict)
+    rolled_back: Rollback | None = None
+    published: bool = True  # False: decided here, not yet written to the shared store
+
+    def __post_init__(self) -> None:
+        span = self.rollout.rollback.window_s if self.rollout.rollback is not None else 60.0
+        self.windows = {v.adapter: Window(span) for v in self.rollout.variants}
+
+    def check(self, variant: str, now: float, wall: float) -> Rollback | None:
+        """The rollback `variant`'s window calls for, if any (never for the first variant)."""
+        bounds = self.rollout.rollback
+        if bounds is None or self.rolled_back is not None or variant == self.rollout.variants[0].adapter:
+            return None
+        n, errors, p99 = self.windows[variant].stats(now)
+        if n < bounds.min_requests:
+            return None
+        span = f"over {n} requests in {bounds.window_s:g} s"
+        if errors / n > bounds.max_error_rate:
+            return Rollback(variant, "error_rate", f"error rate {errors / n:.3f} > {bounds.max_error_rate:g} {span}",
+                            wall)
+        if p99 is not None and p99 * 1000 > bounds.max_ttft_p99_ms:
+            return Rollback(variant, "ttft_p99", f"TTFT p99 {p99 * 1000:.0f} ms > {bounds.max_ttft_p99_ms:g} ms "
+                            f"{span}", wall)
+        return None
+
+    def describe(self, now: float) -> dict[str, Any]:
+        variants = []
+        for v in self.rollout.variants:
+            n, errors, p99 = self.windows[v.adapter].stats(now)
+            variants.append({"adapter": v.adapter, "weight": v.weight,
+                             "window": {"requests": n, "errors": errors,
+                                        "error_rate": round(errors / n, 4) if n else None,
+                                        "ttft_p99_ms": round(p99 * 1000, 1) if p99 is not None else None}})
+        return {"name": self.rollout.name, "sticky_key": self.rollout.sticky_key,
+                "rolled_back": self.rolled_back.to_json() if self.rolled_back is not None else None,
+                "variants": variants}
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """Where a request naming a rollout goes."""
+
+    rollout: str
+    adapter: str
+    how: str  # "split", "override" or "rollback"
+
+
+class Rollouts:
+    """The rollouts of one active policy: routing, health windows, rollbacks, sharing."""
+
+    SHARE_PREFIX = "loragate:rollback:"
+
+    def __init__(self, rollouts: Iterable[Rollout], share: RollbackShare | None = None,
+                 previous: Rollouts | None = None, on_rollback: Callable[[str, Rollback], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        """`previous`: the rollouts of the policy this one replaces; unchanged rollouts keep their state."""
+        self.share = share if share is not None else LocalShare()
+        self._on_rollback = on_rollback
+        self._clock = clock
+        self._wall = wall
+        old = previous.states if previous is not None else {}
+        self.states: dict[str, RolloutState] = {}
+        for rollout in rollouts:
+            key = f"{self.SHARE_PREFIX}{rollout.name}:{definition_hash(rollout)}"
+            kept = old.get(rollout.name)
+            self.states[rollout.name] = kept if kept is not None and kept.key == key else RolloutState(rollout, key)
+
+    def route(self, name: str, tenant: Tenant, header: Callable[[str], str | None]) -> Routed:
+        """The variant for one request; 400 for an override naming no variant, 403 for one not allowed."""
+        state = self.states[name]
+        rollout = state.rollout
+        if rollout.override_header is not None:
+            forced = (header(rollout.override_header) or "").strip()
+            if forced:
+                if forced not in state.windows:
+                    names = ", ".join(v.adapter for v in rollout.variants)
+                    raise ApiError(400, "invalid_request_error",
+                                   f"{rollout.override_header}: {forced!r} is not a variant of rollout "
+                                   f"{name!r} (one of: {names})")
+                if not tenant.allows(forced):
+                    raise ApiError(403, "permission_denied",
+                                   f"{rollout.override_header}: adapter {forced!r} is not allowed for tenant "
+                                   f"{tenant.id!r}")
+                return Routed(name, forced, "override")
+        if state.rolled_back is not None:
+            return Routed(name, rollout.variants[0].adapter, "rollback")
+        return Routed(name, pick_variant(rollout, sticky_value(rollout, tenant, header)).adapter, "split")
+
+    def record(self, name: str, adapter: str, error: bool, ttft_s: float | None) -> Rollback | None:
+        """One finished request of a rollout variant; returns the rollback it triggered, if any."""
+        state = self.states.get(name)
+        if state is None or adapter not in state.windows:
+            return None
+        now = self._clock()
+        state.windows[adapter].add(now, error, None if error else ttft_s)
+        decided = state.check(adapter, now, self._wall())
+        if decided is not None:
+            self._roll_back(state, decided, published=False)
+        return decided
+
+    def is_rolled_back(self, name: str) -> bool:
+        state = self.states.get(name)
+        return state is not None and state.rolled_back is not None
+
+    async def sync(self) -> None:
+        """Exchange rollbacks with the other replicas: publish ours, adopt theirs, drop cleared ones."""
+        states = list(self.states.values())
+        if not states:
+            return
+        for state in states:
+            if state.rolled_back is not None and not state.published:
+                await self.share.publish(state.key, state.rolled_back.dumps())
+                state.published = True
+        found = await self.share.fetch([s.key for s in states])
+        for state in states:
+            shared = Rollback.loads(found[state.key]) if state.key in found else None
+            if shared is not None and state.rolled_back is None:
+                self._roll_back(state, shared, published=True, adopted=True)
+            elif state.key not in found and state.rolled_back is not None and state.published \
+                    and not isinstance(self.share, LocalShare):
+                logger.info("rollout %r: rollback cleared by another replica's reload", state.rollout.name)
+                state.rolled_back = None
+                for window in state.windows.values():
+                    window.clear()
+
+    async def clear_shared(self) -> None:
+        """Forget every published rollback of these rollouts (POST /admin/reload starts afresh)."""
+        await self.share.clear([s.key for s in self.states.values()])
+
+    def describe(self) -> list[dict[str, Any]]:
+        now = self._clock()
+        return [state.describe(now) for state in self.states.values()]
+
+    def _roll_back(self, state: RolloutState, rollback: Rollback, published: bool, adopted: bool = False) -> None:
+        state.rolled_back = rollback
+        state.published = published
+        first = state.rollout.variants[0].adapter
+        logger.warning("rollout %r rolled back to %r%s: variant %r, %s", state.rollout.name, first,
+                       " (decided by another replica)" if adopted else "", rollback.variant, rollback.detail)
+        if self._on_rollback is not None and not adopted:
+            self._on_rollback(state.rollout.name, rollback)
+
+
+class RedisShare:
+    """Rollbacks in Redis: one key per rollout definition, written once (SET NX), kept for a week."""
+
+    TTL_S = 7 * 24 * 3600
+
+    def __init__(self, url: str) -> None:
+        import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        from gateway.redis_limiter import SOCKET_TIMEOUT_S
+
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
+                                              socket_connect_timeout=SOCKET_TIMEOUT_S,
+                                              retry=Retry(NoBackoff(), 0), decode_responses=True)
+
+    async def fetch(self, keys: list[str]) -> dict[str, str]:
+        values = await self._redis.mget(keys)
+        return {k: v for k, v in zip(keys, values, strict=True) if v is not None}
+
+    async def publish(self, key: str, value: str) -> None:
+        await self._redis.set(key, value, ex=self.TTL_S, nx=True)
+
+    async def clear(self, keys: list[str]) -> None:
+        if keys:
+            await self._redis.delete(*keys)
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()

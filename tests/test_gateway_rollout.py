@@ -1,0 +1,314 @@
+"""Rollouts end to end: sticky canary / A-B splits, overrides, automatic rollback (also shared through a real
+Redis by two gateway processes), hot reload of the policy file (ConfigMap symlink swaps included), and
+adapter affinity across two fake engines (tests/mock_upstream.py, real HTTP servers on 127.0.0.1).
+
+The split is checked against the weights over 20,000 users, and the variant a user gets against what a
+second gateway process says; rollback against a fake engine that fails the canary adapter only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.app import build_app
+from gateway.auth import hash_key
+from gateway.policy import parse_policy
+from gateway.ratelimit import MemoryRateLimiter
+from gateway.rollout import BUCKETS, Rollouts, bucket, pick_variant
+from gateway.telemetry import GatewayMetrics
+from gateway_testing import asgi, assert_error, run, start_gateway, stop_process
+from mock_upstream import MockUpstream
+from redis_server import redis_url_fixture
+
+KEY, OTHER_KEY, ADMIN_KEY = "acme-secret", "globex-secret", "admin-secret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+COMPLETION = {"prompt": "hello", "max_tokens": 4}
+
+redis_url = redis_url_fixture()
+
+ROLLBACK = "{max_error_rate: 0.2, max_ttft_p99_ms: 60000, min_requests: 10, window_s: 60}"
+
+
+def policy_yaml(*, weights: tuple[float, float] = (90, 10), rollback: str | None = ROLLBACK,
+                sticky: str = "header:X-User-ID", acme_adapters: str = '["support", "a1"]',
+                variants: tuple[str, str] = ("a1", "a2"), extra: str = "") -> str:
+    rollback_line = f"\n    rollback: {rollback}" if rollback else ""
+    return f"""
+version: 1
+admin_keys: ["{hash_key(ADMIN_KEY)}"]
+tenants:
+  - id: acme
+    api_keys: ["{hash_key(KEY)}"]
+    adapters: {acme_adapters}
+    limits: {{requests_per_second: 1000, burst: 1000, tokens_per_minute: 100000000}}
+  - id: globex
+    api_keys: ["{hash_key(OTHER_KEY)}"]
+    adapters: ["*"]
+    limits: {{requests_per_second: 1000, burst: 1000, tokens_per_minute: 100000000}}
+rollouts:
+  - name: support
+    sticky_key: {sticky}
+    variants: [{{adapter: {variants[0]}, weight: {weights[0]}}}, {{adapter: {variants[1]}, weight: {weights[1]}}}]
+    override_header: X-Variant{rollback_line}
+admission: {{max_inflight_per_upstream: 64, max_queue: 64, queue_timeout_ms: 5000}}
+breaker: {{failure_threshold: 1000, open_seconds: 30, half_open_probes: 1}}
+{extra}"""
+
+
+@pytest.fixture
+def mock() -> Iterator[MockUpstream]:
+    with MockUpstream(adapters=("a1", "a2", "a3")) as upstream:
+        upstream.behavior.tokens = 2
+        yield upstream
+
+
+def make_app(upstreams: list[MockUpstream], text: str | None = None, **kwargs: Any) -> Any:
+    return build_app(parse_policy(text or policy_yaml()), [m.url for m in upstreams], MemoryRateLimiter(),
+                     metrics=GatewayMetrics(), **kwargs)
+
+
+def support(user: str | None = None, auth: dict[str, str] = AUTH, **headers: str) -> dict[str, str]:
+    out = {**auth, "X-Adapter-ID": "support", **headers}
+    if user is not None:
+        out["X-User-ID"] = user
+    return out
+
+
+# ---- the split ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weights", [(90, 10), (50, 50), (1, 3)])
+def test_split_matches_the_weights_over_20000_users(weights: tuple[int, int]) -> None:
+    rollout = parse_policy(policy_yaml(weights=weights)).rollout("support")
+    assert rollout is not None
+    counts = Counter(pick_variant(rollout, f"user-{i}").adapter for i in range(20_000))
+    share = counts["a2"] / 20_000
+    assert abs(share - weights[1] / sum(weights)) <= 0.02, counts
+
+
+def test_buckets_are_a_blake2b_of_name_and_value_and_weight_zero_gets_none() -> None:
+    import hashlib  # the reference: the stable hash the contract names, computed here independently
+
+    digest = hashlib.blake2b(b"support\x00user-7", digest_size=8).digest()
+    assert bucket("support", "user-7") == int.from_bytes(digest, "big") % BUCKETS
+    rollout = parse_policy(policy_yaml(weights=(0, 1))).rollout("support")
+    assert rollout is not None
+    assert {pick_variant(rollout, f"u{i}").adapter for i in range(2000)} == {"a2"}
+
+
+def test_same_user_same_variant_from_two_gateway_processes(tmp_path: Path, mock: MockUpstream) -> None:
+    gateways = [start_gateway(tmp_path, f"gw{i}", policy_yaml(weights=(50, 50)), [mock.url]) for i in range(2)]
+    try:
+        seen: list[dict[str, str]] = [{}, {}]
+        with httpx.Client(timeout=30) as http:
+            for i, (_, url) in enumerate(gateways):
+                for user in range(60):
+                    resp = http.post(f"{url}/v1/completions", json=COMPLETION, headers=support(f"u{user}"))
+                    assert resp.status_code == 200, resp.text
+                    seen[i][f"u{user}"] = resp.headers["X-Loragate-Adapter"]
+    finally:
+        for proc, _ in gateways:
+            stop_process(proc)
+    assert seen[0] == seen[1]
+    assert set(seen[0].values()) == {"a1", "a2"}  # both variants really served
+    # the upstream got the adapter the gateway said it served
+    assert [r.headers["x-adapter-id"] for r in mock.received[:60]] == [seen[0][f"u{u}"] for u in range(60)]
+
+
+def test_missing_sticky_header_falls_back_to_the_tenant(mock: MockUpstream) -> None:
+    async def scenario() -> tuple[set[str], set[str], set[str]]:
+        async with asgi(make_app([mock], policy_yaml(weights=(50, 50)))) as gw:
+            async def served(headers: dict[str, str]) -> str:
+                resp = await gw.post("/v1/completions", json=COMPLETION, headers=headers)
+                assert resp.status_code == 200, resp.text
+                return resp.headers["X-Loragate-Adapter"]
+
+            acme = {await served(support()) for _ in range(10)}
+            globex = {await served(support(auth={"Authorization": f"Bearer {OTHER_KEY}"})) for _ in range(10)}
+            users = {await served(support(f"user-{i}")) for i in range(40)}
+            return acme, globex, users
+
+    acme, globex, users = run(scenario())
+    rollout = parse_policy(policy_yaml(weights=(50, 50))).rollout("support")
+    assert rollout is not None
+    assert acme == {pick_variant(rollout, "acme").adapter}
+    assert globex == {pick_variant(rollout, "globex").adapter}
+    assert users == {"a1", "a2"}
+
+
+def test_sticky_key_tenant_ignores_the_user_header(mock: MockUpstream) -> None:
+    text = policy_yaml(weights=(50, 50), sticky="tenant")
+
+    async def scenario() -> set[str]:
+        async with asgi(make_app([mock], text)) as gw:
+            return {(await gw.post("/v1/completions", json=COMPLETION, headers=support(f"user-{i}")))
+                    .headers["X-Loragate-Adapter"] for i in range(30)}
+
+    rollout = parse_policy(text).rollout("support")
+    assert rollout is not None
+    assert run(scenario()) == {pick_variant(rollout, "acme").adapter}
+
+
+def test_override_forces_a_variant_the_tenant_may_use(mock: MockUpstream) -> None:
+    # acme may use the rollout and a1 (not a2); globex may use everything
+    async def scenario() -> dict[str, httpx.Response]:
+        async with asgi(make_app([mock])) as gw:
+            post = lambda headers: gw.post("/v1/completions", json=COMPLETION, headers=headers)  # noqa: E731
+            return {"globex_a2": await post(support("u1", {"Authorization": f"Bearer {OTHER_KEY}"},
+                                                    **{"X-Variant": "a2"})),
+                    "acme_a1": await post(support("u1", **{"X-Variant": "a1"})),
+                    "acme_a2": await post(support("u1", **{"X-Variant": "a2"})),
+                    "not_a_variant": await post(support("u1", **{"X-Variant": "a3"})),
+                    "blank": await post(support("u1", **{"X-Variant": " "}))}
+
+    out = run(scenario())
+    assert out["globex_a2"].status_code == 200 and out["globex_a2"].headers["X-Loragate-Adapter"] == "a2"
+    assert out["acme_a1"].status_code == 200 and out["acme_a1"].headers["X-Loragate-Adapter"] == "a1"
+    assert_error(out["acme_a2"], 403, "permission_denied")
+    assert "'a2'" in out["acme_a2"].json()["error"]["message"]
+    assert_error(out["not_a_variant"], 400)
+    assert "X-Variant" in out["not_a_variant"].json()["error"]["message"]
+    assert out["blank"].status_code == 200  # an empty override is no override
+    assert [r.headers["x-adapter-id"] for r in mock.received] == ["a2", "a1",
+                                                                  out["blank"].headers["X-Loragate-Adapter"]]
+
+
+# ---- rollback ----------------------------------------------------------------------------------------
+
+
+def canary_users(text: str, n: int, start: int = 0) -> list[str]:
+    """The first `n` users (from `start`) the split sends to the canary variant (the second)."""
+    rollout = parse_policy(text).rollout("support")
+    assert rollout is not None
+    users, i = [], start
+    while len(users) < n:
+        if pick_variant(rollout, f"user-{i}").adapter == rollout.variants[1].adapter:
+            users.append(f"user-{i}")
+        i += 1
+    return users
+
+
+def test_rollback_after_min_requests_of_canary_failures_only(mock: MockUpstream, tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    text = policy_yaml(weights=(50, 50))
+    path.write_text(text)
+    mock.behavior.fail_adapters = frozenset({"a2"})  # the canary is broken, the first variant is fine
+    canary = canary_users(text, 12)
+
+    async def scenario() -> dict[str, Any]:
+        async with asgi(make_app([mock], text, policy_path=path)) as gw:
+            out: dict[str, Any] = {"before": []}
+            for user in canary[:9]:  # 9 canary failures, min_requests is 10
+                out["before"].append(await gw.post("/v1/completions", json=COMPLETION, headers=support(user)))
+            out["policy_before"] = (await gw.get("/admin/policy", headers=ADMIN)).json()
+            out["tenth"] = await gw.post("/v1/completions", json=COMPLETION, headers=support(canary[9]))
+            out["after"] = [await gw.post("/v1/completions", json=COMPLETION, headers=support(u))
+                            for u in canary[10:12]]
+            out["override"] = await gw.post("/v1/completions", json=COMPLETION,
+                                            headers=support(canary[0], {"Authorization": f"Bearer {OTHER_KEY}"},
+                                                            **{"X-Variant": "a2"}))
+            out["policy"] = (await gw.get("/admin/policy", headers=ADMIN)).json()
+            out["metrics"] = (await gw.get("/metrics")).text
+            out["reload"] = await gw.post("/admin/reload", headers=ADMIN)
+            out["again"] = await gw.post("/v1/completions", json=COMPLETION, headers=support(canary[0]))
+            return out
+
+    out = run(scenario())
+    assert [r.status_code for r in out["before"]] == [500] * 9  # still routed to the canary: no rollback yet
+    assert out["policy_before"]["rollouts"][0]["rolled_back"] is None
+    assert out["policy_before"]["rollouts"][0]["variants"][1]["window"] == {
+        "requests": 9, "errors": 9, "error_rate": 1.0, "ttft_p99_ms": None}
+    assert out["tenth"].status_code == 500  # the 10th failure reaches min_requests and trips the rollback
+    for resp in out["after"]:  # canary users now get the first variant
+        assert resp.status_code == 200 and resp.headers["X-Loragate-Adapter"] == "a1"
+    assert out["override"].status_code == 500  # an explicit, permitted override still reaches the canary
+    rolled = out["policy"]["rollouts"][0]["rolled_back"]
+    assert rolled["variant"] == "a2" and rolled["reason"] == "error_rate" and "10 requests" in rolled["detail"]
+    assert 'loragate_gateway_rollout_rollbacks_total{reason="error_rate",rollout="support"} 1.0' in out["metrics"]
+    assert 'loragate_gateway_rollout_rolled_back{rollout="support"} 1.0' in out["metrics"]
+    assert ('loragate_gateway_rollout_requests_total{result="error",rollout="support",variant="a2"} 11.0'
+            in out["metrics"])
+    assert ('loragate_gateway_rollout_requests_total{result="ok",rollout="support",variant="a1"} 2.0'
+            in out["metrics"])
+    assert out["reload"].status_code == 200
+    assert out["reload"].json()["rollouts"][0]["rolled_back"] is None
+    assert out["again"].status_code == 500  # reloaded: the split is back, the canary user gets the canary
+
+
+def test_first_variant_failures_never_roll_back(mock: MockUpstream) -> None:
+    text = policy_yaml(weights=(50, 50))
+    mock.behavior.fail_adapters = frozenset({"a1"})
+
+    async def scenario() -> dict[str, Any]:
+        async with asgi(make_app([mock], text)) as gw:
+            statuses = [(await gw.post("/v1/completions", json=COMPLETION, headers=support(f"user-{i}"))).status_code
+                        for i in range(60)]
+            return {"statuses": statuses, "policy": (await gw.get("/admin/policy", headers=ADMIN)).json()}
+
+    out = run(scenario())
+    assert out["statuses"].count(500) >= 10  # the first variant failed plenty ...
+    assert out["policy"]["rollouts"][0]["rolled_back"] is None  # ... and there is nothing to roll back to
+
+
+def test_ttft_p99_bound_rolls_back_and_windows_slide() -> None:
+    policy = parse_policy(policy_yaml(rollback="{max_error_rate: 1, max_ttft_p99_ms: 500, min_requests: 100, "
+                                               "window_s: 10}"))
+    now = [0.0]
+    rollouts = Rollouts(policy.rollouts, clock=lambda: now[0])
+    for _ in range(99):
+        assert rollouts.record("support", "a2", False, 0.9) is None  # slow, but under min_requests
+    now[0] = 10.5  # those 99 slide out of the 10 s window
+    for _ in range(99):
+        assert rollouts.record("support", "a2", False, 0.1) is None
+    for _ in range(98):
+        assert rollouts.record("support", "a1", False, 5.0) is None  # the first variant is never judged
+    assert rollouts.record("support", "a2", False, 0.1) is None  # 100 fast: p99 100 ms
+    for _ in range(2):
+        rollouts.record("support", "a2", False, 0.8)  # 102 requests, 2 slow: the p99 is a slow one
+    assert rollouts.is_rolled_back("support")
+    state = rollouts.describe()[0]
+    assert state["rolled_back"]["reason"] == "ttft_p99" and state["variants"][1]["window"]["requests"] == 102
+
+
+def test_rollback_is_shared_through_redis_by_two_gateway_processes(tmp_path: Path, redis_url: str,
+                                                                   mock: MockUpstream) -> None:
+    text = policy_yaml(weights=(50, 50))
+    mock.behavior.fail_adapters = frozenset({"a2"})
+    canary = canary_users(text, 14)
+    gateways = [start_gateway(tmp_path, f"gw{i}", text, [mock.url], "--redis", redis_url) for i in range(2)]
+    (_, one), (_, two) = gateways
+    try:
+        with httpx.Client(timeout=30) as http:
+            post = lambda url, user: http.post(f"{url}/v1/completions", json=COMPLETION,  # noqa: E731
+                                               headers=support(user))
+            assert post(two, canary[0]).status_code == 500  # gateway two sends canary users to the canary
+            assert [post(one, u).status_code for u in canary[:10]] == [500] * 10  # gateway one rolls back
+            assert post(one, canary[10]).headers["X-Loragate-Adapter"] == "a1"
+            two_state = wait_for_rollback(http, two, rolled_back=True)  # two learns it through Redis
+            assert two_state["variant"] == "a2"
+            resp = post(two, canary[11])
+            assert resp.status_code == 200 and resp.headers["X-Loragate-Adapter"] == "a1"
+            assert http.post(f"{one}/admin/reload", headers=ADMIN).status_code == 200  # clears it everywhere
+            wait_for_rollback(http, two, rolled_back=False)
+            assert post(two, canary[12]).status_code == 500  # the canary is back in the split
+    finally:
+        for proc, _ in gateways:
+            stop_process(proc)
+
+
+def wait_for_rollback(http: httpx.Client, url: str, rolled_back: bool, timeout_s: float = 10.0) -> Any:
+    end = time.monotonic() + timeout_s
+    while True:
+        state = http.get(f"{url}/admin/policy", headers=ADMIN).json()["rollouts"][0]["rolled_back"]
+        if (state is not None) == rolled_back:
+            return state
+        assert time.monotonic() < end, f"rolled_back did not become {rolled_back}"
+        time.sleep(0.1)
