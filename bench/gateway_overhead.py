@@ -3,8 +3,9 @@
 The mock (tests/mock_upstream.py, in its own process) answers 4-token completions at once; the gateway
 (`loragate gateway`, its own process) enforces a policy whose limits never bind; the client (this process)
 sends non-streamed completions at concurrency 1 and 10 and reports latency p50/p99 and the latency the
-gateway adds, then the most requests/s one gateway process holds at concurrency 32. Everything is on
-127.0.0.1, bounded in count and time.
+gateway adds, then what routing through a canary rollout (split, windows, rollback check) adds on top of
+a plain base-model request, then the most requests/s one gateway process holds at concurrency 32.
+Everything is on 127.0.0.1, bounded in count and time.
 
     python bench/gateway_overhead.py [--requests 400]
 
@@ -34,6 +35,11 @@ tenants:
     api_keys: ["env:LORAGATE_BENCH_KEY"]
     adapters: ["*"]
     limits: {requests_per_second: 1000000, burst: 1000000, tokens_per_minute: 1000000000}
+rollouts:
+  - name: canary
+    variants: [{adapter: a1, weight: 90}, {adapter: a2, weight: 10}]
+    override_header: X-Variant
+    rollback: {max_error_rate: 0.05, max_ttft_p99_ms: 2000, min_requests: 100, window_s: 60}
 admission: {max_inflight_per_upstream: 64, max_queue: 1024, queue_timeout_ms: 30000}
 """
 MOCK = """
@@ -121,6 +127,11 @@ def main() -> None:
                   f"   gateway p50 {1e3 * pct(through, .5):6.2f} ms p99 {1e3 * pct(through, .99):6.2f} ms"
                   f"   added p50 {1e3 * (pct(through, .5) - pct(direct, .5)):6.2f} ms"
                   f" p99 {1e3 * (pct(through, .99) - pct(direct, .99)):6.2f} ms")
+        rollout = {**auth, "X-Adapter-ID": "canary", "X-User-ID": "user-42"}
+        base = asyncio.run(latencies(gateway_url, 1, args.requests, auth))
+        split = asyncio.run(latencies(gateway_url, 1, args.requests, rollout))
+        print(f"c= 1  base p50 {1e3 * pct(base, .5):6.2f} ms   canary rollout p50 {1e3 * pct(split, .5):6.2f} ms"
+              f"   rollout routing added p50 {1e3 * (pct(split, .5) - pct(base, .5)):6.2f} ms")
         t0 = time.perf_counter()
         done = asyncio.run(latencies(gateway_url, 32, 4 * args.requests, auth))
         print(f"throughput through one gateway process at c=32: {len(done) / (time.perf_counter() - t0):.0f} req/s")

@@ -264,7 +264,8 @@ class Generate:
                 reason = exchange.outcome if exchange.outcome in REASONS else None
                 self.gw.metrics.observe_request(tenant.id, shown, exchange.status, reason,
                                                 time.monotonic() - started)
-                if call.rollout is not None and exchange.tried:  # it reached a variant: judge the variant
+                # It reached a variant (and the client did not leave first): judge the variant.
+                if call.rollout is not None and exchange.tried and exchange.status != 499:
                     error = exchange.status >= 500 or exchange.outcome == "upstream_error"
                     self.gw.observe_variant(active, call.rollout, shown, error, exchange.ttft_s)
 
