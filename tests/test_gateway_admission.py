@@ -8,21 +8,11 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from engine.request import Priority
+from fake_clock import FakeClock
 from gateway.admission import AdmissionController, Shed, Slot, Upstream
 from gateway.breaker import CircuitBreaker
 
 CRIT, STD, SHED = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def make(

@@ -14,23 +14,13 @@ from pathlib import Path
 import pytest
 
 from engine.request import Priority
+from fake_clock import FakeClock
 from gateway.admission import AdmissionController, Slot, Upstream, rendezvous_order
 from gateway.breaker import CircuitBreaker
 
 CRIT, STD = Priority.CRITICAL, Priority.STANDARD
 URLS = ("http://a", "http://b", "http://c")
 REPO = Path(__file__).resolve().parents[1]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def make(

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from fake_clock import FakeClock
 from gateway.policy import Limits, parse_policy
 from gateway.ratelimit import (Decision, MemoryRateLimiter, RateLimiter, RateLimiterUnavailable, RedisRateLimiter,
                                make_limiter)
@@ -31,14 +32,6 @@ redis_server = redis_server_fixture(scope="function")        # a private one, fo
 
 def limits(rps: float, burst: int, tpm: int = 10**9) -> Limits:
     return Limits(requests_per_second=rps, burst=burst, tokens_per_minute=tpm)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass
