@@ -10,8 +10,9 @@ why, counts it in loragate_gateway_policy_reload_errors_total and shows it as `l
 
 Rollout state across reloads: a reload from the file keeps the state (windows, rollback) of every rollout
 whose definition is unchanged; POST /admin/reload starts every rollout afresh and clears the rollbacks
-shared with other replicas. Admission and breaker sizes, and the rate limiter's on_redis_error, are fixed
-when the gateway starts.
+shared with other replicas. Admission and breaker settings and the rate limiter's on_redis_error are
+applied in place by `on_reload` (Gateway.apply_settings): new room is used at once, while requests in
+flight or already queued keep what they had.
 """
 
 from __future__ import annotations
@@ -74,12 +75,15 @@ class PolicyStore:
     def __init__(self, policy: Policy, path: Path | None, environ: Mapping[str, str] = os.environ,
                  share: RollbackShare | None = None,
                  on_rollback: Callable[[str, Rollback], None] | None = None,
-                 on_reload_error: Callable[[], None] | None = None) -> None:
+                 on_reload_error: Callable[[], None] | None = None,
+                 on_reload: Callable[[Policy], None] | None = None) -> None:
+        """`on_reload(policy)` runs after each switch, to apply settings that live outside the policy."""
         self.path = path
         self._environ = environ
         self._share = share
         self._on_rollback = on_rollback
         self._on_reload_error = on_reload_error
+        self._on_reload = on_reload
         self.last_error: tuple[str, float] | None = None  # (message, wall-clock time)
         self.reload_errors = 0
         if path is not None and path.is_file():
@@ -122,6 +126,8 @@ class PolicyStore:
             logger.warning("policy reload refused, keeping sha256 %s: %s", self.active.sha256[:12], exc)
             raise
         self.active = active
+        if self._on_reload is not None:
+            self._on_reload(policy)
         logger.info("policy reloaded from %s (sha256 %s)", self.path, active.sha256[:12])
         return active
 
@@ -145,10 +151,13 @@ class PolicyStore:
 
 
 class AdminRoutes:
-    def __init__(self, store: PolicyStore, served: Callable[[], Awaitable[frozenset[str]]]) -> None:
-        """`served`: the adapter ids the upstreams serve now (refreshed), to check rollout variants against."""
+    def __init__(self, store: PolicyStore, served: Callable[[], Awaitable[frozenset[str]]],
+                 routing: Callable[[], dict[str, Any]] = dict) -> None:
+        """`served`: the adapter ids the upstreams serve now (refreshed), to check rollout variants against;
+        `routing`: the upstreams' state and adapter affinity, shown in GET /admin/policy."""
         self.store = store
         self._served = served
+        self._routing = routing
 
     def _require_admin(self, request: Request) -> None:
         if not self.store.active.auth.is_admin(request.headers.get("authorization")):
@@ -156,7 +165,7 @@ class AdminRoutes:
 
     async def policy(self, request: Request) -> Response:
         self._require_admin(request)
-        return JSONResponse(self.store.describe())
+        return JSONResponse({**self.store.describe(), "routing": self._routing()})
 
     async def reload(self, request: Request) -> Response:
         """Reload the file now; every rollout starts afresh, here and (through Redis) on every replica."""

@@ -169,16 +169,9 @@ class AdmissionController:
         *,
         spill_inflight: int | None = None,
     ) -> None:
-        assert max_inflight_per_upstream >= 1 and max_queue >= 0
-        assert spill_inflight is None or spill_inflight >= 1
         self.upstreams = list(upstreams)
-        self.max_inflight_per_upstream = max_inflight_per_upstream
-        if spill_inflight is None:
-            spill_inflight = max(1, max_inflight_per_upstream * 3 // 4)
-        self.spill_inflight = min(spill_inflight, max_inflight_per_upstream)
         self.spills = 0  # affinity requests sent past a busy first choice (exported as a metric)
-        self.max_queue = max_queue
-        self.queue_timeout_s = queue_timeout_s
+        self._set_limits(max_inflight_per_upstream, max_queue, queue_timeout_s, spill_inflight)
         self._clock = clock
         self._bands = [_Band() for _ in Priority]
         self._depths = [0 for _ in Priority]  # waiters per band; each queued waiter's future is pending
@@ -188,6 +181,25 @@ class AdmissionController:
         self._wakeup: asyncio.TimerHandle | None = None  # re-dispatch when an open breaker turns half-open
         for upstream in self.upstreams:
             upstream.breaker.subscribe(self._dispatch)
+
+    def _set_limits(self, max_inflight_per_upstream: int, max_queue: int, queue_timeout_s: float,
+                    spill_inflight: int | None) -> None:
+        assert max_inflight_per_upstream >= 1 and max_queue >= 0 and queue_timeout_s > 0
+        assert spill_inflight is None or spill_inflight >= 1
+        self.max_inflight_per_upstream = max_inflight_per_upstream
+        if spill_inflight is None:
+            spill_inflight = max(1, max_inflight_per_upstream * 3 // 4)
+        self.spill_inflight = min(spill_inflight, max_inflight_per_upstream)
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
+
+    def reconfigure(self, max_inflight_per_upstream: int, max_queue: int, queue_timeout_s: float,
+                    spill_inflight: int | None = None) -> None:
+        """New limits (a policy reload). Requests in flight and waiters already queued keep what they have
+        (a waiter's timeout was set when it arrived; a queue now over `max_queue` drains as slots free);
+        new room is handed out at once."""
+        self._set_limits(max_inflight_per_upstream, max_queue, queue_timeout_s, spill_inflight)
+        self._dispatch()
 
     @property
     def draining(self) -> bool:

@@ -26,6 +26,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -91,6 +92,22 @@ class Gateway:
         self._decisions: dict[str, tuple[Decision, float]] = {}  # tenant -> last decision, for headers
         self.watcher = PolicyWatcher(store.path, lambda: None) if store.path is not None else None
         self._sync_failing = False
+
+    def apply_settings(self, policy: Policy) -> None:
+        """A reloaded policy's admission, breaker and rate-limiter settings, applied in place."""
+        a, b = policy.admission, policy.breaker
+        self.admission.reconfigure(a.max_inflight_per_upstream, a.max_queue, a.queue_timeout_s, a.spill_at)
+        for upstream in self.admission.upstreams:
+            upstream.breaker.reconfigure(b.failure_threshold, b.open_seconds, b.half_open_probes)
+        self.limiter.on_error = policy.ratelimit.on_redis_error
+
+    def routing(self) -> dict[str, Any]:
+        """For GET /admin/policy: each upstream's load and breaker, and each known adapter's preferred upstream."""
+        upstreams = [{"url": u.url, "inflight": u.inflight, "breaker": u.breaker.state}
+                     for u in self.admission.upstreams]
+        affinity = {a: self.admission.preferred(a) for a in sorted(self.catalog.cached().adapters)}
+        return {"upstreams": upstreams, "affinity": affinity, "spill_inflight": self.admission.spill_inflight,
+                "spills": self.admission.spills}
 
     async def served_adapters(self) -> frozenset[str]:
         """The adapter ids the upstreams serve (empty when none has answered yet)."""
@@ -317,7 +334,8 @@ def build_app(policy: Policy, upstream_urls: list[str], limiter: RateLimiter, *,
     share = rollback_share if rollback_share is not None else LocalShare()
     store = PolicyStore(policy, policy_path, environ, share,
                         on_rollback=lambda name, rollback: metrics.count_rollback(name, rollback.reason),
-                        on_reload_error=metrics.count_reload_error)
+                        on_reload_error=metrics.count_reload_error,
+                        on_reload=lambda new: gateway.apply_settings(new))
     catalog = UpstreamCatalog(upstreams, http)
     gateway = Gateway(store, limiter, admission, catalog, Proxy(http, admission, metrics), metrics, max_body_bytes)
     metrics.bind(queue_depths=admission.queue_depths, inflight=admission.inflight,
@@ -326,7 +344,7 @@ def build_app(policy: Policy, upstream_urls: list[str], limiter: RateLimiter, *,
                  rolled_back=lambda: {name: store.active.rollouts.is_rolled_back(name)
                                       for name in store.active.rollouts.states},
                  spills=lambda: admission.spills)
-    api, admin = Api(gateway), AdminRoutes(store, gateway.served_adapters)
+    api, admin = Api(gateway), AdminRoutes(store, gateway.served_adapters, gateway.routing)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -32,16 +32,20 @@ class CircuitBreaker:
         half_open_probes: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        assert failure_threshold >= 1 and open_seconds >= 0 and half_open_probes >= 1
-        self.failure_threshold = failure_threshold
-        self.open_seconds = open_seconds
-        self.half_open_probes = half_open_probes
+        self.reconfigure(failure_threshold, open_seconds, half_open_probes)
         self._clock = clock
         self._failures = 0  # consecutive failures while closed
         self._opened_at: float | None = None  # None: closed
         self._probes = 0  # probes handed out since the breaker last became half-open, not yet reported
         self._last_probe_at = 0.0
         self._listeners: list[Callable[[], None]] = []
+
+    def reconfigure(self, failure_threshold: int, open_seconds: float, half_open_probes: int) -> None:
+        """New settings (a policy reload); the state and the failures counted so far are kept."""
+        assert failure_threshold >= 1 and open_seconds >= 0 and half_open_probes >= 1
+        self.failure_threshold = failure_threshold
+        self.open_seconds = open_seconds
+        self.half_open_probes = half_open_probes
 
     @property
     def state(self) -> State:

@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     from gateway.policy import Limits, Policy
@@ -57,6 +57,7 @@ class Reservation:
 
 class RateLimiter(Protocol):
     redis_errors: int
+    on_error: Literal["open", "closed"]  # what a store outage means (only a shared store has outages)
 
     async def acquire(self, tenant: str, limits: Limits, tokens: int) -> tuple[Decision, Reservation | None]: ...
 
@@ -113,6 +114,7 @@ class MemoryRateLimiter:
         self._clock = clock
         self._state: dict[str, _Buckets] = {}
         self.redis_errors = 0
+        self.on_error: Literal["open", "closed"] = "open"  # never used: memory does not fail
 
     async def acquire(self, tenant: str, limits: Limits, tokens: int) -> tuple[Decision, Reservation | None]:
         now = self._clock()

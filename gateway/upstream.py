@@ -27,10 +27,13 @@ DEFAULT_READ_TIMEOUT_S = 300.0  # the longest gap between two bytes of an upstre
 
 def make_client(max_inflight_per_upstream: int, num_upstreams: int,
                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> httpx.AsyncClient:
-    """One pooled client for every upstream: enough keep-alive connections for every admitted request."""
+    """One pooled client for every upstream.
+
+    The number of connections is not capped here: admission already bounds the requests in flight, and
+    a policy reload may raise that bound. Enough of them are kept alive for every admitted request.
+    """
     per_upstream = max_inflight_per_upstream + 4  # + catalog refreshes and a retry's overlap
-    limits = httpx.Limits(max_connections=per_upstream * max(num_upstreams, 1),
-                          max_keepalive_connections=per_upstream * max(num_upstreams, 1))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=per_upstream * max(num_upstreams, 1))
     timeout = httpx.Timeout(read_timeout_s, connect=CONNECT_TIMEOUT_S, pool=CONNECT_TIMEOUT_S)
     return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
 

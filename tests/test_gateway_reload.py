@@ -207,7 +207,7 @@ def test_each_adapter_lands_on_its_rendezvous_upstream_and_base_spreads(mock: Mo
         upstreams = [mock, other]
         urls = [m.url for m in upstreams]
 
-        async def scenario() -> None:
+        async def scenario() -> Any:
             async with asgi(build_app(parse_policy(policy_yaml()), urls, MemoryRateLimiter())) as gw:
                 for _ in range(4):
                     for adapter in ("a1", "a2", "a3"):
@@ -217,11 +217,56 @@ def test_each_adapter_lands_on_its_rendezvous_upstream_and_base_spreads(mock: Mo
                         assert resp.status_code == 200
                     base = await gw.post("/v1/completions", json=COMPLETION, headers=AUTH)
                     assert base.status_code == 200
+                return (await gw.get("/admin/policy", headers=ADMIN)).json()["routing"]
 
-        run(scenario())
+        routing = run(scenario())
+        assert routing["affinity"] == {a: rendezvous_order(a, urls)[0] for a in ("a1", "a2", "a3")}
+        assert [u["url"] for u in routing["upstreams"]] == urls and routing["spills"] == 0
         for adapter in ("a1", "a2", "a3"):
             where = Counter(m.url for m in upstreams for r in m.received if r.headers.get("x-adapter-id") == adapter)
             assert where == {rendezvous_order(adapter, urls)[0]: 4}, (adapter, where)
         base = [sum(1 for r in m.received if "x-adapter-id" not in r.headers) for m in upstreams]
         assert base == [2, 2]  # one at a time: the least loaded, ties taken in turn
 
+
+
+def test_reload_applies_admission_and_breaker_settings_in_place(mock: MockUpstream, tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    tight = policy_yaml().replace("admission: {max_inflight_per_upstream: 64, max_queue: 64",
+                                  "admission: {max_inflight_per_upstream: 1, max_queue: 4")
+    assert tight != policy_yaml()
+    path.write_text(tight)
+
+    async def scenario() -> dict[str, Any]:
+        app = app_on(path, [mock])
+        gw_state = app.state.gateway
+        async with asgi(app) as gw:
+            post = lambda: gw.post("/v1/completions", json=COMPLETION, headers=AUTH)  # noqa: E731
+            mock.hold()
+            first = asyncio.create_task(post())
+            second = asyncio.create_task(post())
+            await asyncio.sleep(0.3)
+            out: dict[str, Any] = {"held_before": mock.count}  # one in flight, one queued
+            wider = tight.replace("max_inflight_per_upstream: 1, max_queue: 4",
+                                  "max_inflight_per_upstream: 2, max_queue: 0")
+            path.write_text(wider.replace("failure_threshold: 1000", "failure_threshold: 1"))
+            await gw_state.housekeeping()
+            deadline = time.monotonic() + 10
+            while mock.count < 2:  # the queued one got the new slot at once
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            out["queue_full"] = await post()  # both slots taken, and no queue any more
+            mock.release()
+            out["done"] = [(await first).status_code, (await second).status_code]
+            mock.behavior.fail_status = 500
+            out["fail"] = await post()  # one failure now opens the breaker
+            mock.behavior.fail_status = None
+            out["open"] = await post()
+            return out
+
+    out = run(scenario())
+    assert out["held_before"] == 1
+    assert_error(out["queue_full"], 503, reason="queue_full")
+    assert out["done"] == [200, 200]
+    assert out["fail"].status_code == 500
+    assert_error(out["open"], 503, reason="circuit_open")
