@@ -105,7 +105,9 @@ class Gateway:
         """For GET /admin/policy: each upstream's load and breaker, and each known adapter's preferred upstream."""
         upstreams = [{"url": u.url, "inflight": u.inflight, "breaker": u.breaker.state}
                      for u in self.admission.upstreams]
-        affinity = {a: self.admission.preferred(a) for a in sorted(self.catalog.cached().adapters)}
+        affinity = {}
+        if self.store.active.policy.admission.affinity:
+            affinity = {a: self.admission.preferred(a) for a in sorted(self.catalog.cached().adapters)}
         return {"upstreams": upstreams, "affinity": affinity, "spill_inflight": self.admission.spill_inflight,
                 "spills": self.admission.spills}
 
@@ -261,7 +263,8 @@ class Generate:
             return
         shown = adapter or self.gw.base_name(body.model)
         call = Call(self.path, data, tenant.id, adapter, shown, priority, body.stream, body.include_usage,
-                    started, routed.rollout if routed is not None else None)
+                    started, routed.rollout if routed is not None else None,
+                    adapter if active.policy.admission.affinity else None)
         with request_span(self.operation, shown, tenant=tenant.id, adapter=shown,
                           priority=priority.name.lower()) as span:
             exchange = Exchange()
@@ -294,7 +297,7 @@ class Generate:
         headers, exchange.reservation = await self.gw.rate_limit(tenant, body.reserve_tokens, active)
         try:
             exchange.slot = await unless_disconnected(
-                request.receive, self.gw.admission.acquire(call.priority, tenant.id, affinity=call.adapter))
+                request.receive, self.gw.admission.acquire(call.priority, call.tenant, affinity=call.affinity))
             response = await unless_disconnected(request.receive, self.gw.proxy.forward(call, exchange))
         except Shed as shed:
             exchange.status, exchange.outcome = 503, shed.reason

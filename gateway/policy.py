@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError
 from pydantic import model_validator
 
 from engine.request import Priority
@@ -144,6 +144,7 @@ class Admission(_Model):
     # Adapter affinity: an adapter's requests go to its preferred upstream until this many are in flight
     # there, then spill to the next choice. None: three quarters of max_inflight_per_upstream.
     spill_inflight: PosInt | None = None
+    affinity: StrictBool = True  # False: adapter requests go to the least loaded upstream, like base ones
 
     @property
     def spill_at(self) -> int:

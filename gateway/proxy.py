@@ -52,6 +52,7 @@ class Call:
     include_usage: bool  # the client wants the final usage chunk
     started_at: float  # time.monotonic() when the gateway received it
     rollout: str | None = None  # the rollout name the client asked for, when `adapter` is one of its variants
+    affinity: str | None = None  # the key admission places it by (the adapter, unless affinity is off)
 
 
 @dataclass(slots=True)
@@ -152,8 +153,8 @@ class Proxy:
         assert exchange.slot is not None
         exchange.slot.release()
         try:
-            exchange.slot = await self.admission.acquire(call.priority, call.tenant,
-                                                         exclude=frozenset(exchange.tried), affinity=call.adapter)
+            exchange.slot = await self.admission.acquire(
+                call.priority, call.tenant, exclude=frozenset(exchange.tried), affinity=call.affinity)
         except Shed:
             exchange.slot = None
             return False

@@ -270,3 +270,22 @@ def test_reload_applies_admission_and_breaker_settings_in_place(mock: MockUpstre
     assert out["done"] == [200, 200]
     assert out["fail"].status_code == 500
     assert_error(out["open"], 503, reason="circuit_open")
+
+
+def test_affinity_off_spreads_adapter_requests_like_base_ones(mock: MockUpstream) -> None:
+    text = policy_yaml().replace("queue_timeout_ms: 5000}", "queue_timeout_ms: 5000, affinity: false}")
+    assert "affinity: false" in text
+    with MockUpstream(adapters=("a1", "a2", "a3")) as other:
+        upstreams = [mock, other]
+
+        async def scenario() -> Any:
+            async with asgi(build_app(parse_policy(text), [m.url for m in upstreams], MemoryRateLimiter())) as gw:
+                for _ in range(4):
+                    resp = await gw.post("/v1/completions", json=COMPLETION,
+                                         headers={"Authorization": f"Bearer {OTHER_KEY}", "X-Adapter-ID": "a1"})
+                    assert resp.status_code == 200
+                return (await gw.get("/admin/policy", headers=ADMIN)).json()["routing"]
+
+        routing = run(scenario())
+        assert [m.count for m in upstreams] == [2, 2]  # taken in turn, not all on a1's rendezvous choice
+        assert routing["affinity"] == {}
