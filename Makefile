@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/priority.py
 	$(BIN)/python bench/gateway_overhead.py
+	$(BIN)/python bench/affinity.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
