@@ -9,6 +9,10 @@
   went away and nobody recorded an outcome) gives its place back after `open_seconds`, so a lost probe
   cannot hold the breaker half-open for ever.
 
+`record_answered` is for an upstream that answered but failed the request for a reason of its own (the
+proxy's case: an engine's 500): it counts neither way while closed, and closes a half-open breaker, since
+the probe got through.
+
 Outcomes that arrive while the breaker is open come from requests started before it opened; they are
 ignored, so a late success does not close the breaker early and a late failure does not extend it.
 Listeners (`subscribe`) are called after every state change that `record_*` makes, so an admission queue
@@ -90,6 +94,13 @@ class CircuitBreaker:
         if state == "closed":
             self._failures = 0
         elif state == "half_open":
+            self._close()
+            self._notify()
+
+    def record_answered(self) -> None:
+        """The upstream answered, but the request failed for a reason of its own (e.g. a 500 for one
+        adapter): proof of life for a half-open probe, and no failure of the upstream's."""
+        if self.state == "half_open":
             self._close()
             self._notify()
 

@@ -5,10 +5,11 @@
   event boundary). The gateway always asks the upstream for the final usage chunk (to settle the
   tenant's token budget with real numbers) and drops it, and the `"usage": null` it puts on every
   chunk, when the client did not ask for it.
-- Failures: a connect error, a timeout or a 5xx counts against the upstream's circuit breaker (a 4xx is
-  the client's doing and does not). A failure before the first byte reached the client is retried ONCE
-  on another upstream; after it, the client gets `data: {"error": ...}` then `data: [DONE]`, so no token
-  is ever sent twice.
+- Failures: a connect error, a timeout, a stream that breaks off or a 502/503/504 counts against the
+  upstream's circuit breaker; a 500 (the engine answered: the request, often its adapter, failed) and a
+  4xx (the client's doing) do not. A 5xx or transport failure before the first byte reached the client
+  is retried ONCE on another upstream; after it, the client gets `data: {"error": ...}` then
+  `data: [DONE]`, so no token is ever sent twice.
 
 The `Exchange` records what happened (status, outcome, tokens, the slot held); the app settles it
 (release the slot, reconcile the reservation) once the response has been sent, whatever happened.
@@ -86,13 +87,23 @@ def _int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-class UpstreamFailed(Exception):
-    """One attempt failed in a way that counts against the upstream; `response` is what to answer."""
+# Answers that say the engine itself is unwell (not this one request): they count against its breaker.
+BREAKER_STATUSES = frozenset({502, 503, 504})
 
-    def __init__(self, response: Response, outcome: str) -> None:
+
+class UpstreamFailed(Exception):
+    """One attempt failed (retried once elsewhere); `response` is what to answer if it was the last.
+
+    `trips_breaker`: the failure counts against the upstream's breaker: it was unreachable, timed out, broke
+    off, or answered 502/503/504. An engine that answers 500 is up and answering; the failure is the
+    request's (often its adapter's: a broken canary must not eject the engine that serves everyone else).
+    """
+
+    def __init__(self, response: Response, outcome: str, trips_breaker: bool = True) -> None:
         super().__init__(outcome)
         self.response = response
         self.outcome = outcome
+        self.trips_breaker = trips_breaker
 
 
 def _failure(status: int, type_: str, message: str) -> UpstreamFailed:
@@ -141,7 +152,11 @@ class Proxy:
                 return await self._attempt(call, exchange)
             except UpstreamFailed as failed:
                 assert exchange.slot is not None
-                exchange.slot.upstream.breaker.record_failure()
+                breaker = exchange.slot.upstream.breaker
+                if failed.trips_breaker:
+                    breaker.record_failure()
+                else:
+                    breaker.record_answered()
                 logger.warning("upstream %s failed (%s)", exchange.slot.upstream.url, failed.outcome)
                 last = failed
         assert last is not None
@@ -195,7 +210,8 @@ class Proxy:
         finally:
             await exchange.close_upstream()
         if resp.status_code >= 500:
-            raise UpstreamFailed(_passthrough(resp), f"upstream_{resp.status_code}")
+            raise UpstreamFailed(_passthrough(resp), f"upstream_{resp.status_code}",
+                                 trips_breaker=resp.status_code in BREAKER_STATUSES)
         assert exchange.slot is not None
         exchange.slot.upstream.breaker.record_success()
         exchange.status = resp.status_code

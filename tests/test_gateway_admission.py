@@ -81,6 +81,22 @@ def test_breaker_half_open_failure_reopens_for_fresh_period() -> None:
     assert b.state == "half_open" and b.allow()
 
 
+def test_breaker_answered_failure_keeps_the_count_and_closes_a_half_open_breaker() -> None:
+    clock = FakeClock()
+    b = CircuitBreaker(failure_threshold=2, open_seconds=5, half_open_probes=1, clock=clock)
+    b.record_failure()
+    b.record_answered()  # neither a failure nor a reset of the consecutive count
+    assert b.state == "closed" and b.consecutive_failures == 1
+    b.record_failure()
+    assert b.state == "open"
+    b.record_answered()  # a late answer while open changes nothing
+    assert b.state == "open"
+    clock.advance(5)
+    assert b.allow() and b.state == "half_open"
+    b.record_answered()  # the probe got an answer: the upstream is up
+    assert b.state == "closed" and b.consecutive_failures == 0
+
+
 def test_breaker_probe_limit_and_lost_probe() -> None:
     clock = FakeClock()
     b = CircuitBreaker(failure_threshold=1, open_seconds=5, half_open_probes=2, clock=clock)

@@ -300,8 +300,9 @@ def test_queue_full_and_queue_timeout_are_503(mock: MockUpstream) -> None:
     assert mock.count == 1
 
 
-def test_breaker_opens_after_failure_threshold_then_circuit_open(mock: MockUpstream) -> None:
-    mock.behavior.fail_status = 500
+@pytest.mark.parametrize("status", [502, 503, 504])
+def test_breaker_opens_after_failure_threshold_then_circuit_open(mock: MockUpstream, status: int) -> None:
+    mock.behavior.fail_status = status
     policy = parse_policy(policy_yaml(breaker="{failure_threshold: 2, open_seconds: 30}"))
 
     async def scenario() -> list[httpx.Response]:
@@ -309,10 +310,29 @@ def test_breaker_opens_after_failure_threshold_then_circuit_open(mock: MockUpstr
             return [await gw.post("/v1/completions", json=COMPLETION, headers=AUTH) for _ in range(3)]
 
     fail1, fail2, refused = run(scenario())
-    assert fail1.status_code == fail2.status_code == 500  # one upstream: nothing to retry on
+    assert fail1.status_code == fail2.status_code == status  # one upstream: nothing to retry on
     assert_error(refused, 503, "service_unavailable", "circuit_open")
     assert 20 < int(refused.headers["Retry-After"]) <= 30
     assert mock.count == 2
+
+
+def test_answered_500s_do_not_open_the_breaker_but_are_retried_elsewhere(
+        mock: MockUpstream, mock_b: MockUpstream) -> None:
+    # a 500 is the request's failure (e.g. a broken adapter), not the engine's: it must not eject the engine
+    mock.behavior.fail_status = 500
+    policy = parse_policy(policy_yaml(breaker="{failure_threshold: 2, open_seconds: 30}"))
+
+    async def scenario() -> tuple[list[httpx.Response], list[httpx.Response]]:
+        async with asgi(make_app([mock], policy)) as gw:
+            alone = [await gw.post("/v1/completions", json=COMPLETION, headers=AUTH) for _ in range(4)]
+        async with asgi(make_app([mock, mock_b], policy)) as gw:
+            paired = [await gw.post("/v1/completions", json=COMPLETION, headers=AUTH) for _ in range(4)]
+        return alone, paired
+
+    alone, paired = run(scenario())
+    assert [r.status_code for r in alone] == [500] * 4  # never circuit_open: the engine kept answering
+    assert [r.status_code for r in paired] == [200] * 4  # each failed attempt retried on the other engine
+    assert mock_b.count == 4 and mock.count > 4  # `mock` was tried (and failed) in the pair too
 
 
 def test_no_upstream_and_draining_are_503(mock: MockUpstream) -> None:

@@ -249,7 +249,7 @@ def test_reload_applies_admission_and_breaker_settings_in_place(mock: MockUpstre
             out: dict[str, Any] = {"held_before": mock.count}  # one in flight, one queued
             wider = tight.replace("max_inflight_per_upstream: 1, max_queue: 4",
                                   "max_inflight_per_upstream: 2, max_queue: 0")
-            path.write_text(wider.replace("failure_threshold: 1000", "failure_threshold: 1"))
+            path.write_text(wider + "breaker: {failure_threshold: 1, open_seconds: 30}\n")
             await gw_state.housekeeping()
             deadline = time.monotonic() + 10
             while mock.count < 2:  # the queued one got the new slot at once
@@ -258,8 +258,8 @@ def test_reload_applies_admission_and_breaker_settings_in_place(mock: MockUpstre
             out["queue_full"] = await post()  # both slots taken, and no queue any more
             mock.release()
             out["done"] = [(await first).status_code, (await second).status_code]
-            mock.behavior.fail_status = 500
-            out["fail"] = await post()  # one failure now opens the breaker
+            mock.behavior.fail_status = 503
+            out["fail"] = await post()  # one failure now opens the breaker (the default threshold is 5)
             mock.behavior.fail_status = None
             out["open"] = await post()
             return out
@@ -268,7 +268,7 @@ def test_reload_applies_admission_and_breaker_settings_in_place(mock: MockUpstre
     assert out["held_before"] == 1
     assert_error(out["queue_full"], 503, reason="queue_full")
     assert out["done"] == [200, 200]
-    assert out["fail"].status_code == 500
+    assert out["fail"].status_code == 503
     assert_error(out["open"], 503, reason="circuit_open")
 
 

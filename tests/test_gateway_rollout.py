@@ -59,7 +59,6 @@ rollouts:
     variants: [{{adapter: {variants[0]}, weight: {weights[0]}}}, {{adapter: {variants[1]}, weight: {weights[1]}}}]
     override_header: X-Variant{rollback_line}
 admission: {{max_inflight_per_upstream: 64, max_queue: 64, queue_timeout_ms: 5000}}
-breaker: {{failure_threshold: 1000, open_seconds: 30, half_open_probes: 1}}
 {extra}"""
 
 
