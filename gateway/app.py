@@ -267,6 +267,9 @@ class Generate:
                     adapter if active.policy.admission.affinity else None)
         with request_span(self.operation, shown, tenant=tenant.id, adapter=shown,
                           priority=priority.name.lower()) as span:
+            if routed is not None:
+                span.set_attribute("loragate.rollout", routed.rollout)
+                span.set_attribute("loragate.rollout.route", routed.how)  # split, override or rollback
             exchange = Exchange()
             try:
                 try:
@@ -308,7 +311,7 @@ class Generate:
         if exchange.status == 0:
             exchange.status = response.status_code
         response.headers.update(headers)
-        if response.status_code < 400:
+        if response.status_code < 400 or exchange.tried:  # an engine's error names the adapter that failed
             response.headers["X-Loragate-Adapter"] = call.served
         return response
 

@@ -233,7 +233,7 @@ def test_upstream_4xx_passes_through_and_is_not_a_breaker_failure(mock: MockUpst
 
     for resp in run(scenario()):
         assert_error(resp, 400, "mock_error")
-        assert "X-Loragate-Adapter" not in resp.headers
+        assert resp.headers["X-Loragate-Adapter"] == BASE_MODEL  # an engine's answer names what it served
         assert_ratelimit_headers(resp)
     assert mock.count == 3  # the breaker (threshold 1) never opened
 

@@ -222,6 +222,7 @@ def test_rollback_after_min_requests_of_canary_failures_only(mock: MockUpstream,
 
     out = run(scenario())
     assert [r.status_code for r in out["before"]] == [500] * 9  # still routed to the canary: no rollback yet
+    assert {r.headers["X-Loragate-Adapter"] for r in out["before"]} == {"a2"}  # the failing variant, named
     assert out["policy_before"]["rollouts"][0]["rolled_back"] is None
     assert out["policy_before"]["rollouts"][0]["variants"][1]["window"] == {
         "requests": 9, "errors": 9, "error_rate": 1.0, "ttft_p99_ms": None}

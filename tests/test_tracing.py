@@ -48,6 +48,7 @@ from gateway.auth import hash_key
 from gateway.policy import parse_policy
 from gateway.ratelimit import MemoryRateLimiter
 from gateway.telemetry import GatewayMetrics, finish_span, inject_headers, request_span, setup_tracing
+from mock_upstream import MockUpstream
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-random"
@@ -314,6 +315,31 @@ def test_gateway_span_and_injected_traceparent(spans: InMemorySpanExporter) -> N
         "loragate.adapter": "qv-r8", "loragate.priority": "critical", "http.response.status_code": 200,
         "loragate.outcome": "ok", "gen_ai.usage.input_tokens": 11, "gen_ai.usage.output_tokens": 3}
     assert done.status.status_code is StatusCode.UNSET
+
+
+def test_gateway_span_names_the_rollout_and_how_it_routed(spans: InMemorySpanExporter) -> None:
+    policy = parse_policy(f"""version: 1
+tenants:
+  - {{id: acme, api_keys: ['{hash_key("sk-acme")}'], adapters: ["*"]}}
+rollouts:
+  - {{name: support, variants: [{{adapter: a1, weight: 1}}, {{adapter: a2, weight: 1}}], override_header: X-Variant}}
+""")
+    auth = {"Authorization": "Bearer sk-acme", "X-Adapter-ID": "support"}
+
+    async def scenario(url: str) -> None:
+        app = build_gateway_app(policy, [url], MemoryRateLimiter())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
+            for headers in ({**auth, "X-User-ID": "u1"}, {**auth, "X-Variant": "a2"}):
+                resp = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers)
+                assert resp.status_code == 200
+
+    with MockUpstream() as mock:
+        asyncio.run(scenario(mock.url))
+    split, forced = [dict(s.attributes or {}) for s in _server_spans(spans, "text_completion")]
+    assert (split["loragate.rollout"], split["loragate.rollout.route"]) == ("support", "split")
+    assert split["loragate.adapter"] == mock.received[0].headers["x-adapter-id"]
+    assert (forced["loragate.rollout"], forced["loragate.rollout.route"], forced["loragate.adapter"]) == \
+        ("support", "override", "a2")
 
 
 def test_inject_headers_outside_a_span_adds_nothing() -> None:
