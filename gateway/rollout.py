@@ -256,7 +256,7 @@ class Rollouts:
                 if forced not in state.windows:
                     names = ", ".join(v.adapter for v in rollout.variants)
                     raise ApiError(400, "invalid_request_error",
-                                   f"{rollout.override_header}: {forced!r} is not a variant of rollout "
+                                   f"{rollout.override_header}: {forced[:100]!r} is not a variant of rollout "
                                    f"{name!r} (one of: {names})")
                 if not tenant.allows(forced):
                     raise ApiError(403, "permission_denied",
