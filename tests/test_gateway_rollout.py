@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
+from engine.model.sources import load_tokenizer
+from engine_server import start_engine_server
 from gateway.app import build_app
 from gateway.auth import hash_key
 from gateway.policy import parse_policy
@@ -24,6 +27,7 @@ from gateway.ratelimit import MemoryRateLimiter
 from gateway.rollout import BUCKETS, Rollouts, bucket, pick_variant
 from gateway.telemetry import GatewayMetrics
 from gateway_testing import asgi, assert_error, run, start_gateway, stop_process
+from lora_fixtures import peft_greedy
 from mock_upstream import MockUpstream
 from redis_server import redis_url_fixture
 
@@ -312,3 +316,42 @@ def wait_for_rollback(http: httpx.Client, url: str, rolled_back: bool, timeout_s
             return state
         assert time.monotonic() < end, f"rolled_back did not become {rolled_back}"
         time.sleep(0.1)
+
+
+# ---- through a real engine ------------------------------------------------------------------------------
+
+
+def test_canary_through_a_real_engine_serves_what_it_names(tmp_path: Path, tiny_model_dir: Path,
+                                                           tiny_adapters: dict[str, Path]) -> None:
+    """The official client through the gateway to a real engine: every answer is PEFT's greedy output of
+    the variant X-Loragate-Adapter names, and each user keeps their variant."""
+    text = policy_yaml(weights=(50, 50), variants=("qv-r8", "all-r4"), rollback=None,
+                       acme_adapters='["support"]')
+    rollout = parse_policy(text).rollout("support")
+    assert rollout is not None
+    users = [f"user-{i}" for i in range(8)]
+    assigned = {u: pick_variant(rollout, u).adapter for u in users}
+    assert set(assigned.values()) == {"qv-r8", "all-r4"}  # both variants among these users
+    adapter_root = tiny_adapters["qv-r8"].parent
+    engine, engine_url = start_engine_server(tmp_path / "engine.log", "--adapter-dir", str(adapter_root))
+    gateway, url = start_gateway(tmp_path, "gw", text, [engine_url])
+    prompt = "The quick brown fox"
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        answers = {}
+        for user in users + users[:2]:  # the first two twice: sticky
+            raw = client.completions.with_raw_response.create(
+                model="support", prompt=prompt, temperature=0, max_tokens=6, extra_body={"ignore_eos": True},
+                extra_headers={"X-User-ID": user})
+            answers.setdefault(user, []).append((raw.headers["X-Loragate-Adapter"], raw.parse().choices[0].text))
+    finally:
+        stop_process(gateway)
+        stop_process(engine)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids = tokenizer(prompt)["input_ids"]
+    expected = {name: tokenizer.decode(peft_greedy(tiny_model_dir, tiny_adapters[name], ids, 6))
+                for name in ("qv-r8", "all-r4")}
+    assert expected["qv-r8"] != expected["all-r4"]
+    for user, seen in answers.items():
+        assert {adapter for adapter, _ in seen} == {assigned[user]}, user
+        assert {answer for _, answer in seen} == {expected[assigned[user]]}, user
