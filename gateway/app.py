@@ -32,7 +32,7 @@ import anyio
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.middleware import Middleware
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -278,6 +278,9 @@ class Generate:
                     exchange.status = exc.status
                     exchange.outcome = exc.headers.get("X-Loragate-Reason", exc.type)
                     response = error_response(exc.status, exc.type, exc.message, exc.headers)
+                if not isinstance(response, StreamingResponse):
+                    # The outcome is known: judge the variant before the client can send its next request.
+                    self._judge_variant(active, call, exchange)
                 await response(scope, receive, send)
             finally:
                 await self.gw.settle(exchange)
@@ -287,10 +290,16 @@ class Generate:
                 reason = exchange.outcome if exchange.outcome in REASONS else None
                 self.gw.metrics.observe_request(tenant.id, shown, exchange.status, reason,
                                                 time.monotonic() - started)
-                # It reached a variant (and the client did not leave first): judge the variant.
-                if call.rollout is not None and exchange.tried and exchange.status != 499:
-                    error = exchange.status >= 500 or exchange.outcome == "upstream_error"
-                    self.gw.observe_variant(active, call.rollout, shown, error, exchange.ttft_s)
+                self._judge_variant(active, call, exchange)  # a stream: now that it has ended
+
+    def _judge_variant(self, active: ActivePolicy, call: Call, exchange: Exchange) -> None:
+        """Record a rollout request's outcome against its variant, once, if it reached an upstream (and
+        the client did not leave first)."""
+        if call.rollout is None or exchange.judged or not exchange.tried or exchange.status == 499:
+            return
+        exchange.judged = True
+        error = exchange.status >= 500 or exchange.outcome == "upstream_error"
+        self.gw.observe_variant(active, call.rollout, call.served, error, exchange.ttft_s)
 
     async def _admit_and_forward(self, request: Request, tenant: Tenant, body: GenerationBody, call: Call,
                                  exchange: Exchange, active: ActivePolicy) -> Response:

@@ -68,6 +68,7 @@ class Exchange:
     completion_tokens: int | None = None
     delivered: bool = False  # some byte of the answer reached the client
     ttft_s: float | None = None  # arrival to the first token sent (a whole answer: to the answer)
+    judged: bool = False  # recorded against its rollout variant already
     upstream: httpx.Response | None = None  # an open upstream stream, closed on settle
     tried: set[str] = field(default_factory=set)
 
