@@ -298,7 +298,8 @@ class Generate:
         if call.rollout is None or exchange.judged or not exchange.tried or exchange.status == 499:
             return
         exchange.judged = True
-        error = exchange.status >= 500 or exchange.outcome == "upstream_error"
+        # An engine's 503 (overloaded, draining) says "not now", nothing about the variant.
+        error = exchange.status >= 500 and exchange.status != 503 or exchange.outcome == "upstream_error"
         self.gw.observe_variant(active, call.rollout, call.served, error, exchange.ttft_s)
 
     async def _admit_and_forward(self, request: Request, tenant: Tenant, body: GenerationBody, call: Call,

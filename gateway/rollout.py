@@ -12,7 +12,8 @@ Routing (`Rollouts.route`): a request that names a rollout gets one of its varia
 - Rollback: once rolled back, a rollout serves its first variant to everyone.
 
 Health (`Rollouts.record`): every request that reached an upstream is recorded against its variant in a
-sliding window of `rollback.window_s`. When a variant other than the first has at least `min_requests`
+sliding window of `rollback.window_s` (the app decides what is an error: an engine's 5xx other than 503,
+an upstream failure, a broken stream). When a variant other than the first has at least `min_requests`
 in its window and its error rate exceeds `max_error_rate`, or the p99 of its time to first token
 exceeds `max_ttft_p99_ms`, the rollout is rolled back: logged, counted, shown in GET /admin/policy.
 It stays rolled back until the policy is reloaded with POST /admin/reload; a file-change reload that

@@ -262,6 +262,23 @@ def test_first_variant_failures_never_roll_back(mock: MockUpstream) -> None:
     assert out["policy"]["rollouts"][0]["rolled_back"] is None  # ... and there is nothing to roll back to
 
 
+def test_an_overloaded_engine_does_not_count_against_the_canary(mock: MockUpstream) -> None:
+    text = policy_yaml(weights=(50, 50))
+    mock.behavior.fail_status = 503  # every request, both variants: the engine is busy, not broken
+
+    async def scenario() -> dict[str, Any]:
+        async with asgi(make_app([mock], text)) as gw:
+            for user in canary_users(text, 12):
+                assert (await gw.post("/v1/completions", json=COMPLETION, headers=support(user))).status_code == 503
+            return (await gw.get("/admin/policy", headers=ADMIN)).json()["rollouts"][0]
+
+    state = run(scenario())
+    assert state["rolled_back"] is None
+    # the engine's breaker opened after 5 (then circuit_open sheds, which reach no variant)
+    assert mock.count == 5 and state["variants"][1]["window"] == {
+        "requests": 5, "errors": 0, "error_rate": 0.0, "ttft_p99_ms": None}
+
+
 def test_ttft_p99_bound_rolls_back_and_windows_slide() -> None:
     policy = parse_policy(policy_yaml(rollback="{max_error_rate: 1, max_ttft_p99_ms: 500, min_requests: 100, "
                                                "window_s: 10}"))
