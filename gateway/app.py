@@ -55,9 +55,9 @@ from gateway.watch import PolicyWatcher
 logger = logging.getLogger(__name__)
 
 
-# The X-Loragate-Reason values; the metrics' reason label takes only these.
 BACKGROUND_INTERVAL_S = 1.0  # policy file polls and rollback exchanges
 
+# The X-Loragate-Reason values; the metrics' reason label takes only these.
 REASONS = frozenset({"rate_limited", "tokens_exhausted", "queue_full", "queue_timeout", "circuit_open",
                      "no_upstream", "draining", "ratelimit_unavailable"})
 
@@ -102,7 +102,7 @@ class Gateway:
         self.limiter.on_error = policy.ratelimit.on_redis_error
 
     def routing(self) -> dict[str, Any]:
-        """For GET /admin/policy: each upstream's load and breaker, and each known adapter's preferred upstream."""
+        """For GET /admin/policy: each upstream's load and breaker, each known adapter's preferred upstream."""
         upstreams = [{"url": u.url, "inflight": u.inflight, "breaker": u.breaker.state}
                      for u in self.admission.upstreams]
         affinity = {}
