@@ -20,10 +20,14 @@ It stays rolled back until the policy is reloaded with POST /admin/reload; a fil
 leaves the rollout's definition unchanged keeps its state (windows and rollback), a changed definition
 starts afresh.
 
-Sharing (`RollbackShare`): with Redis, a rollback is written to a key named after the rollout and a
-hash of its definition, and every replica adopts the keys it finds (`Rollouts.sync`, about once a
-second), so all replicas roll back together. A rollback decided while Redis is unreachable is kept
-locally and published when Redis is back. The windows themselves stay per replica.
+Sharing (`RollbackShare`), with Redis, at each `Rollouts.sync` (about once a second):
+- Pooled windows: each replica adds its outcomes (`Counts`: requests, errors, and how many TTFTs were
+  above the bound, which is all a p99 test needs) to per-variant hashes in time slices of
+  window_s / SLICES, and judges the sum of the slices in the window, so `min_requests` counts the
+  whole fleet's requests. Its own window is judged too, at once, on every request.
+- Rollbacks: a rollback is written to a key named after the rollout and a hash of its definition, and
+  every replica adopts the keys it finds, so all replicas roll back together. One decided while Redis
+  is unreachable is kept locally (and its counts kept for pooling) until Redis is back.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.responses import ApiError
+from gateway.policy import Rollback as RollbackBounds
 from gateway.policy import Rollout, Tenant, Variant
 
 logger = logging.getLogger(__name__)
@@ -112,8 +117,57 @@ class Rollback:
             return None
 
 
+@dataclass(slots=True)
+class Counts:
+    """One variant's outcomes: requests, errors, and of the successes with a TTFT (`timed`) those slower than
+    the rollout's `max_ttft_p99_ms` (`slow`).
+
+    The nearest-rank p99 of `timed` values is above the bound exactly when more than
+    `timed - ceil(0.99 * timed)` of them are slow, so the test needs only counts, and counts add up across
+    replicas (the fleet-wide windows in Redis hold these four numbers).
+    """
+
+    requests: int = 0
+    errors: int = 0
+    timed: int = 0
+    slow: int = 0
+
+    FIELDS = ("requests", "errors", "timed", "slow")
+
+    def add(self, other: Counts) -> None:
+        self.requests += other.requests
+        self.errors += other.errors
+        self.timed += other.timed
+        self.slow += other.slow
+
+    def fields(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.FIELDS if getattr(self, name)}
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, str]) -> Counts:
+        return cls(*(int(fields.get(name) or 0) for name in cls.FIELDS))
+
+    def p99_above_bound(self) -> bool:
+        return self.timed > 0 and self.slow > self.timed - math.ceil(0.99 * self.timed)
+
+
+def verdict(bounds: RollbackBounds, variant: str, counts: Counts, wall: float, scope: str = "") -> Rollback | None:
+    """The rollback `counts` call for (None below min_requests or within the bounds)."""
+    n = counts.requests
+    if n < bounds.min_requests:
+        return None
+    span = f"over {n} requests in {bounds.window_s:g} s{scope}"
+    if counts.errors / n > bounds.max_error_rate:
+        return Rollback(variant, "error_rate", f"error rate {counts.errors / n:.3f} > {bounds.max_error_rate:g} "
+                        f"{span}", wall)
+    if counts.p99_above_bound():
+        return Rollback(variant, "ttft_p99", f"TTFT p99 > {bounds.max_ttft_p99_ms:g} ms ({counts.slow} of "
+                        f"{counts.timed} slower) {span}", wall)
+    return None
+
+
 class Window:
-    """One variant's outcomes over the last `span_s` seconds: request and error counts and sorted TTFTs."""
+    """One variant's outcomes over the last `span_s` seconds on this replica (TTFTs kept sorted)."""
 
     def __init__(self, span_s: float) -> None:
         self.span_s = span_s
@@ -130,6 +184,11 @@ class Window:
         self.errors += error
         if ttft_s is not None:
             bisect.insort(self._ttfts, ttft_s)
+
+    def counts(self, now: float, bound_ms: float) -> Counts:
+        self._expire(now)
+        slow = len(self._ttfts) - bisect.bisect_right(self._ttfts, bound_ms / 1000)
+        return Counts(len(self._events), self.errors, len(self._ttfts), slow)
 
     def stats(self, now: float) -> tuple[int, int, float | None]:
         """(requests, errors, p99 TTFT in seconds or None) in the window ending at `now`."""
@@ -150,16 +209,22 @@ class Window:
 
 
 class RollbackShare(Protocol):
-    """Where replicas publish rollbacks. The default shares nothing (one gateway replica)."""
+    """Where replicas publish rollbacks and pool their window counts. `shared` False: nothing is shared."""
+
+    shared: bool
 
     async def fetch(self, keys: list[str]) -> dict[str, str]: ...
     async def publish(self, key: str, value: str) -> None: ...
     async def clear(self, keys: list[str]) -> None: ...
+    async def add_counts(self, counts: dict[str, tuple[dict[str, int], int]]) -> None: ...
+    async def read_counts(self, keys: list[str]) -> list[dict[str, str]]: ...
     async def aclose(self) -> None: ...
 
 
 class LocalShare:
-    """No sharing: each replica decides for itself."""
+    """No sharing: each replica decides for itself, from its own windows."""
+
+    shared = False
 
     async def fetch(self, keys: list[str]) -> dict[str, str]:
         return {}
@@ -169,6 +234,12 @@ class LocalShare:
 
     async def clear(self, keys: list[str]) -> None:
         return None
+
+    async def add_counts(self, counts: dict[str, tuple[dict[str, int], int]]) -> None:
+        return None
+
+    async def read_counts(self, keys: list[str]) -> list[dict[str, str]]:
+        return [{} for _ in keys]
 
     async def aclose(self) -> None:
         return None
@@ -183,36 +254,32 @@ class RolloutState:
     windows: dict[str, Window] = field(default_factory=dict)
     rolled_back: Rollback | None = None
     published: bool = True  # False: decided here, not yet written to the shared store
+    fleet: dict[str, Counts] = field(default_factory=dict)  # the pooled windows, as last read (shared only)
 
     def __post_init__(self) -> None:
         span = self.rollout.rollback.window_s if self.rollout.rollback is not None else 60.0
         self.windows = {v.adapter: Window(span) for v in self.rollout.variants}
 
     def check(self, variant: str, now: float, wall: float) -> Rollback | None:
-        """The rollback `variant`'s window calls for, if any (never for the first variant)."""
+        """The rollback this replica's window of `variant` calls for, if any (never for the first variant)."""
         bounds = self.rollout.rollback
         if bounds is None or self.rolled_back is not None or variant == self.rollout.variants[0].adapter:
             return None
-        n, errors, p99 = self.windows[variant].stats(now)
-        if n < bounds.min_requests:
-            return None
-        span = f"over {n} requests in {bounds.window_s:g} s"
-        if errors / n > bounds.max_error_rate:
-            return Rollback(variant, "error_rate", f"error rate {errors / n:.3f} > {bounds.max_error_rate:g} {span}",
-                            wall)
-        if p99 is not None and p99 * 1000 > bounds.max_ttft_p99_ms:
-            return Rollback(variant, "ttft_p99", f"TTFT p99 {p99 * 1000:.0f} ms > {bounds.max_ttft_p99_ms:g} ms "
-                            f"{span}", wall)
-        return None
+        return verdict(bounds, variant, self.windows[variant].counts(now, bounds.max_ttft_p99_ms), wall)
 
     def describe(self, now: float) -> dict[str, Any]:
         variants = []
         for v in self.rollout.variants:
             n, errors, p99 = self.windows[v.adapter].stats(now)
-            variants.append({"adapter": v.adapter, "weight": v.weight,
-                             "window": {"requests": n, "errors": errors,
-                                        "error_rate": round(errors / n, 4) if n else None,
-                                        "ttft_p99_ms": round(p99 * 1000, 1) if p99 is not None else None}})
+            entry: dict[str, Any] = {
+                "adapter": v.adapter, "weight": v.weight,
+                "window": {"requests": n, "errors": errors, "error_rate": round(errors / n, 4) if n else None,
+                           "ttft_p99_ms": round(p99 * 1000, 1) if p99 is not None else None}}
+            fleet = self.fleet.get(v.adapter)
+            if fleet is not None:
+                entry["fleet_window"] = {"requests": fleet.requests, "errors": fleet.errors,
+                                         "timed": fleet.timed, "slow": fleet.slow}
+            variants.append(entry)
         return {"name": self.rollout.name, "sticky_key": self.rollout.sticky_key,
                 "rolled_back": self.rolled_back.to_json() if self.rolled_back is not None else None,
                 "variants": variants}
@@ -231,6 +298,8 @@ class Rollouts:
     """The rollouts of one active policy: routing, health windows, rollbacks, sharing."""
 
     SHARE_PREFIX = "loragate:rollback:"
+    COUNTS_PREFIX = "loragate:rollstats:"
+    SLICES = 20  # a pooled window is kept in this many time slices (it slides by window_s / SLICES)
 
     def __init__(self, rollouts: Iterable[Rollout], share: RollbackShare | None = None,
                  previous: Rollouts | None = None, on_rollback: Callable[[str, Rollback], None] | None = None,
@@ -241,6 +310,8 @@ class Rollouts:
         self._clock = clock
         self._wall = wall
         old = previous.states if previous is not None else {}
+        # counts key -> (not yet pooled, the key's TTL in s); a reload hands them on with the states
+        self._pending: dict[str, tuple[Counts, int]] = previous._pending if previous is not None else {}
         self.states: dict[str, RolloutState] = {}
         for rollout in rollouts:
             key = f"{self.SHARE_PREFIX}{rollout.name}:{definition_hash(rollout)}"
@@ -273,19 +344,46 @@ class Rollouts:
         state = self.states.get(name)
         if state is None or adapter not in state.windows:
             return None
-        now = self._clock()
-        state.windows[adapter].add(now, error, None if error else ttft_s)
-        decided = state.check(adapter, now, self._wall())
+        now, wall = self._clock(), self._wall()
+        ttft_s = None if error else ttft_s
+        state.windows[adapter].add(now, error, ttft_s)
+        if self.share.shared and state.rollout.rollback is not None:
+            self._count(state, adapter, wall, error, ttft_s)
+        decided = state.check(adapter, now, wall)
         if decided is not None:
             self._roll_back(state, decided, published=False)
         return decided
+
+    def _count(self, state: RolloutState, adapter: str, wall: float, error: bool, ttft_s: float | None) -> None:
+        """Add one outcome to the counts this replica pools at its next sync."""
+        bounds = state.rollout.rollback
+        assert bounds is not None
+        slice_s = bounds.window_s / self.SLICES
+        key = self._counts_key(state, adapter, int(wall // slice_s))
+        counts, _ = self._pending.setdefault(key, (Counts(), math.ceil(bounds.window_s + 2 * slice_s)))
+        counts.requests += 1
+        counts.errors += error
+        if ttft_s is not None:
+            counts.timed += 1
+            counts.slow += ttft_s * 1000 > bounds.max_ttft_p99_ms
+
+    def _counts_key(self, state: RolloutState, adapter: str, slice_index: int) -> str:
+        return f"{self.COUNTS_PREFIX}{state.key[len(self.SHARE_PREFIX):]}:{adapter}:{slice_index}"
+
+    def _window_keys(self, state: RolloutState, adapter: str, wall: float) -> list[str]:
+        """The counts keys of `adapter`'s pooled window ending at `wall`."""
+        bounds = state.rollout.rollback
+        assert bounds is not None
+        last = int(wall // (bounds.window_s / self.SLICES))
+        return [self._counts_key(state, adapter, i) for i in range(last - self.SLICES + 1, last + 1)]
 
     def is_rolled_back(self, name: str) -> bool:
         state = self.states.get(name)
         return state is not None and state.rolled_back is not None
 
     async def sync(self) -> None:
-        """Exchange rollbacks with the other replicas: publish ours, adopt theirs, drop cleared ones."""
+        """Exchange with the other replicas: publish our rollbacks, pool our counts, adopt their rollbacks,
+        drop cleared ones, and judge the pooled windows."""
         states = list(self.states.values())
         if not states:
             return
@@ -293,6 +391,8 @@ class Rollouts:
             if state.rolled_back is not None and not state.published:
                 await self.share.publish(state.key, state.rolled_back.dumps())
                 state.published = True
+        if self.share.shared:
+            await self._pool_counts()
         found = await self.share.fetch([s.key for s in states])
         for state in states:
             shared = Rollback.loads(found[state.key]) if state.key in found else None
@@ -304,10 +404,53 @@ class Rollouts:
                 state.rolled_back = None
                 for window in state.windows.values():
                     window.clear()
+        if self.share.shared:
+            await self._judge_pooled(states)
+
+    async def _pool_counts(self) -> None:
+        """Add this replica's counts since the last sync to the pooled windows (kept for a later try on error)."""
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        try:
+            await self.share.add_counts({key: (counts.fields(), ttl) for key, (counts, ttl) in pending.items()})
+        except Exception:
+            for key, (counts, ttl) in pending.items():  # merge back what arrived meanwhile
+                kept, _ = self._pending.setdefault(key, (Counts(), ttl))
+                kept.add(counts)
+            raise
+
+    async def _judge_pooled(self, states: list[RolloutState]) -> None:
+        """Read every pooled window of a later variant and roll back where the fleet's counts call for it."""
+        wall = self._wall()
+        asks = [(state, v.adapter, self._window_keys(state, v.adapter, wall)) for state in states
+                if state.rollout.rollback is not None and state.rolled_back is None
+                for v in state.rollout.variants[1:]]
+        if not asks:
+            return
+        found = iter(await self.share.read_counts([key for _, _, keys in asks for key in keys]))
+        for state, adapter, keys in asks:
+            total = Counts()
+            for _ in keys:
+                total.add(Counts.from_fields(next(found)))
+            state.fleet[adapter] = total
+            assert state.rollout.rollback is not None
+            decided = None if state.rolled_back is not None else verdict(
+                state.rollout.rollback, adapter, total, wall, " across the replicas")
+            if decided is not None:
+                self._roll_back(state, decided, published=False)
+                await self.share.publish(state.key, decided.dumps())
+                state.published = True
 
     async def clear_shared(self) -> None:
-        """Forget every published rollback of these rollouts (POST /admin/reload starts afresh)."""
-        await self.share.clear([s.key for s in self.states.values()])
+        """Forget every published rollback and pooled window of these rollouts (POST /admin/reload starts
+        afresh)."""
+        wall = self._wall()
+        keys = [s.key for s in self.states.values()]
+        keys += [key for state in self.states.values() if state.rollout.rollback is not None
+                 for v in state.rollout.variants for key in self._window_keys(state, v.adapter, wall)]
+        self._pending.clear()
+        await self.share.clear(keys)
 
     def describe(self) -> list[dict[str, Any]]:
         now = self._clock()
@@ -324,9 +467,15 @@ class Rollouts:
 
 
 class RedisShare:
-    """Rollbacks in Redis: one key per rollout definition, written once (SET NX), kept for a week."""
+    """Rollbacks and pooled windows in Redis.
+
+    A rollback is one key per rollout definition, written once (SET NX) and kept for a week. A pooled
+    window is a hash of Counts fields per variant and time slice, incremented by every replica (HINCRBY)
+    and expiring soon after it leaves the window.
+    """
 
     TTL_S = 7 * 24 * 3600
+    shared = True
 
     def __init__(self, url: str) -> None:
         import redis.asyncio as aioredis
@@ -349,6 +498,20 @@ class RedisShare:
     async def clear(self, keys: list[str]) -> None:
         if keys:
             await self._redis.delete(*keys)
+
+    async def add_counts(self, counts: dict[str, tuple[dict[str, int], int]]) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        for key, (fields, ttl_s) in counts.items():
+            for name, delta in fields.items():
+                pipe.hincrby(key, name, delta)
+            pipe.expire(key, ttl_s)
+        await pipe.execute()
+
+    async def read_counts(self, keys: list[str]) -> list[dict[str, str]]:
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        return list(await pipe.execute())
 
     async def aclose(self) -> None:
         await self._redis.aclose()

@@ -24,7 +24,7 @@ from gateway.app import build_app
 from gateway.auth import hash_key
 from gateway.policy import parse_policy
 from gateway.ratelimit import MemoryRateLimiter
-from gateway.rollout import BUCKETS, Rollouts, bucket, pick_variant
+from gateway.rollout import BUCKETS, Counts, RedisShare, Rollouts, bucket, pick_variant
 from gateway.telemetry import GatewayMetrics
 from gateway_testing import asgi, assert_error, run, start_gateway, stop_process
 from lora_fixtures import peft_greedy
@@ -299,6 +299,55 @@ def test_ttft_p99_bound_rolls_back_and_windows_slide() -> None:
     assert state["rolled_back"]["reason"] == "ttft_p99" and state["variants"][1]["window"]["requests"] == 102
 
 
+def test_counts_p99_test_matches_numpy_nearest_rank() -> None:
+    import numpy as np  # the reference: numpy's nearest-rank percentile (method "inverted_cdf")
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        ttfts = rng.lognormal(-1.0, 1.0, size=int(rng.integers(1, 400)))
+        bound = float(rng.choice(ttfts)) if trial % 2 else float(rng.uniform(0.05, 3.0))
+        counts = Counts(len(ttfts), 0, len(ttfts), int((ttfts > bound).sum()))
+        assert counts.p99_above_bound() == (np.percentile(ttfts, 99, method="inverted_cdf") > bound), trial
+
+
+def test_two_replicas_pool_their_windows_in_redis(redis_url: str) -> None:
+    """min_requests counts the fleet: 5 canary failures on each of two replicas trip a rollback of 10."""
+    rollouts = parse_policy(policy_yaml()).rollouts
+
+    async def scenario() -> dict[str, Any]:
+        shares = [RedisShare(redis_url), RedisShare(redis_url)]
+        one, two = (Rollouts(rollouts, share) for share in shares)
+        try:
+            for replica in (one, two):
+                for _ in range(5):
+                    assert replica.record("support", "a2", True, None) is None  # 5 < min_requests here
+            for _ in range(20):
+                assert two.record("support", "a1", False, 0.1) is None  # the first variant is fine
+            out: dict[str, Any] = {"local": (one.is_rolled_back("support"), two.is_rolled_back("support"))}
+            await one.sync()  # pools its 5
+            out["after_one"] = one.is_rolled_back("support")  # the pool holds 5 so far: not yet
+            await two.sync()  # pools its 5, reads 10: rolls back and publishes
+            await one.sync()  # adopts it
+            out["both"] = (one.is_rolled_back("support"), two.is_rolled_back("support"))
+            out["detail"] = two.describe()[0]
+            await one.clear_shared()  # POST /admin/reload on replica one
+            fresh = Rollouts(rollouts, shares[0])
+            await fresh.sync()
+            await two.sync()
+            out["cleared"] = (fresh.is_rolled_back("support"), two.is_rolled_back("support"))
+            return out
+        finally:
+            for share in shares:
+                await share.aclose()
+
+    out = run(scenario())
+    assert out["local"] == (False, False) and out["after_one"] is False
+    assert out["both"] == (True, True)
+    assert "across the replicas" in out["detail"]["rolled_back"]["detail"]
+    assert out["detail"]["variants"][1]["fleet_window"] == {"requests": 10, "errors": 10, "timed": 0, "slow": 0}
+    assert out["cleared"] == (False, False)  # the rollback and the pooled counts are gone
+
+
 def test_rollback_is_shared_through_redis_by_two_gateway_processes(tmp_path: Path, redis_url: str,
                                                                    mock: MockUpstream) -> None:
     text = policy_yaml(weights=(50, 50))
@@ -310,11 +359,11 @@ def test_rollback_is_shared_through_redis_by_two_gateway_processes(tmp_path: Pat
         with httpx.Client(timeout=30) as http:
             post = lambda url, user: http.post(f"{url}/v1/completions", json=COMPLETION,  # noqa: E731
                                                headers=support(user))
-            assert post(two, canary[0]).status_code == 500  # gateway two sends canary users to the canary
-            assert [post(one, u).status_code for u in canary[:10]] == [500] * 10  # gateway one rolls back
-            assert post(one, canary[10]).headers["X-Loragate-Adapter"] == "a1"
-            two_state = wait_for_rollback(http, two, rolled_back=True)  # two learns it through Redis
-            assert two_state["variant"] == "a2"
+            # 5 canary failures on each gateway: neither has min_requests (10) of its own, the fleet has
+            assert [post(url, u).status_code for url, u in zip([one, two] * 5, canary[:10])] == [500] * 10
+            for url in (one, two):
+                state = wait_for_rollback(http, url, rolled_back=True)
+                assert state["variant"] == "a2"
             resp = post(two, canary[11])
             assert resp.status_code == 200 and resp.headers["X-Loragate-Adapter"] == "a1"
             assert http.post(f"{one}/admin/reload", headers=ADMIN).status_code == 200  # clears it everywhere
