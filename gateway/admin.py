@@ -131,15 +131,6 @@ class PolicyStore:
         logger.info("policy reloaded from %s (sha256 %s)", self.path, active.sha256[:12])
         return active
 
-    def file_changed(self) -> bool:
-        """Whether the policy file's bytes differ from the active policy's (False when unreadable)."""
-        if self.path is None:
-            return False
-        try:
-            return hashlib.sha256(self.path.read_bytes()).hexdigest() != self.active.sha256
-        except OSError:
-            return False
-
     def describe(self) -> dict[str, Any]:
         active = self.active
         last = None if self.last_error is None else {"message": self.last_error[0], "at": _iso(self.last_error[1])}

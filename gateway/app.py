@@ -90,7 +90,7 @@ class Gateway:
         self.max_body_bytes = max_body_bytes
         self.draining = False
         self._decisions: dict[str, tuple[Decision, float]] = {}  # tenant -> last decision, for headers
-        self.watcher = PolicyWatcher(store.path, lambda: None) if store.path is not None else None
+        self.watcher = PolicyWatcher(store.path) if store.path is not None else None
         self._sync_failing = False
 
     def apply_settings(self, policy: Policy) -> None:
@@ -126,8 +126,8 @@ class Gateway:
 
     async def housekeeping(self) -> None:
         """One round of the background loop (tests call it directly)."""
-        # file_changed: not when POST /admin/reload already loaded these bytes
-        if self.watcher is not None and self.watcher.check() and self.store.file_changed():
+        # A new digest that is already active: POST /admin/reload loaded these bytes first.
+        if self.watcher is not None and self.watcher.check() and self.watcher.digest != self.store.active.sha256:
             with contextlib.suppress(PolicyError):  # logged, counted and shown by the store
                 self.store.reload(await self.served_adapters(), fresh=False)
         try:

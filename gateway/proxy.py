@@ -68,9 +68,17 @@ class Exchange:
     completion_tokens: int | None = None
     delivered: bool = False  # some byte of the answer reached the client
     ttft_s: float | None = None  # arrival to the first token sent (a whole answer: to the answer)
+    last_token_at: float | None = None  # time.monotonic() of the last token sent
     judged: bool = False  # recorded against its rollout variant already
     upstream: httpx.Response | None = None  # an open upstream stream, closed on settle
     tried: set[str] = field(default_factory=set)
+
+    def token_sent(self, started_at: float) -> None:
+        """Content reached the client now: the first time, that is the request's time to first token."""
+        now = time.monotonic()
+        if self.ttft_s is None:
+            self.ttft_s = now - started_at
+        self.last_token_at = now
 
     def take_usage(self, usage: Any) -> None:
         if isinstance(usage, dict):
@@ -219,7 +227,7 @@ class Proxy:
         if resp.status_code >= 400:
             exchange.outcome = "upstream_client_error"
             return _passthrough(resp)
-        exchange.ttft_s = time.monotonic() - call.started_at
+        exchange.token_sent(call.started_at)
         try:
             exchange.take_usage(resp.json().get("usage"))
         except (ValueError, AttributeError):
@@ -245,12 +253,11 @@ class Proxy:
     async def _relay(self, call: Call, reader: SseReader, first: bytes,
                      exchange: Exchange) -> AsyncIterator[bytes]:
         """Upstream events to the client as they come; a break-off ends the stream with an error event."""
-        timing = _Timing(call.started_at)
         event: bytes | None = first
         done = False
         try:
             while event is not None:
-                out, done = self._event(call, event, exchange, timing)
+                out, done = self._event(call, event, exchange)
                 if out:
                     exchange.delivered = True
                     yield out
@@ -271,9 +278,19 @@ class Proxy:
             await exchange.close_upstream()
         assert exchange.slot is not None
         exchange.slot.upstream.breaker.record_success()
-        timing.report(self.metrics, call.served, exchange.completion_tokens)
+        self._report_timing(call, exchange)
 
-    def _event(self, call: Call, event: bytes, exchange: Exchange, timing: _Timing) -> tuple[bytes, bool]:
+    def _report_timing(self, call: Call, exchange: Exchange) -> None:
+        """A finished stream's time to first token, and its mean time per output token after the first."""
+        if exchange.ttft_s is None or exchange.last_token_at is None:
+            return
+        self.metrics.observe_ttft(call.served, exchange.ttft_s)
+        n = exchange.completion_tokens
+        if n is not None and n > 1:
+            first_at = call.started_at + exchange.ttft_s
+            self.metrics.observe_tpot(call.served, (exchange.last_token_at - first_at) / (n - 1))
+
+    def _event(self, call: Call, event: bytes, exchange: Exchange) -> tuple[bytes, bool]:
         """What to send the client for one upstream event, and whether it was the last ([DONE])."""
         data = event.removeprefix(b"data:").strip()
         if data == b"[DONE]":
@@ -291,33 +308,9 @@ class Proxy:
             exchange.take_usage(chunk["usage"])
             return (event if call.include_usage else b""), False
         if choices:
-            timing.content()
-            if exchange.ttft_s is None:
-                exchange.ttft_s = time.monotonic() - call.started_at
+            exchange.token_sent(call.started_at)
         if not call.include_usage and "usage" in chunk:
             del chunk["usage"]
             return sse(chunk), False
         return event, False
-
-
-class _Timing:
-    """Time to first token and time per output token of one stream."""
-
-    def __init__(self, started_at: float) -> None:
-        self.started_at = started_at
-        self.first: float | None = None
-        self.last: float | None = None
-
-    def content(self) -> None:
-        now = time.monotonic()
-        if self.first is None:
-            self.first = now
-        self.last = now
-
-    def report(self, metrics: GatewayMetrics, adapter: str, completion_tokens: int | None) -> None:
-        if self.first is None or self.last is None:
-            return
-        metrics.observe_ttft(adapter, self.first - self.started_at)
-        if completion_tokens is not None and completion_tokens > 1:
-            metrics.observe_tpot(adapter, (self.last - self.first) / (completion_tokens - 1))
 

@@ -385,27 +385,24 @@ class Rollouts:
         """Exchange with the other replicas: publish our rollbacks, pool our counts, adopt their rollbacks,
         drop cleared ones, and judge the pooled windows."""
         states = list(self.states.values())
-        if not states:
+        if not states or not self.share.shared:
             return
         for state in states:
             if state.rolled_back is not None and not state.published:
                 await self.share.publish(state.key, state.rolled_back.dumps())
                 state.published = True
-        if self.share.shared:
-            await self._pool_counts()
+        await self._pool_counts()
         found = await self.share.fetch([s.key for s in states])
         for state in states:
             shared = Rollback.loads(found[state.key]) if state.key in found else None
             if shared is not None and state.rolled_back is None:
                 self._roll_back(state, shared, published=True, adopted=True)
-            elif state.key not in found and state.rolled_back is not None and state.published \
-                    and not isinstance(self.share, LocalShare):
+            elif state.key not in found and state.rolled_back is not None and state.published:
                 logger.info("rollout %r: rollback cleared by another replica's reload", state.rollout.name)
                 state.rolled_back = None
                 for window in state.windows.values():
                     window.clear()
-        if self.share.shared:
-            await self._judge_pooled(states)
+        await self._judge_pooled(states)
 
     async def _pool_counts(self) -> None:
         """Add this replica's counts since the last sync to the pooled windows (kept for a later try on error)."""

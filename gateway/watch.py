@@ -54,14 +54,14 @@ class _Signature:
 class PolicyWatcher:
     """Poll a file and call `on_change()` when its content changes (never for the content it starts with)."""
 
-    def __init__(self, path: Path, on_change: Callable[[], None], interval_s: float = 1.0) -> None:
+    def __init__(self, path: Path, on_change: Callable[[], None] | None = None, interval_s: float = 1.0) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be more than 0, got {interval_s!r}")
         self.path = Path(path)
         self.interval_s = interval_s
         self._on_change = on_change
         self._signature: _Signature | None = None  # None: not read since it was last missing
-        self._digest: str | None = None  # of the last content read; kept while the file is missing
+        self.digest: str | None = None  # sha256 of the last content read; kept while the file is missing
         self._read_at_ns = 0  # wall clock (the filesystem's timescale) of the last read
         self._missing = False
         self._poll(initial=True)
@@ -74,7 +74,8 @@ class PolicyWatcher:
         """
         if not self._poll(initial=False):
             return False
-        self._on_change()
+        if self._on_change is not None:
+            self._on_change()
         return True
 
     async def run(self) -> None:
@@ -105,8 +106,8 @@ class PolicyWatcher:
         self._signature = signature
         self._read_at_ns = time.time_ns()
         digest = hashlib.sha256(content).hexdigest()
-        changed = not initial and digest != self._digest
-        self._digest = digest
+        changed = not initial and digest != self.digest
+        self.digest = digest
         if changed:
             logger.info("policy file %s changed (sha256 %s)", self.path, digest[:12])
         return changed
