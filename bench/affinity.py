@@ -35,18 +35,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from engine.model.sources import cache_root, resolve_model  # noqa: E402
-from gateway_overhead import free_port, pct, wait_healthy  # noqa: E402
+from gateway_overhead import BENCH_TENANT, KEY, free_port, pct, wait_healthy  # noqa: E402
 from throughput import make_w1_adapters, scale_adapter_dir, w1_prompts, zipf_choices  # noqa: E402
 
-KEY = "bench-key"
-POLICY = """version: 1
-tenants:
-  - id: bench
-    api_keys: ["env:LORAGATE_BENCH_KEY"]
-    adapters: ["*"]
-    limits: {{requests_per_second: 1000000, burst: 1000000, tokens_per_minute: 1000000000}}
-admission: {{max_inflight_per_upstream: 16, max_queue: 1024, queue_timeout_ms: 600000, affinity: {affinity},
-             spill_inflight: {spill}}}
+ADMISSION = """admission: {{max_inflight_per_upstream: 16, max_queue: 1024, queue_timeout_ms: 600000,
+             affinity: {affinity}, spill_inflight: {spill}}}
 """
 
 
@@ -100,7 +93,7 @@ def run_once(affinity: bool, adapter_dir: Path, adapters: list[str], prompts: li
                 stderr=subprocess.STDOUT))
             engines.append(f"http://127.0.0.1:{port}")
         policy = logs / "policy.yaml"
-        policy.write_text(POLICY.format(affinity="true" if affinity else "false", spill=spill))
+        policy.write_text(BENCH_TENANT + ADMISSION.format(affinity="true" if affinity else "false", spill=spill))
         port = free_port()
         argv = [sys.executable, "-m", "loragate", "gateway", "--policy", str(policy), "--port", str(port),
                 "--log-level", "warning"]

@@ -29,13 +29,15 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "bench-key"
-POLICY = """version: 1
+# One tenant (its key read from LORAGATE_BENCH_KEY) whose limits never bind; bench/affinity.py shares it.
+BENCH_TENANT = """version: 1
 tenants:
   - id: bench
     api_keys: ["env:LORAGATE_BENCH_KEY"]
     adapters: ["*"]
     limits: {requests_per_second: 1000000, burst: 1000000, tokens_per_minute: 1000000000}
-rollouts:
+"""
+POLICY = BENCH_TENANT + """rollouts:
   - name: canary
     variants: [{adapter: a1, weight: 90}, {adapter: a2, weight: 10}]
     override_header: X-Variant

@@ -32,8 +32,8 @@ from starlette.responses import JSONResponse, Response
 
 from engine.responses import ApiError
 from gateway.auth import Authenticator
-from gateway.policy import Policy, PolicyError, parse_policy
-from gateway.rollout import Rollback, RollbackShare, Rollouts
+from gateway.policy import Policy, PolicyError, read_policy
+from gateway.rollout import RollbackEvent, RollbackShare, Rollouts
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def check_variants(policy: Policy, served: frozenset[str]) -> None:
 class PolicyStore:
     def __init__(self, policy: Policy, path: Path | None, environ: Mapping[str, str] = os.environ,
                  share: RollbackShare | None = None,
-                 on_rollback: Callable[[str, Rollback], None] | None = None,
+                 on_rollback: Callable[[str, RollbackEvent], None] | None = None,
                  on_reload_error: Callable[[], None] | None = None,
                  on_reload: Callable[[Policy], None] | None = None) -> None:
         """`on_reload(policy)` runs after each switch, to apply settings that live outside the policy."""
@@ -105,19 +105,13 @@ class PolicyStore:
         try:
             if self.path is None:
                 raise PolicyError("this gateway was not started from a policy file; nothing to reload")
+            policy, digest = read_policy(self.path)
             try:
-                raw = self.path.read_bytes()
-                text = raw.decode("utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise PolicyError(f"{self.path}: cannot read policy file: {exc}") from None
-            try:
-                policy = parse_policy(text)
                 check_variants(policy, served)
             except PolicyError as exc:
                 raise PolicyError(f"{self.path}: {exc}") from None
             # Built before the switch: a bad env: key reference (PolicyError) leaves the old policy active.
-            active = self._activate(policy, hashlib.sha256(raw).hexdigest(),
-                                    previous=None if fresh else self.active.rollouts)
+            active = self._activate(policy, digest, previous=None if fresh else self.active.rollouts)
         except PolicyError as exc:
             self.last_error = (str(exc), time.time())
             self.reload_errors += 1

@@ -151,8 +151,7 @@ class Gateway:
             return named
         return min(bases) if bases else "base"
 
-    def tenant(self, request: Request, active: ActivePolicy | None = None) -> Tenant:
-        active = active if active is not None else self.store.active
+    def tenant(self, request: Request, active: ActivePolicy) -> Tenant:
         tenant = active.auth.tenant_for(request.headers.get("authorization"))
         if tenant is None:
             raise unauthorized("a valid API key is required (Authorization: Bearer <key>)")

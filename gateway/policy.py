@@ -9,6 +9,7 @@ be refused with a message the operator can act on.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -21,7 +22,7 @@ from engine.request import Priority
 
 __all__ = [
     "Admission", "Breaker", "Defaults", "Limits", "Policy", "PolicyError", "RateLimitPolicy",
-    "Rollback", "Rollout", "Tenant", "Variant", "load_policy", "parse_policy",
+    "Rollback", "Rollout", "Tenant", "Variant", "load_policy", "parse_policy", "read_policy",
 ]
 
 _HASH_RE = re.compile(r"sha256:[0-9a-f]{64}")
@@ -254,16 +255,23 @@ def parse_policy(text: str) -> Policy:
         raise PolicyError("; ".join(_describe(err) for err in e.errors())) from None
 
 
-def load_policy(path: Path) -> Policy:
-    """Read and parse a policy file; errors are prefixed with the file's path."""
+def read_policy(path: Path) -> tuple[Policy, str]:
+    """Read and parse a policy file: the policy and the sha256 of the file's bytes (the version the gateway
+    logs and GET /admin/policy shows). Errors are prefixed with the file's path."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise PolicyError(f"{path}: cannot read policy file: {e}") from None
     try:
-        return parse_policy(text)
+        return parse_policy(text), hashlib.sha256(raw).hexdigest()
     except PolicyError as e:
         raise PolicyError(f"{path}: {e}") from None
+
+
+def load_policy(path: Path) -> Policy:
+    """Read and parse a policy file; errors are prefixed with the file's path."""
+    return read_policy(path)[0]
 
 
 # pydantic speaks Python; a policy author wrote YAML.

@@ -22,7 +22,7 @@ from gateway.ratelimit import Decision, RateLimiterUnavailable, Reservation, ref
 if TYPE_CHECKING:
     from gateway.policy import Limits
 
-__all__ = ["RedisRateLimiter"]
+__all__ = ["RedisRateLimiter", "redis_client"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,13 @@ return 0
 """
 
 
+def redis_client(url: str) -> aioredis.Redis:
+    """The gateway's Redis client: no client-side retries, so a refused connection fails at once and a
+    stalled one after SOCKET_TIMEOUT_S; it never hangs a request."""
+    return aioredis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S,
+                                   retry=Retry(NoBackoff(), 0), decode_responses=True)
+
+
 class RedisRateLimiter:
     """GCRA + token bucket in Redis. on_error: "open" admits while Redis is unreachable, "closed" raises
     RateLimiterUnavailable; either way `redis_errors` counts the failures."""
@@ -97,10 +104,7 @@ class RedisRateLimiter:
         self.on_error = on_error
         self.prefix = prefix
         self.redis_errors = 0
-        # No client-side retries: a refused connection fails at once and a stalled one after the timeout.
-        self._redis = aioredis.Redis.from_url(
-            url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S,
-            retry=Retry(NoBackoff(), 0), decode_responses=True)
+        self._redis = redis_client(url)
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._reconcile = self._redis.register_script(_RECONCILE)
 

@@ -44,8 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.responses import ApiError
-from gateway.policy import Rollback as RollbackBounds
-from gateway.policy import Rollout, Tenant, Variant
+from gateway.policy import Rollback, Rollout, Tenant, Variant
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ def definition_hash(rollout: Rollout) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Rollback:
+class RollbackEvent:
     """Why and when a rollout was sent back to its first variant."""
 
     variant: str  # the variant that broke a bound
@@ -109,7 +108,7 @@ class Rollback:
         return json.dumps({"variant": self.variant, "reason": self.reason, "detail": self.detail, "at": self.at})
 
     @classmethod
-    def loads(cls, text: str) -> Rollback | None:
+    def loads(cls, text: str) -> RollbackEvent | None:
         try:
             d = json.loads(text)
             return cls(str(d["variant"]), str(d["reason"]), str(d["detail"]), float(d["at"]))
@@ -151,17 +150,17 @@ class Counts:
         return self.timed > 0 and self.slow > self.timed - math.ceil(0.99 * self.timed)
 
 
-def verdict(bounds: RollbackBounds, variant: str, counts: Counts, wall: float, scope: str = "") -> Rollback | None:
+def verdict(bounds: Rollback, variant: str, counts: Counts, wall: float, scope: str = "") -> RollbackEvent | None:
     """The rollback `counts` call for (None below min_requests or within the bounds)."""
     n = counts.requests
     if n < bounds.min_requests:
         return None
     span = f"over {n} requests in {bounds.window_s:g} s{scope}"
     if counts.errors / n > bounds.max_error_rate:
-        return Rollback(variant, "error_rate", f"error rate {counts.errors / n:.3f} > {bounds.max_error_rate:g} "
+        return RollbackEvent(variant, "error_rate", f"error rate {counts.errors / n:.3f} > {bounds.max_error_rate:g} "
                         f"{span}", wall)
     if counts.p99_above_bound():
-        return Rollback(variant, "ttft_p99", f"TTFT p99 > {bounds.max_ttft_p99_ms:g} ms ({counts.slow} of "
+        return RollbackEvent(variant, "ttft_p99", f"TTFT p99 > {bounds.max_ttft_p99_ms:g} ms ({counts.slow} of "
                         f"{counts.timed} slower) {span}", wall)
     return None
 
@@ -252,7 +251,7 @@ class RolloutState:
     rollout: Rollout
     key: str  # the shared key: name + definition hash
     windows: dict[str, Window] = field(default_factory=dict)
-    rolled_back: Rollback | None = None
+    rolled_back: RollbackEvent | None = None
     published: bool = True  # False: decided here, not yet written to the shared store
     fleet: dict[str, Counts] = field(default_factory=dict)  # the pooled windows, as last read (shared only)
 
@@ -260,7 +259,7 @@ class RolloutState:
         span = self.rollout.rollback.window_s if self.rollout.rollback is not None else 60.0
         self.windows = {v.adapter: Window(span) for v in self.rollout.variants}
 
-    def check(self, variant: str, now: float, wall: float) -> Rollback | None:
+    def check(self, variant: str, now: float, wall: float) -> RollbackEvent | None:
         """The rollback this replica's window of `variant` calls for, if any (never for the first variant)."""
         bounds = self.rollout.rollback
         if bounds is None or self.rolled_back is not None or variant == self.rollout.variants[0].adapter:
@@ -302,7 +301,7 @@ class Rollouts:
     SLICES = 20  # a pooled window is kept in this many time slices (it slides by window_s / SLICES)
 
     def __init__(self, rollouts: Iterable[Rollout], share: RollbackShare | None = None,
-                 previous: Rollouts | None = None, on_rollback: Callable[[str, Rollback], None] | None = None,
+                 previous: Rollouts | None = None, on_rollback: Callable[[str, RollbackEvent], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         """`previous`: the rollouts of the policy this one replaces; unchanged rollouts keep their state."""
         self.share = share if share is not None else LocalShare()
@@ -339,7 +338,7 @@ class Rollouts:
             return Routed(name, rollout.variants[0].adapter, "rollback")
         return Routed(name, pick_variant(rollout, sticky_value(rollout, tenant, header)).adapter, "split")
 
-    def record(self, name: str, adapter: str, error: bool, ttft_s: float | None) -> Rollback | None:
+    def record(self, name: str, adapter: str, error: bool, ttft_s: float | None) -> RollbackEvent | None:
         """One finished request of a rollout variant; returns the rollback it triggered, if any."""
         state = self.states.get(name)
         if state is None or adapter not in state.windows:
@@ -394,7 +393,7 @@ class Rollouts:
         await self._pool_counts()
         found = await self.share.fetch([s.key for s in states])
         for state in states:
-            shared = Rollback.loads(found[state.key]) if state.key in found else None
+            shared = RollbackEvent.loads(found[state.key]) if state.key in found else None
             if shared is not None and state.rolled_back is None:
                 self._roll_back(state, shared, published=True, adopted=True)
             elif state.key not in found and state.rolled_back is not None and state.published:
@@ -453,7 +452,7 @@ class Rollouts:
         now = self._clock()
         return [state.describe(now) for state in self.states.values()]
 
-    def _roll_back(self, state: RolloutState, rollback: Rollback, published: bool, adopted: bool = False) -> None:
+    def _roll_back(self, state: RolloutState, rollback: RollbackEvent, published: bool, adopted: bool = False) -> None:
         state.rolled_back = rollback
         state.published = published
         first = state.rollout.variants[0].adapter
@@ -475,15 +474,9 @@ class RedisShare:
     shared = True
 
     def __init__(self, url: str) -> None:
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
+        from gateway.redis_limiter import redis_client
 
-        from gateway.redis_limiter import SOCKET_TIMEOUT_S
-
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
-                                              socket_connect_timeout=SOCKET_TIMEOUT_S,
-                                              retry=Retry(NoBackoff(), 0), decode_responses=True)
+        self._redis = redis_client(url)
 
     async def fetch(self, keys: list[str]) -> dict[str, str]:
         values = await self._redis.mget(keys)

@@ -24,12 +24,13 @@ class Api:
         self.created = int(time.time())
 
     async def models(self, request: Request) -> Response:
-        tenant = self.gw.tenant(request)
+        active = self.gw.store.active
+        tenant = self.gw.tenant(request, active)
         models = await self.gw.catalog.models()
         base = sorted(models.bases)[0] if models.bases else None
         ids = [(b, None) for b in sorted(models.bases)]
         ids += [(a, base) for a in sorted(models.adapters) if tenant.allows(a)]
-        ids += [(r.name, base) for r in self.gw.store.active.policy.rollouts if tenant.allows(r.name)]
+        ids += [(r.name, base) for r in active.policy.rollouts if tenant.allows(r.name)]
         cards = [{"id": i, "object": "model", "created": self.created, "owned_by": "loragate", "root": i,
                   "parent": parent} for i, parent in ids]
         return JSONResponse(list_body(cards), headers=self.gw.known_headers(tenant.id))

@@ -13,7 +13,6 @@ before a gateway ever reloads it) and `policy schema` prints their JSON Schema f
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -208,13 +207,9 @@ def _plural(count: int, noun: str) -> str:
 
 def _check_policy_file(path: Path) -> str:
     """One file's `ok:` line; raises PolicyError naming the file and the key at fault."""
-    from gateway.policy import PolicyError, load_policy
+    from gateway.policy import read_policy
 
-    policy = load_policy(path)
-    try:
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError as exc:  # gone between the parse and the hash
-        raise PolicyError(f"{path}: cannot read policy file: {exc}") from None
+    policy, digest = read_policy(path)
     return (f"ok: {path} ({_plural(len(policy.tenants), 'tenant')}, "
             f"{_plural(len(policy.rollouts), 'rollout')}, sha256 {digest[:12]})")
 

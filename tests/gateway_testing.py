@@ -86,3 +86,12 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
+
+
+def poll(probe: Any, timeout_s: float = 15.0) -> Any:
+    """The first truthy answer of `probe()`, polled until timeout_s (then the test fails)."""
+    end = time.monotonic() + timeout_s
+    while not (answer := probe()):
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.1)
+    return answer

@@ -28,7 +28,7 @@ from gateway.auth import hash_key
 from gateway.policy import parse_policy
 from gateway.ratelimit import MemoryRateLimiter
 from gateway.telemetry import GatewayMetrics
-from gateway_testing import asgi, assert_error, run, start_gateway, stop_process
+from gateway_testing import asgi, assert_error, poll, run, start_gateway, stop_process
 from mock_upstream import MockUpstream
 from test_gateway_rollout import ADMIN, AUTH, COMPLETION, OTHER_KEY, canary_users, policy_yaml, support
 
@@ -188,15 +188,6 @@ def test_a_gateway_process_reloads_its_file_by_itself(tmp_path: Path, mock: Mock
             poll(lambda: http.get(f"{url}/v1/models", headers=new).status_code == 200)
     finally:
         stop_process(proc)
-
-
-def poll(probe: Any, timeout_s: float = 15.0) -> Any:
-    """The first truthy answer of `probe()`, polled until timeout_s (then the test fails)."""
-    end = time.monotonic() + timeout_s
-    while not (answer := probe()):
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.1)
-    return answer
 
 
 # ---- adapter affinity across two engines ---------------------------------------------------------------

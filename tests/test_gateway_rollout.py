@@ -8,7 +8,6 @@ second gateway process says; rollback against a fake engine that fails the canar
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from gateway.policy import parse_policy
 from gateway.ratelimit import MemoryRateLimiter
 from gateway.rollout import BUCKETS, Counts, RedisShare, Rollouts, bucket, pick_variant
 from gateway.telemetry import GatewayMetrics
-from gateway_testing import asgi, assert_error, run, start_gateway, stop_process
+from gateway_testing import asgi, assert_error, poll, run, start_gateway, stop_process
 from lora_fixtures import peft_greedy
 from mock_upstream import MockUpstream
 from redis_server import redis_url_fixture
@@ -374,14 +373,13 @@ def test_rollback_is_shared_through_redis_by_two_gateway_processes(tmp_path: Pat
             stop_process(proc)
 
 
-def wait_for_rollback(http: httpx.Client, url: str, rolled_back: bool, timeout_s: float = 10.0) -> Any:
-    end = time.monotonic() + timeout_s
-    while True:
+def wait_for_rollback(http: httpx.Client, url: str, rolled_back: bool) -> Any:
+    """GET /admin/policy until the rollout's `rolled_back` is set (or cleared); returns it."""
+    def probe() -> tuple[Any] | None:
         state = http.get(f"{url}/admin/policy", headers=ADMIN).json()["rollouts"][0]["rolled_back"]
-        if (state is not None) == rolled_back:
-            return state
-        assert time.monotonic() < end, f"rolled_back did not become {rolled_back}"
-        time.sleep(0.1)
+        return (state,) if (state is not None) == rolled_back else None
+
+    return poll(probe, timeout_s=10.0)[0]
 
 
 # ---- through a real engine ------------------------------------------------------------------------------
