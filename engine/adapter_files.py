@@ -50,6 +50,22 @@ def _tensor_key(layer: int, module: str, part: str) -> str:
 # ---- the adapter directory -------------------------------------------------------------------------
 
 
+def resolve_inside(root: Path, given: str) -> Path:
+    """The real path of `root/given` (symlinks resolved), or AdapterError naming `path` when it is not
+    strictly inside root's real path. Resolving before checking means that neither `..`, an absolute
+    path nor a symlink can lead outside `root`: the one rule for adapters found at startup and for
+    POST /v1/adapters."""
+    real_root = Path(os.path.realpath(root))
+    try:
+        real = Path(os.path.realpath(real_root / given))  # an absolute `given` replaces the root here
+    except (ValueError, OSError) as exc:  # e.g. an embedded NUL byte
+        raise AdapterError(f"path: unusable ({exc})") from None
+    if real == real_root or not real.is_relative_to(real_root):
+        raise AdapterError(f"path: {given[:200]!r} is not inside the engine's --adapter-dir; "
+                           "give a subdirectory of it, relative to it (symlinks must stay inside it too)")
+    return real
+
+
 def _adapter_dir(adapter_id: str, path: Path | str) -> Path:
     try:
         root = Path(os.path.realpath(os.fspath(path)))

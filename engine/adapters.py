@@ -11,12 +11,13 @@ import dataclasses
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from engine.adapter_config import AdapterError, AdapterSpec, validate_adapter_id
-from engine.adapter_files import LoraWeights, load_weights, read_adapter
+from engine.adapter_files import LoraWeights, load_weights, read_adapter, resolve_inside
 from engine.model.loader import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -32,11 +33,21 @@ class AdapterRegistry:
         # Survives unregister(): a re-registered id never reuses a version, so caches keyed by
         # (id, version) never serve an older content.
         self._versions: dict[str, int] = {}
+        # (id, version) -> why its weights could not be loaded. A version's content never changes, so
+        # its later requests fail at once; registering the id again makes a new version.
+        self._broken: dict[tuple[str, int], str] = {}
 
-    def register(self, adapter_id: str, path: Path) -> AdapterSpec:
-        """Validate and (re-)register an adapter; the first registration of an id is version 1."""
+    def register(self, adapter_id: str, path: Path,
+                 verify: Callable[[AdapterSpec], None] | None = None) -> AdapterSpec:
+        """Validate and (re-)register an adapter; the first registration of an id is version 1.
+
+        `verify(spec)` may read and check the weights too (AdapterError refuses the adapter); without it
+        only the config and the safetensors header are read.
+        """
         validate_adapter_id(adapter_id)
         spec = read_adapter(path, adapter_id, 0, self._model)  # file reads happen outside the lock
+        if verify is not None:
+            verify(spec)
         with self._lock:
             version = self._versions.get(adapter_id, 0) + 1
             self._versions[adapter_id] = version
@@ -52,6 +63,17 @@ class AdapterRegistry:
             spec = self._specs.pop(adapter_id)
         logger.info("unregistered adapter %s v%d", adapter_id, spec.version)
         return spec
+
+    def mark_broken(self, spec: AdapterSpec, reason: str) -> None:
+        with self._lock:
+            self._broken[(spec.adapter_id, spec.version)] = reason
+        logger.warning("adapter %s v%d is unusable until registered again: %s", spec.adapter_id, spec.version,
+                       reason)
+
+    def broken(self, spec: AdapterSpec) -> str | None:
+        """Why this version's weights could not be loaded, or None."""
+        with self._lock:
+            return self._broken.get((spec.adapter_id, spec.version))
 
     def get(self, adapter_id: str) -> AdapterSpec:
         """The current spec of an adapter; KeyError if it is not registered."""
@@ -72,7 +94,8 @@ class AdapterRegistry:
             if not sub.is_dir():
                 continue
             try:
-                specs.append(self.register(validate_adapter_id(sub.name), sub))
+                path = resolve_inside(root, sub.name)  # a symlink out of the directory is refused
+                specs.append(self.register(validate_adapter_id(sub.name), path))
             except AdapterError as exc:
                 logger.warning("skipping %s: %s", sub, exc)
         return specs

@@ -16,15 +16,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.adapter_config import AdapterSpec
-from engine.llm_engine import LLMEngine
-from engine.outputs import AdapterStatus, RequestOutput
+from engine.llm_engine import AdapterUnusable, LLMEngine
+from engine.outputs import AdapterStatus, RequestError, RequestOutput
 from engine.request import Priority, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop failed or was shut down while a request was in flight."""
+    """The engine loop failed or was shut down while a request was in flight.
+
+    `reason` is the X-Loragate-Reason of the 503 it becomes: "draining" (shutting down) or
+    "engine_failure" (the loop failed outside any one request's computation).
+    """
+
+    def __init__(self, message: str, reason: str = "draining") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class RequestFailed(RuntimeError):
+    """This request failed while the others went on (engine.outputs.RequestError): a 500 of `type`."""
+
+    def __init__(self, error: RequestError) -> None:
+        super().__init__(error.message)
+        self.type = error.type
+        self.message = error.message
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,13 +96,20 @@ class AsyncEngine:
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: Priority = Priority.STANDARD, adapter_id: str | None = None
                  ) -> AsyncIterator[RequestOutput]:
-        """Validate now (ValueError, KeyError for an unknown adapter), then stream the request's outputs.
+        """Validate now (ValueError, KeyError for an unknown adapter, RequestFailed for one whose weights
+        failed to load), then stream the request's outputs; one that fails in the engine raises
+        RequestFailed from the iterator.
 
         Closing the iterator early (client gone, task cancelled) aborts the request and frees its blocks.
         """
         adapter = None if adapter_id is None else self.engine.adapters.get(adapter_id)  # KeyError
         params.validate()
         self.engine.check_request(prompt_token_ids, params, adapter)
+        if adapter is not None:
+            try:
+                self.engine.check_adapter(adapter)
+            except AdapterUnusable as exc:
+                raise RequestFailed(RequestError("adapter_error", str(exc))) from None
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         return self._stream(_Add(request_id, list(prompt_token_ids), params, priority, adapter_id))
@@ -95,9 +119,12 @@ class AsyncEngine:
     async def load_adapter(self, adapter_id: str, path: Path) -> AdapterSpec:
         """Register (or re-register, bumping the version) an adapter; AdapterError if it is unusable.
 
-        Parsing runs in a worker thread; requests already running keep the version they started with.
+        Its weights are read and checked (finite in the engine's dtype) in a worker thread, so a broken
+        adapter is refused here rather than failing its first requests; requests already running keep the
+        version they started with.
         """
-        spec = await asyncio.to_thread(self.engine.adapters.register, adapter_id, path)
+        spec = await asyncio.to_thread(self.engine.adapters.register, adapter_id, path,
+                                       self.engine.verify_adapter)
         self._inbox.put(_RetireAdapter(adapter_id))
         return spec
 
@@ -111,7 +138,8 @@ class AsyncEngine:
 
     async def _stream(self, add: _Add) -> AsyncIterator[RequestOutput]:
         if not self.running:
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError("the engine is not running",
+                                  "draining" if self._stopping.is_set() else "engine_failure")
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[add.request_id] = stream
         self._inbox.put(add)
@@ -122,6 +150,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailed(item.error)
                 yield item
         finally:
             self._streams.pop(add.request_id, None)
@@ -140,7 +170,7 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
-            except Exception as exc:  # a bug in a step must not hang every client
+            except Exception as exc:  # outside any one request (a request's own failure is an output)
                 logger.exception("engine step failed; aborting all requests in flight")
                 self._fail_all(exc)
                 continue
@@ -166,6 +196,9 @@ class AsyncEngine:
             try:
                 self.engine.add_request(item.request_id, item.prompt_token_ids, item.params,
                                         item.priority, item.adapter_id)
+            except AdapterUnusable as exc:  # its adapter broke since generate() checked it
+                failed = RequestFailed(RequestError("adapter_error", str(exc)))
+                self._loop.call_soon_threadsafe(self._fail, item.request_id, failed)
             except (ValueError, KeyError) as exc:
                 self._loop.call_soon_threadsafe(self._fail, item.request_id, exc)
 
@@ -173,7 +206,7 @@ class AsyncEngine:
         for request_id in list(self.engine.scheduler.requests):
             self.engine.abort_request(request_id)
             self._loop.call_soon_threadsafe(self._fail, request_id,
-                                            EngineDeadError(f"engine step failed: {exc}"))
+                                            EngineDeadError(f"engine step failed: {exc}", "engine_failure"))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

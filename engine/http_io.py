@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 import anyio
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive
 
 from engine.outputs import RequestOutput
@@ -45,17 +46,62 @@ async def read_json(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, 
     if declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large(limit)
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large(limit)
+    except ClientDisconnect:  # it left, or the server closed it (body timeout): nobody reads the answer
+        raise ApiError(499, "client_gone", "the client disconnected before sending the whole body") from None
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise bad_request(f"body: malformed JSON ({exc})") from None
     if not isinstance(data, dict):
         raise bad_request("body: must be a JSON object")
+    problem = find_unencodable(data)
+    if problem is not None:
+        raise bad_request(problem)
     return data
+
+
+def find_unencodable(data: Any) -> str | None:
+    """"field: problem" for the first value strict JSON cannot carry, or None.
+
+    Python's parser accepts NaN, Infinity and numbers that overflow to inf (1e999), and "\\ud800"-style
+    escapes that decode to lone surrogates, which no UTF-8 encoder can write back. Such a value would fail
+    later (re-encoding the body for an engine, tokenizing a prompt) as a 500, so it is refused here, at
+    the edge, as a 400 naming the field. Iterative: the parser already bounds the nesting depth.
+    """
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                return f"{_shown(path)}: must be a finite number"
+        elif isinstance(value, str):
+            if not value.isascii() and not _encodable(value):
+                return f"{_shown(path)}: invalid Unicode (a lone surrogate escape)"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not key.isascii() and not _encodable(key):
+                    return f"{_shown(path)}: a key holds invalid Unicode (a lone surrogate escape)"
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+def _shown(path: str) -> str:
+    return "body" if not path else path if len(path) <= 200 else f"{path[:200]}..."
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def too_large(limit: int) -> ApiError:

@@ -2,6 +2,11 @@
 
 Data flow of one step:  Scheduler.schedule -> ModelRunner.execute -> Scheduler.update_from_output ->
 detokenize (stop strings) -> RequestOutput deltas. Only the scheduler changes request state.
+
+A request that cannot be computed fails alone (finish reason "error", with a `RequestError`), never the
+batch: an adapter whose weights cannot be loaded fails the requests that need it (and that version is
+remembered as broken); a row with non-finite logits fails its request; and when the forward pass itself
+raises, the step is run again on halves of the batch until the request(s) that make it raise are found.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.adapter_config import AdapterSpec
+from engine.adapter_config import AdapterError, AdapterSpec
+from engine.adapter_files import load_weights
 from engine.adapters import AdapterRegistry, HostAdapterCache
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -25,8 +31,8 @@ from engine.preemption import KVSwapper
 from engine.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
 from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
-from engine.outputs import AdapterStatus, EngineStats, RequestOutput, RunnerOutput
-from engine.request import Priority, Request, RequestStatus, SamplingParams
+from engine.outputs import AdapterStatus, EngineStats, RequestError, RequestOutput, RunnerOutput
+from engine.request import Priority, Request, RequestStatus, SamplingParams, TokenLogprob
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -34,6 +40,11 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class AdapterUnusable(RuntimeError):
+    """The adapter version a request names failed to load before (its files are broken): the request is
+    refused at once instead of failing in a step."""
 
 
 def resolve_dtype(config: EngineConfig) -> torch.dtype:
@@ -52,7 +63,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or resolved.name
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(resolved.path)
         device = torch.device(config.device)
-        dtype = resolve_dtype(config)
+        self.dtype = dtype = resolve_dtype(config)
         self.model = load_model(resolved.path, dtype, device)
         mc = self.model.config
         self.vocab_size = mc.vocab_size
@@ -117,11 +128,24 @@ class LLMEngine:
                              f"pages (KV blocks and adapter weights); the pool holds "
                              f"{self.pool.num_pages} (raise --pool-mb)")
 
+    def check_adapter(self, adapter: AdapterSpec) -> None:
+        """AdapterUnusable if this adapter version's weights already failed to load."""
+        reason = self.adapters.broken(adapter)
+        if reason is not None:
+            raise AdapterUnusable(reason)
+
+    def verify_adapter(self, spec: AdapterSpec) -> None:
+        """Read an adapter's weights as the device tier would (AdapterError if any is not finite in the
+        engine's dtype): POST /v1/adapters refuses a broken adapter instead of failing its requests."""
+        load_weights(spec, self.model.config, self.dtype)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: Priority = Priority.STANDARD, adapter_id: str | None = None) -> Request:
         params.validate()
         adapter = None if adapter_id is None else self.adapters.get(adapter_id)  # KeyError: unknown
         self.check_request(prompt_token_ids, params, adapter)
+        if adapter is not None:
+            self.check_adapter(adapter)
         request = Request(request_id, list(prompt_token_ids), params, priority, adapter)
         self.scheduler.add_request(request)
         if adapter is not None:
@@ -195,13 +219,74 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        outputs = [self._adapter_failure(request, exc) for request, exc in batch.failed]
         if batch.is_empty():
-            return []
+            return outputs
         t0 = time.perf_counter()
-        result = self.runner.execute(batch)
+        result = self._execute(batch)
         self.scheduler.preemption.observe_step(batch.total_tokens, time.perf_counter() - t0)
+        if result.errors:
+            outputs += [self._engine_failure(batch.requests[i], message) for i, message in result.errors.items()]
+            batch, result = _without(batch, result, set(result.errors))
         self.scheduler.update_from_output(batch, result)
-        return self._make_outputs(batch, result)
+        return outputs + self._make_outputs(batch, result)
+
+    def _execute(self, batch: SchedulerOutput, seeds: dict[str, torch.Tensor] | None = None) -> RunnerOutput:
+        """`runner.execute(batch)`; if it raises, the same on halves of the batch, down to the single
+        requests that make it raise, which fail in `RunnerOutput.errors` while the others get their tokens.
+
+        Any subset of a step is a valid step (a request's rows read and write only its own KV blocks), and
+        recomputing a request's rows writes the same K/V again. Seeded draws are rewound before a retry, so
+        a seeded request samples as if the failed attempt never happened.
+        """
+        if seeds is None:  # the seeded generators' states before any attempt
+            seeds = {r.request_id: r.generator.get_state() for r in batch.requests if r.generator is not None}
+        try:
+            return self.runner.execute(batch)
+        except Exception as exc:
+            if len(batch.requests) == 1:
+                logger.exception("request %s failed in the forward pass", batch.requests[0].request_id)
+                return RunnerOutput([None], [None], {0: f"the engine failed computing this request: {exc!r}"})
+            logger.warning("a step of %d requests failed (%r); retrying it in halves to find the cause",
+                           len(batch.requests), exc)
+        n = len(batch.requests)
+        sampled: list[int | None] = [None] * n
+        logprobs: list[TokenLogprob | None] = [None] * n
+        errors: dict[int, str] = {}
+        for half in (list(range(n // 2)), list(range(n // 2, n))):
+            sub = batch.subset(half)
+            for request in sub.requests:
+                if request.generator is not None:
+                    request.generator.set_state(seeds[request.request_id])
+            part = self._execute(sub, seeds)
+            for j, i in enumerate(half):
+                sampled[i], logprobs[i] = part.sampled[j], part.logprobs[j]
+                if j in part.errors:
+                    errors[i] = part.errors[j]
+        return RunnerOutput(sampled, logprobs, errors)
+
+    def _adapter_failure(self, request: Request, exc: Exception) -> RequestOutput:
+        """A request whose adapter could not be brought onto the device (already finished)."""
+        assert request.adapter is not None
+        if isinstance(exc, AdapterError):  # its files: every later request of this version would fail too
+            self.adapters.mark_broken(request.adapter, str(exc))
+            message = str(exc)
+        else:
+            logger.error("loading adapter %s for request %s failed", request.adapter_id, request.request_id,
+                         exc_info=exc)
+            message = f"adapter {request.adapter_id!r} could not be loaded: {exc!r}"
+        return self._failed_output(request, RequestError("adapter_error", message))
+
+    def _engine_failure(self, request: Request, message: str) -> RequestOutput:
+        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+        logger.warning("request %s failed: %s", request.request_id, message)
+        return self._failed_output(request, RequestError("engine_error", message))
+
+    def _failed_output(self, request: Request, error: RequestError) -> RequestOutput:
+        self._detokenizers.pop(request.request_id, None)
+        return RequestOutput(request_id=request.request_id, new_token_ids=[], new_text="", finished=True,
+                             finish_reason="error", num_prompt_tokens=request.num_prompt_tokens,
+                             num_output_tokens=request.num_output_tokens, error=error)
 
     def _make_outputs(self, batch: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         outputs = []
@@ -231,6 +316,14 @@ class LLMEngine:
                               if request.num_output_tokens == 1 else None),
             ))
         return outputs
+
+
+def _without(batch: SchedulerOutput, result: RunnerOutput,
+             dropped: set[int]) -> tuple[SchedulerOutput, RunnerOutput]:
+    """The step and its results without the requests at `dropped` (batch indices)."""
+    keep = [i for i in range(len(batch.requests)) if i not in dropped]
+    return (batch.subset(keep),
+            RunnerOutput([result.sampled[i] for i in keep], [result.logprobs[i] for i in keep]))
 
 
 def _count_by_priority(requests: Iterable[Request]) -> tuple[tuple[str, int], ...]:

@@ -123,9 +123,12 @@ class DeviceAdapterTier:
                 return False
             start = self.pool.allocate_run(n, f"adapter:{spec.adapter_id}@{spec.version}")
         t0 = time.perf_counter()
+        slot = self._free_slots.pop()
         try:
-            self._write(spec, self._free_slots.pop(), start, n)
-        except Exception:
+            self._write(spec, slot, start, n)
+        except Exception:  # e.g. the adapter's file is now unusable: nothing of it stays behind
+            self._clear_slot(slot)
+            self._free_slots.append(slot)
             self.pool.free_run(start, n)
             raise
         self._observe_load(time.perf_counter() - t0)
@@ -169,12 +172,15 @@ class DeviceAdapterTier:
 
     def _evict(self, key: AdapterKey) -> None:
         res = self.resident.pop(key)
-        for layer in self.tables.ranks:
-            for ranks in layer.values():
-                ranks[res.slot] = 0
+        self._clear_slot(res.slot)
         self._free_slots.append(res.slot)
         self.pool.free_run(res.first_page, res.num_pages)
         self.counters.evictions += 1
+
+    def _clear_slot(self, slot: int) -> None:
+        for layer in self.tables.ranks:
+            for ranks in layer.values():
+                ranks[slot] = 0
 
     # ---- pins and versions ----------------------------------------------------------------------------
 

@@ -8,6 +8,15 @@ from engine.request import TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
+class RequestError:
+    """Why one request failed while others went on: its adapter could not be used, or the engine failed
+    computing it (a step that raised, or non-finite logits on its rows)."""
+
+    type: str  # "adapter_error" | "engine_error"
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """The change to one request in one engine step (a delta, never the whole text so far)."""
 
@@ -15,19 +24,21 @@ class RequestOutput:
     new_token_ids: list[int]  # tokens generated this step (may be empty, e.g. on abort)
     new_text: str  # text safe to show now; text that may be the start of a stop string is held back
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished, else None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished, else None
     num_prompt_tokens: int
     num_output_tokens: int  # generated so far, including new_token_ids
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # aligned with new_token_ids
     queue_time_s: float | None = None  # on a request's first output: arrival to first scheduled
+    error: RequestError | None = None  # set when finish_reason is "error"
 
 
 @dataclass(frozen=True, slots=True)
 class RunnerOutput:
     """One step's samples, aligned with `SchedulerOutput.requests`."""
 
-    sampled: list[int | None]  # None: the request only computed part of its prompt
+    sampled: list[int | None]  # None: the request only computed part of its prompt, or failed
     logprobs: list[TokenLogprob | None]  # None: not asked for, or nothing sampled
+    errors: dict[int, str] = field(default_factory=dict)  # batch index -> why that request failed
 
 
 @dataclass(frozen=True, slots=True)

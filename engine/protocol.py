@@ -11,7 +11,6 @@ pydantic ValidationError into one "field: problem" line for the 400 body.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from engine.adapter_config import AdapterError, validate_adapter_id
-from engine.request import SamplingParams
+from engine.adapter_files import resolve_inside
+from engine.request import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_REPETITION_PENALTY, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _TEMPERATURE_EPS = 1e-5  # below this sampling is greedy (as in vLLM): logits / ~0 overflow
@@ -43,7 +43,7 @@ class _GenerationRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int | None = None
     stop: str | list[str] | None = None
@@ -59,7 +59,8 @@ class _GenerationRequest(BaseModel):
     top_k: int | None = None
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    repetition_penalty: float | None = Field(default=None, gt=0)
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY,
+                                             le=MAX_REPETITION_PENALTY)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
 
@@ -257,20 +258,8 @@ class LoadAdapterRequest(BaseModel):
             raise PydanticCustomError("adapter_id", str(exc)) from None
 
     def resolve_path(self, adapter_dir: Path) -> Path:
-        """The real path (symlinks resolved) of the adapter directory, or ValueError naming `path`.
-
-        Resolving before checking means that neither `..` nor a symlink can lead outside `adapter_dir`.
-        """
-        given = self.path if self.path is not None else self.id
-        root = Path(os.path.realpath(adapter_dir))
-        try:
-            real = Path(os.path.realpath(root / given))  # an absolute `given` replaces `root` here
-        except (ValueError, OSError) as exc:  # e.g. an embedded NUL byte
-            raise ValueError(f"path: unusable ({exc})") from None
-        if real == root or not real.is_relative_to(root):
-            raise ValueError(f"path: {given[:200]!r} is not inside the engine's --adapter-dir; "
-                             "give a subdirectory of it, relative to it")
-        return real
+        """The real path (symlinks resolved) of the adapter directory, or AdapterError naming `path`."""
+        return resolve_inside(adapter_dir, self.path if self.path is not None else self.id)
 
 
 def describe(exc: ValidationError) -> str:

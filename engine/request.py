@@ -19,6 +19,13 @@ if TYPE_CHECKING:
     from engine.adapter_config import AdapterSpec
 
 
+# Bounds that keep every sampling step finite in float32 (logits of a few hundred at most): a temperature
+# of 1e39 is inf in float32 and a repetition penalty of 1e-39 divides logits into inf, and either turns a
+# row into NaN probabilities. NaN compares false, so the checks below also refuse it.
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+
+
 class Priority(enum.IntEnum):
     """Lower value is served first (CONTRACT.md `X-Priority`)."""
 
@@ -65,8 +72,8 @@ class SamplingParams:
         """Raise ValueError naming the field if a value is out of range."""
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}]")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k is not None and self.top_k < 1:
@@ -77,8 +84,9 @@ class SamplingParams:
             raise ValueError("presence_penalty must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError("frequency_penalty must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            raise ValueError("repetition_penalty must be > 0")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be in [0, 20]")
         if any(s == "" for s in self.stop):
@@ -91,11 +99,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context length reached
     FINISHED_ABORTED = "abort"  # the client went away or the request was cancelled
+    FINISHED_ERROR = "error"  # this request could not be computed (its adapter, or a failing step)
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,12 @@ from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 
 
+NON_FINITE_LOGITS = ("the model computed non-finite logits (NaN or inf) for this request; its adapter's "
+                     "weights are the usual cause")
+NO_TOKEN_LEFT = ("no token had a finite, non-zero probability after min_tokens, stop_token_ids and the "
+                 "penalties were applied")
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
                  sampler: Sampler, device: torch.device, adapters: DeviceAdapterTier | None = None
@@ -26,7 +32,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
-        """Compute one step and sample a token for every request whose known tokens are all computed."""
+        """Compute one step and sample a token for every request whose known tokens are all computed.
+
+        A row whose logits are not finite (a broken adapter, an overflow) fails its own request in
+        `RunnerOutput.errors` instead of sampling a garbage token; the other rows are unaffected (rows
+        never mix: attention stays within a sequence, LoRA within a segment).
+        """
         slots = [self._slot(r) for r in batch.requests]
         order = self._batch_order(batch, slots)
         requests = [batch.requests[i] for i in order]
@@ -36,13 +47,27 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_cache, attn, lora)  # [T, hidden]
         sampled: list[int | None] = [None] * len(order)
         logprobs: list[TokenLogprob | None] = [None] * len(order)
+        errors: dict[int, str] = {}
         if sample_idx:
             logits = self.model.compute_logits(hidden[last_rows])  # [S, vocab]
-            out = self.sampler(logits.float(), [requests[i] for i in sample_idx])
-            for i, token, logprob in zip(sample_idx, out.token_ids, out.logprobs):
-                sampled[order[i]] = token
-                logprobs[order[i]] = logprob
-        return RunnerOutput(sampled, logprobs)
+            # A row's sum is finite exactly when all its logits are (they are far below overflow).
+            finite = torch.isfinite(logits.sum(dim=-1)).tolist()  # [S]
+            for j in (j for j, ok in enumerate(finite) if not ok):
+                errors[order[sample_idx[j]]] = NON_FINITE_LOGITS
+            good = [j for j, ok in enumerate(finite) if ok]
+            if len(good) < len(finite):
+                logits = logits[good]
+            if good:
+                out = self.sampler(logits.float(), [requests[sample_idx[j]] for j in good])
+                vocab = logits.shape[1]
+                for j, token, logprob in zip(good, out.token_ids, out.logprobs):
+                    i = order[sample_idx[j]]
+                    if not 0 <= token < vocab:  # every token had probability 0 (or NaN) after masking
+                        errors[i] = NO_TOKEN_LEFT
+                        continue
+                    sampled[i] = token
+                    logprobs[i] = logprob
+        return RunnerOutput(sampled, logprobs, errors)
 
     def _slot(self, request: Request) -> int | None:
         if request.adapter is None:

@@ -22,6 +22,7 @@ from engine.request import Request, TokenLogprob
 _NEG_INF = float("-inf")
 # Top-p looks for the nucleus among this many most likely tokens before falling back to a full sort.
 _CANDIDATES = 1024
+NO_TOKEN = -1  # the token id of a row that has none to sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,13 @@ class Sampler:
         raw = logits.float()
         processed = self.process(raw, requests)  # [B, V]
         token_ids = self._draw(processed, requests)  # [B]
-        return SamplerOutput(token_ids.tolist(), _logprobs(raw, token_ids, requests))
+        # A row left with no finite logit (min_tokens and stop_token_ids masking everything) has no
+        # token to give: it answers NO_TOKEN (the runner fails that request) instead of a made-up one.
+        empty = ~torch.isfinite(processed.amax(dim=-1))  # [B]
+        if bool(empty.any()):
+            token_ids = token_ids.clamp(0, processed.shape[1] - 1).masked_fill(empty, NO_TOKEN)
+        logprobs = _logprobs(raw, token_ids.clamp(min=0), requests)
+        return SamplerOutput(token_ids.tolist(), logprobs)
 
     def process(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """The logits each row is drawn from; does not modify its input.

@@ -38,6 +38,8 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Requests finished with an error while being scheduled (their adapter could not be loaded), and why.
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -45,6 +47,11 @@ class SchedulerOutput:
 
     def is_empty(self) -> bool:
         return not self.requests
+
+    def subset(self, indices: list[int]) -> SchedulerOutput:
+        """The step restricted to some of its requests (a valid step: each request's computation reads
+        and writes only its own rows and KV blocks)."""
+        return SchedulerOutput([self.requests[i] for i in indices], [self.num_tokens[i] for i in indices])
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +170,7 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, order: list[Request]) -> None:
         step_adapters = {_adapter_key(r) for r in out.requests if r.adapter is not None}
+        broken: dict[tuple[str, int], Exception] = {}  # adapters whose load failed this step
         bound = self.config.max_adapters_per_step
         for request in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -170,7 +178,16 @@ class Scheduler:
             if request.adapter is not None and _adapter_key(request) not in step_adapters:
                 if bound is not None and len(step_adapters) >= bound:
                     continue  # no more distinct adapters this step; later requests may share one
-                if not self._bring_adapter(request):
+                try:
+                    brought = broken.get(_adapter_key(request)) is None and self._bring_adapter(request)
+                except Exception as exc:  # its files became unusable: its requests fail, alone
+                    broken[_adapter_key(request)] = exc
+                    brought = False
+                if _adapter_key(request) in broken:
+                    self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+                    out.failed.append((request, broken[_adapter_key(request)]))
+                    continue
+                if not brought:
                     continue  # cannot be brought in now: skip, do not block the requests behind
             n = self._admit_chunk(request, budget)
             if n is None:

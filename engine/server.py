@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from engine.adapter_config import AdapterError, validate_adapter_id
 from engine.adapter_routes import AdapterRoutes
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from engine.http_io import (ClientGone, adapter_not_found, bad_request, close_outputs, parse_body, read_json,
                             unless_disconnected)
 from engine.metrics import EngineMetrics, RequestTracker
@@ -49,14 +49,15 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 
 
-def _unavailable(message: str) -> ApiError:
+def _unavailable(message: str, reason: str) -> ApiError:
+    """A 503: `reason` is "draining" (SIGTERM, shutting down) or "engine_failure" (the loop is down)."""
     return ApiError(503, "service_unavailable", message,
-                    {"Retry-After": str(RETRY_AFTER_S), "X-Loragate-Reason": "draining"})
+                    {"Retry-After": str(RETRY_AFTER_S), "X-Loragate-Reason": reason})
 
 
 @contextlib.contextmanager
 def _engine_errors(adapter_id: str | None) -> Iterator[None]:
-    """Map what `AsyncEngine.generate` raises to HTTP errors."""
+    """Map what `AsyncEngine.generate` and its outputs raise to HTTP errors."""
     try:
         yield
     except ValueError as exc:  # the request can never run here (too long, bad token ids, ...)
@@ -65,8 +66,10 @@ def _engine_errors(adapter_id: str | None) -> Iterator[None]:
         if adapter_id is None:
             raise
         raise adapter_not_found(adapter_id) from None
+    except RequestFailed as exc:  # this request alone: its adapter is broken, or computing it failed
+        raise ApiError(500, exc.type, exc.message) from None
     except EngineDeadError as exc:
-        raise _unavailable(str(exc)) from None
+        raise _unavailable(str(exc), exc.reason) from None
 
 
 def _priority(request: Request) -> Priority:
@@ -130,7 +133,10 @@ class Api:
 
         An id that could never be registered is answered 404 here, before it reaches the engine.
         """
-        name = request.headers.get("x-adapter-id", "").strip() or (model or "").strip()
+        named = request.headers.getlist("x-adapter-id")
+        if len(named) > 1:
+            raise bad_request("X-Adapter-ID: given more than once; name one adapter")
+        name = (named[0] if named else "").strip() or (model or "").strip()
         if name in ("", self.base_model):
             return None
         try:
@@ -172,8 +178,10 @@ class Api:
             params = req.to_sampling_params(context_left=self.max_model_len - len(prompt_ids))
         except ValueError as exc:
             raise bad_request(str(exc)) from None
-        if self.draining or not self.engine.running:
-            raise _unavailable("the engine is draining or stopped; retry on another replica")
+        if self.draining:
+            raise _unavailable("the engine is draining; retry on another replica", "draining")
+        if not self.engine.running:
+            raise _unavailable("the engine loop is not running; retry on another replica", "engine_failure")
         tracker = self.metrics.start_request(priority.name.lower())
         with _engine_errors(adapter_id):
             it = self.engine.generate(fmt.request_id, prompt_ids, params, priority, adapter_id)
@@ -195,7 +203,7 @@ class Api:
         text, logprobs, last = result
         record_output(span, last)
         if last.finish_reason == "abort":
-            raise _unavailable("the request was aborted: the engine is shutting down")
+            raise _unavailable("the request was aborted: the engine is shutting down", "draining")
         return JSONResponse(fmt.response(text, logprobs, last))
 
     async def _events(self, it: AsyncIterator[RequestOutput], first: RequestOutput, fmt: Formatter,
@@ -242,9 +250,9 @@ class Api:
 
     async def readyz(self, request: Request) -> Response:
         if self.draining:
-            raise _unavailable("draining")
+            raise _unavailable("draining", "draining")
         if not self.engine.running:
-            raise _unavailable("the engine loop is not running")
+            raise _unavailable("the engine loop is not running", "engine_failure")
         return JSONResponse({"status": "ready"})
 
     async def metrics_text(self, request: Request) -> Response:

@@ -120,6 +120,7 @@ class PolicyStore:
             logger.warning("policy reload refused, keeping sha256 %s: %s", self.active.sha256[:12], exc)
             raise
         self.active = active
+        self.last_error = None  # shown until a reload succeeds
         if self._on_reload is not None:
             self._on_reload(policy)
         logger.info("policy reloaded from %s (sha256 %s)", self.path, active.sha256[:12])

@@ -37,7 +37,7 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from engine.http_io import ClientGone, adapter_not_found, read_json, unless_disconnected
+from engine.http_io import ClientGone, adapter_not_found, bad_request, read_json, unless_disconnected
 from engine.responses import ApiError, error_response
 from gateway.admin import ActivePolicy, AdminRoutes, PolicyStore, unauthorized
 from gateway.admission import AdmissionController, Shed, Upstream
@@ -45,7 +45,7 @@ from gateway.breaker import CircuitBreaker
 from gateway.policy import Policy, PolicyError, Tenant
 from gateway.proxy import Call, Exchange, Proxy
 from gateway.ratelimit import Decision, RateLimiter, RateLimiterUnavailable, Reservation
-from gateway.request_context import GenerationBody, HeaderLimit, resolve_priority
+from gateway.request_context import GenerationBody, HeaderLimit, resolve_priority, upstream_body
 from gateway.rollout import LocalShare, RollbackShare, Routed
 from gateway.routes import HANDLERS, Api
 from gateway.telemetry import GatewayMetrics, finish_span, request_span
@@ -59,7 +59,7 @@ BACKGROUND_INTERVAL_S = 1.0  # policy file polls and rollback exchanges
 
 # The X-Loragate-Reason values; the metrics' reason label takes only these.
 REASONS = frozenset({"rate_limited", "tokens_exhausted", "queue_full", "queue_timeout", "circuit_open",
-                     "no_upstream", "draining", "ratelimit_unavailable"})
+                     "no_upstream", "draining", "ratelimit_unavailable", "upstream_unavailable"})
 
 
 def _seconds(value: float) -> str:
@@ -172,7 +172,10 @@ class Gateway:
         """The adapter to serve (None: the base model), and the rollout routing that chose it, if any.
 
         403 not allowed, 404 unknown; a rollout's override header may answer 400 or 403 (rollout.py)."""
-        name = request.headers.get("x-adapter-id", "").strip() or (body.model or "").strip()
+        named = request.headers.getlist("x-adapter-id")
+        if len(named) > 1:
+            raise bad_request("X-Adapter-ID: given more than once; name one adapter")
+        name = (named[0] if named else "").strip() or (body.model or "").strip()
         models = await self.catalog.models()
         if not name or name in models.bases:
             return None, None
@@ -261,7 +264,7 @@ class Generate:
                                             time.monotonic() - started)
             return
         shown = adapter or self.gw.base_name(body.model)
-        call = Call(self.path, data, tenant.id, adapter, shown, priority, body.stream, body.include_usage,
+        call = Call(self.path, upstream_body(data, adapter), tenant.id, adapter, shown, priority, body.stream, body.include_usage,
                     started, routed.rollout if routed is not None else None,
                     adapter if active.policy.admission.affinity else None)
         with request_span(self.operation, shown, tenant=tenant.id, adapter=shown,

@@ -44,7 +44,7 @@ class Call:
     """One request as it goes upstream."""
 
     path: str
-    body: dict[str, Any]  # the client's body, forwarded as-is (the engine validates it)
+    body: dict[str, Any]  # the client's body with `model` set to `adapter` (request_context.upstream_body)
     tenant: str
     adapter: str | None  # the resolved adapter id; None: the base model
     served: str  # what X-Loragate-Adapter and the metrics' adapter label say: the adapter or base model
@@ -98,6 +98,7 @@ def _int_or_none(value: Any) -> int | None:
 
 # Answers that say the engine itself is unwell (not this one request): they count against its breaker.
 BREAKER_STATUSES = frozenset({502, 503, 504})
+UPSTREAM_UNAVAILABLE = "upstream_unavailable"  # the X-Loragate-Reason of an engine's 503 passed through
 
 
 class UpstreamFailed(Exception):
@@ -120,7 +121,12 @@ def _failure(status: int, type_: str, message: str) -> UpstreamFailed:
 
 
 def _passthrough(resp: httpx.Response) -> Response:
+    """An engine's answer as the client gets it. An engine's 503 (draining, its loop down) becomes the
+    gateway's `upstream_unavailable`: the engine's own reason describes the engine, not this gateway (its
+    message, in the body, still says what happened)."""
     headers = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
+    if resp.status_code == 503:
+        headers = {"Retry-After": headers.get("retry-after", "1"), "X-Loragate-Reason": UPSTREAM_UNAVAILABLE}
     return Response(resp.content, status_code=resp.status_code, headers=headers,
                     media_type=resp.headers.get("content-type", "application/json"))
 
@@ -219,7 +225,8 @@ class Proxy:
         finally:
             await exchange.close_upstream()
         if resp.status_code >= 500:
-            raise UpstreamFailed(_passthrough(resp), f"upstream_{resp.status_code}",
+            outcome = UPSTREAM_UNAVAILABLE if resp.status_code == 503 else f"upstream_{resp.status_code}"
+            raise UpstreamFailed(_passthrough(resp), outcome,
                                  trips_breaker=resp.status_code in BREAKER_STATUSES)
         assert exchange.slot is not None
         exchange.slot.upstream.breaker.record_success()

@@ -18,8 +18,8 @@ from engine.http_io import bad_request
 from engine.request import Priority
 from engine.responses import error_response
 from gateway.policy import Policy, Tenant
+from loragate.http_server import MAX_HEADER_BYTES  # the request's headers, names and values together
 
-MAX_HEADER_BYTES = 64 * 1024  # the request's headers, names and values together
 DEFAULT_MAX_TOKENS = 256  # reserved for a request that names no max_tokens (the engine's own default may differ)
 BYTES_PER_TOKEN = 4  # the prompt estimate: UTF-8 bytes / 4, rounded up (about right for BPE on English)
 
@@ -27,7 +27,7 @@ BYTES_PER_TOKEN = 4  # the prompt estimate: UTF-8 bytes / 4, rounded up (about r
 class HeaderLimit:
     """ASGI middleware: 431 when a request's headers total more than `limit` bytes.
 
-    uvicorn's h11 limit (serving.py) only bounds a head that is still incomplete; one that arrives in a
+    uvicorn's h11 limit (loragate/http_server.py) only bounds a head that is still incomplete; one that arrives in a
     single read passes it, so the app checks the parsed headers too.
     """
 
@@ -115,6 +115,16 @@ def _prompt_tokens(prompt: Any) -> int:
     if isinstance(prompt, str):
         return estimate_tokens(prompt)
     raise bad_request("prompt: must be a string, a list of strings or a list of token ids")
+
+
+def upstream_body(data: dict[str, Any], adapter: str | None) -> dict[str, Any]:
+    """The body an engine gets: the client's, with `model` naming the adapter the gateway authorised, or
+    removed for the base model. With X-Adapter-ID set the same way, an engine can never pick another
+    adapter than the one checked against the tenant's globs (the engine reads either)."""
+    body = {key: value for key, value in data.items() if key != "model"}
+    if adapter is not None:
+        body["model"] = adapter
+    return body
 
 
 def resolve_priority(header: str | None, policy: Policy, tenant: Tenant) -> Priority:

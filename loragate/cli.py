@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from loragate.http_server import ConnectionLimits
+
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _STARTUP_TIMEOUT_S = 600.0  # the first smollm2 start converts the GGUF weights (~40 s on 2 cores)
 _UP_ENGINE_PORT = 8001  # `up`'s engine listens here, on 127.0.0.1 only: clients go through the gateway
@@ -64,6 +66,33 @@ def _port(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _add_connection_args(p: argparse.ArgumentParser) -> None:
+    """Bounds on client connections (loragate/http_server.py), shared by engine and gateway."""
+    defaults = ConnectionLimits()
+    p.add_argument("--header-timeout-s", type=_seconds, default=defaults.header_timeout_s,
+                   help="a connection must send a complete request head within this (else 408, closed)")
+    p.add_argument("--body-timeout-s", type=_seconds, default=defaults.body_timeout_s,
+                   help="a request's body must arrive within this after its head (else 408, closed)")
+    p.add_argument("--keep-alive-s", type=_seconds, default=defaults.keep_alive_s,
+                   help="idle keep-alive connections close after this")
+    p.add_argument("--max-connections", type=_positive, default=defaults.max_connections,
+                   help="client connections open at once; more are answered 503 and closed")
+
+
+def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(args.header_timeout_s, args.body_timeout_s, args.keep_alive_s, args.max_connections)
+
+
 def _add_engine_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("engine", help="serve one model over the OpenAI API",
                        description="Serve one base model over the OpenAI API.")
@@ -97,6 +126,7 @@ def _add_engine_parser(sub: argparse._SubParsersAction) -> None:
                    help="context length (default: the model's max_position_embeddings)")
     p.add_argument("--served-model-name", help="the name /v1/models reports (default: derived)")
     p.add_argument("--threads", type=_positive, help="torch intra-op threads")
+    _add_connection_args(p)
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
 
 
@@ -122,6 +152,7 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--max-body-mb", type=_positive, default=1, help="largest request body, in MiB")
+    _add_connection_args(p)
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
 
 
@@ -171,7 +202,7 @@ def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error(str(exc))
     _setup_logging(args.log_level)
     try:
-        serve(config, args.host, args.port, log_level=args.log_level)
+        serve(config, args.host, args.port, log_level=args.log_level, limits=_connection_limits(args))
     except ValueError as exc:  # e.g. a model path that is not a model directory
         print(f"loragate engine: error: {exc}", file=sys.stderr)
         return 2
@@ -194,7 +225,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     try:
         serve(args.policy, args.upstream, args.redis, args.host, args.port, policy=policy,
-              max_body_bytes=args.max_body_mb << 20, log_level=args.log_level)
+              max_body_bytes=args.max_body_mb << 20, log_level=args.log_level, limits=_connection_limits(args))
     except PolicyError as exc:  # e.g. two tenants sharing a key through env: references
         print(f"loragate gateway: error: {exc}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from engine.model.sources import build_tiny_random, load_tokenizer
 from engine_server import start_engine_server
@@ -309,6 +309,69 @@ def test_corrupt_and_mismatched_adapters_are_400(server: str, adapter_root: Path
             shutil.rmtree(incoming / name)
     assert not {"corrupt", "mismatched", "nocfg", "missing", "incoming"} & set(_adapters(server))
     _assert_still_serving(server)
+
+
+def _nan_copy(source: Path, dest: Path) -> Path:
+    """A copy of an adapter whose lora_B weights are NaN: its config and header are fine, its data is not."""
+    shutil.copytree(source, dest)
+    tensors = load_file(str(dest / "adapter_model.safetensors"))
+    tensors = {k: torch.full_like(v, float("nan")) if ".lora_B." in k else v for k, v in tensors.items()}
+    save_file(tensors, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def test_post_of_an_adapter_with_non_finite_weights_is_400(server: str, adapter_root: Path) -> None:
+    _nan_copy(adapter_root / "alpha", adapter_root / "incoming" / "nan")
+    try:
+        _assert_error(_load(server, {"id": "nan", "path": "incoming/nan"}), 400, "invalid_request_error",
+                      "'nan'", "non-finite")
+    finally:
+        shutil.rmtree(adapter_root / "incoming" / "nan")
+    assert "nan" not in _adapters(server)
+    _assert_still_serving(server)
+
+
+def test_startup_confines_the_scan_and_a_poisoned_adapter_fails_alone(
+        tmp_path: Path, adapter_root: Path, tiny_model_dir: Path) -> None:
+    """At startup only the header is read, so NaN weights surface at first use: that request gets a 500
+    naming the adapter while the requests beside it finish with PEFT's tokens; a symlink out of the
+    directory is refused as POST /v1/adapters refuses it."""
+    root = tmp_path / "adapters"
+    root.mkdir()
+    shutil.copytree(adapter_root / "alpha", root / "alpha")
+    _nan_copy(adapter_root / "alpha", root / "poisoned")
+    outside = make_peft_adapter(tiny_model_dir, tmp_path / "outside", r=4, alpha=4, targets=["q_proj"], seed=9)
+    (root / "escape").symlink_to(outside, target_is_directory=True)
+    proc, base = _start_server(tmp_path / "engine.log", "--adapter-dir", str(root))
+    try:
+        assert set(_adapters(base)) == {"alpha", "poisoned"}
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+                def post(adapter: str | None, stream: bool = False) -> Any:
+                    headers = {"X-Adapter-ID": adapter} if adapter else {}
+                    return http.post("/v1/completions", headers=headers,
+                                     json={"prompt": PROMPT, **GREEDY, "stream": stream})
+                return list(await asyncio.gather(post("alpha"), post("poisoned"), post(None), post("alpha"),
+                                                 post("poisoned", stream=True), post(None)))
+
+        good_a, bad, good_base, good_a2, bad_stream, good_base2 = asyncio.run(burst())
+        tokenizer = load_tokenizer(tiny_model_dir)
+        prompt_ids = tokenizer(PROMPT)["input_ids"]
+        alpha = tokenizer.decode(peft_greedy(tiny_model_dir, root / "alpha", prompt_ids, GREEDY["max_tokens"]))
+        plain = tokenizer.decode(peft_greedy(tiny_model_dir, None, prompt_ids, GREEDY["max_tokens"]))
+        assert _text(good_a) == _text(good_a2) == alpha
+        assert _text(good_base) == _text(good_base2) == plain
+        for resp in (bad, bad_stream):
+            _assert_error(resp, 500, "adapter_error", "'poisoned'", "non-finite")
+        # Remembered: the next request is refused at once, and the engine still serves everyone else.
+        _assert_error(_complete(base, "poisoned", max_tokens=2), 500, "adapter_error", "non-finite")
+        _assert_still_serving(base)
+        assert httpx.get(f"{base}/readyz").status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert "escape" in (tmp_path / "engine.log").read_text()  # logged as skipped, with the reason
 
 
 def test_load_and_unload_while_traffic_flows(server: str) -> None:

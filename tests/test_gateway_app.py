@@ -151,6 +151,85 @@ def test_adapter_not_allowed_is_403_and_unknown_is_404(mock: MockUpstream) -> No
     assert mock.count == 0
 
 
+# Tenant isolation: acme may use a1, sql-* and the rollout `support` (a2 90 / a1 10), never a2 directly.
+# Whatever names an adapter (X-Adapter-ID in any case, `model`, a rollout, an override), the engine gets
+# exactly the adapter the gateway authorised, in X-Adapter-ID and `model` alike, or neither for the base.
+@pytest.mark.parametrize("path, headers, body, forwarded", [
+    # The base model's name in the header, another tenant's adapter in the body: the base, and no `model`.
+    ("/v1/completions", {"X-Adapter-ID": BASE_MODEL}, {"model": "a2"}, None),
+    ("/v1/chat/completions", {"X-Adapter-ID": BASE_MODEL}, {"model": "a2"}, None),
+    ("/v1/completions", {"X-Adapter-ID": BASE_MODEL}, {"model": "a2", "stream": True}, None),
+    ("/v1/completions", {"x-ADAPTER-id": f"  {BASE_MODEL} "}, {"model": "a2"}, None),
+    ("/v1/completions", {}, {"model": BASE_MODEL}, None),
+    # An allowed adapter in the header wins over a forbidden one in the body, which is rewritten.
+    ("/v1/completions", {"X-Adapter-ID": "a1"}, {"model": "a2"}, "a1"),
+    ("/v1/chat/completions", {"x-adapter-id": "a1"}, {"model": "a2", "stream": True}, "a1"),
+    # A rollout name: the variant it picks (acme by tenant -> a2), named as such upstream.
+    ("/v1/completions", {"X-Adapter-ID": "support"}, {"model": "a1"}, "a2"),
+    ("/v1/completions", {}, {"model": "support"}, "a2"),
+])
+def test_the_engine_gets_only_the_adapter_the_gateway_authorised(
+        mock: MockUpstream, path: str, headers: dict[str, str], body: dict[str, Any], forwarded: str | None) -> None:
+    payload = {**({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else COMPLETION), **body}
+
+    async def scenario() -> httpx.Response:
+        async with asgi(make_app([mock])) as gw:
+            return await gw.post(path, json=payload, headers={**AUTH, **headers})
+
+    resp = run(scenario())
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["X-Loragate-Adapter"] == (forwarded or BASE_MODEL)
+    (received,) = mock.received
+    assert received.headers.get("x-adapter-id") == forwarded
+    assert received.body.get("model") == forwarded
+    assert {k: v for k, v in received.body.items() if k not in ("model", "stream_options")} == \
+        {k: v for k, v in payload.items() if k != "model"}
+
+
+@pytest.mark.parametrize("headers", [
+    [("X-Adapter-ID", "a1"), ("X-Adapter-ID", "a2")],
+    [("X-Adapter-ID", BASE_MODEL), ("x-adapter-id", "a2")],
+    [("X-Adapter-ID", ""), ("X-Adapter-ID", "a2")],
+])
+def test_a_repeated_adapter_header_is_400(mock: MockUpstream, headers: list[tuple[str, str]]) -> None:
+    async def scenario() -> httpx.Response:
+        async with asgi(make_app([mock])) as gw:
+            return await gw.post("/v1/completions", json={**COMPLETION, "model": "a1"},
+                                 headers=[("Authorization", f"Bearer {KEY}"), *headers])
+
+    resp = run(scenario())
+    assert_error(resp, 400, "invalid_request_error")
+    assert "X-Adapter-ID" in resp.json()["error"]["message"]
+    assert mock.count == 0
+
+
+@pytest.mark.parametrize("content, field", [
+    (b'{"prompt": "hi", "max_tokens": 4, "temperature": NaN}', "temperature"),
+    (b'{"prompt": "hi", "max_tokens": 4, "top_p": Infinity}', "top_p"),
+    (b'{"prompt": "hi", "max_tokens": 4, "presence_penalty": -Infinity}', "presence_penalty"),
+    (b'{"prompt": "hi", "max_tokens": 4, "temperature": 1e999}', "temperature"),
+    (b'{"prompt": "hi", "max_tokens": 4, "user": "\\udc00"}', "user"),
+    (b'{"prompt": "\\ud800", "max_tokens": 4}', "prompt"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800x"}]}', "messages[0].content"),
+    (b'{"prompt": "hi", "extra": {"deep": [1, 2, NaN]}}', "extra.deep[2]"),
+    (b'{"prompt": "hi", "\\udfff": 1}', "body"),
+])
+def test_json_that_cannot_be_re_encoded_is_400_naming_the_field(mock: MockUpstream, content: bytes,
+                                                                 field: str) -> None:
+    """Python's parser accepts NaN, Infinity, 1e999 and lone surrogates; re-encoding them for the engine
+    used to fail with a 500."""
+    path = "/v1/chat/completions" if b"messages" in content else "/v1/completions"
+
+    async def scenario() -> httpx.Response:
+        async with asgi(make_app([mock])) as gw:
+            return await gw.post(path, content=content, headers={**AUTH, "Content-Type": "application/json"})
+
+    resp = run(scenario())
+    assert_error(resp, 400, "invalid_request_error")
+    assert resp.json()["error"]["message"].startswith(f"{field}: ")
+    assert mock.count == 0
+
+
 def test_body_over_the_limit_is_413_declared_or_streamed(mock: MockUpstream) -> None:
     big = json.dumps({"prompt": "x" * 5000, "max_tokens": 1}).encode()
 
@@ -335,6 +414,20 @@ def test_answered_500s_do_not_open_the_breaker_but_are_retried_elsewhere(
     assert mock_b.count == 4 and mock.count > 4  # `mock` was tried (and failed) in the pair too
 
 
+def test_an_engine_503_is_passed_through_as_upstream_unavailable(mock: MockUpstream, mock_b: MockUpstream) -> None:
+    """An engine's own reason (draining, engine_failure) describes the engine, not this gateway."""
+    for upstream in (mock, mock_b):
+        upstream.behavior.fail_status = 503
+
+    async def scenario() -> httpx.Response:
+        async with asgi(make_app([mock, mock_b])) as gw:
+            return await gw.post("/v1/completions", json=COMPLETION, headers=AUTH)
+
+    resp = run(scenario())
+    assert_error(resp, 503, reason="upstream_unavailable")
+    assert mock.count == mock_b.count == 1  # tried on both engines
+
+
 def test_no_upstream_and_draining_are_503(mock: MockUpstream) -> None:
     async def scenario() -> list[httpx.Response]:
         async with asgi(make_app([])) as gw:
@@ -412,11 +505,13 @@ def test_admin_policy_and_reload_keep_the_last_good_policy(mock: MockUpstream, t
                    "policy": await gw.get("/admin/policy", headers=admin)}
             path.write_text(policy_yaml().replace("burst: 100", "burst: 0"))
             out["bad"] = await gw.post("/admin/reload", headers=admin)
+            out["mid"] = await gw.get("/admin/policy", headers=admin)
             out["still"] = await gw.post("/v1/completions", json=COMPLETION, headers=AUTH)
             out["new_before"] = await gw.get("/v1/models", headers=new)
             path.write_text(policy_yaml(extra_tenant_key=f', "{hash_key(new_key)}"'))
             out["good"] = await gw.post("/admin/reload", headers=admin)
             out["new_after"] = await gw.get("/v1/models", headers=new)
+            out["after"] = await gw.get("/admin/policy", headers=admin)
             return out
 
     out = run(scenario())
@@ -429,6 +524,9 @@ def test_admin_policy_and_reload_keep_the_last_good_policy(mock: MockUpstream, t
     assert_error(out["new_before"], 401)
     assert out["good"].status_code == 200 and out["good"].json()["sha256"] != body["sha256"]
     assert out["new_after"].status_code == 200
+    # The refused reload was shown until this one succeeded; the count of refusals stays.
+    assert out["mid"].json()["last_error"]["message"] == out["bad"].json()["error"]["message"]
+    assert out["after"].json()["last_error"] is None and out["after"].json()["reload_errors"] == 1
 
 
 # ---- under a real uvicorn: streaming, retries, disconnects ----------------------------------------------

@@ -249,9 +249,22 @@ _BAD_COMPLETIONS: list[tuple[Any, str]] = [
     ({"prompt": [5] * (MAX_MODEL_LEN + 10)}, "prompt"),  # longer than the context
     ({"prompt": [5] * 1000, "max_tokens": 100}, "prompt"),  # prompt + max_tokens > context
     ({"prompt": [10**9]}, "prompt"),  # not a token id of this vocabulary
+    # Values that used to reach the sampler and fail the whole step (IndexError): refused up front.
+    ({"prompt": PROMPT, "max_tokens": 7, "repetition_penalty": 1e-39}, "repetition_penalty"),
+    ({"prompt": PROMPT, "max_tokens": 7, "min_tokens": 1, "temperature": 1e39}, "temperature"),
+    # JSON Python parses but no encoder writes back (NaN, Infinity, 1e999, lone surrogates).
+    (b'{"prompt": "hello", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "hello", "top_p": Infinity}', "top_p"),
+    (b'{"prompt": "hello", "frequency_penalty": 1e999}', "frequency_penalty"),
+    (b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    (b'{"prompt": "hello", "user": "\\udc00"}', "user"),
+    (b'{"prompt": "hello", "stop": ["ok", "\\udfff"]}', "stop[1]"),
 ]
 
 _BAD_CHATS: list[tuple[Any, str]] = [
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udc00"}]}]}',
+     "messages[0].content[0].text"),
     ({}, "messages"),
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
@@ -293,6 +306,12 @@ def test_bad_completion_request_is_400(server: str, body: Any, field: str) -> No
 @pytest.mark.parametrize(("body", "field"), _BAD_CHATS)
 def test_bad_chat_request_is_400(server: str, body: Any, field: str) -> None:
     _assert_error(_post(server, "/v1/chat/completions", body), 400, "invalid_request_error", field)
+
+
+def test_a_repeated_adapter_header_is_400(server: str) -> None:
+    resp = httpx.post(f"{server}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                      headers=[("X-Adapter-ID", MODEL), ("X-Adapter-ID", "other")], timeout=60)
+    _assert_error(resp, 400, "invalid_request_error", "X-Adapter-ID")
 
 
 def test_bad_priority_is_400(server: str) -> None:
@@ -398,7 +417,9 @@ def test_draining_engine_refuses_new_work(tiny_model_dir: Path) -> None:
             return [stopped, ready, draining, refused]
 
     stopped, ready, draining, refused = asyncio.run(scenario())
-    assert stopped.status_code == 503 and ready.status_code == 200
+    assert ready.status_code == 200
+    _assert_error(stopped, 503, "service_unavailable")
+    assert stopped.headers["x-loragate-reason"] == "engine_failure"  # not draining: the loop is down
     for resp in (draining, refused):
         _assert_error(resp, 503, "service_unavailable")
         assert resp.headers["retry-after"].isdigit()

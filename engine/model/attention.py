@@ -117,8 +117,11 @@ def _plan_decodes(
     lens = attn.decode_context_lens  # [D]
     pos = torch.arange(max_ctx, device=lens.device)  # [max_ctx]
     tables = attn.decode_block_tables  # [D, >= ceil(max_ctx / block_size)]
-    # Positions past a sequence's context_len read padded (block 0) slots; the bias masks them out.
+    # Positions past a sequence's context_len would read padding (block 0) or the stale tail of its last
+    # block, which may hold another request's NaN/inf: they read its own position 0 instead, and the bias
+    # masks them out (0 * finite = 0, where 0 * NaN would poison this row).
     slots = tables[:, pos // block_size] * block_size + pos % block_size  # [D, max_ctx]
+    slots = torch.where(pos < lens[:, None], slots, tables[:, :1] * block_size)
     heads = torch.arange(num_kv_heads, device=lens.device)
     rows = key_rows(slots, block_size)[:, None, :] * num_kv_heads + heads[None, :, None]
     rows = rows.reshape(-1)  # [D * kvh * max_ctx]
@@ -211,8 +214,8 @@ def allocate_kv_cache(
 ) -> torch.Tensor:
     """The whole model's cache: [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim].
 
-    Zeroed, not empty: masked-out padding slots are still multiplied by 0 probabilities, and
-    0 * NaN garbage would poison the output.
+    Zeroed, not empty: nothing in it is NaN before a request writes it (attention never reads a slot
+    its sequence has not written, see `_plan_decodes`).
     """
     shape = (config.num_layers, num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
