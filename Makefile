@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.loragate-installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test soak bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The fault suite (tests/reliability/) with every count and duration ten times longer than in `make test`.
+soak: $(STAMP)
+	LORAGATE_SOAK=10 $(BIN)/python -m pytest tests/reliability $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/throughput.py

@@ -35,9 +35,13 @@ def bad_request(message: str) -> ApiError:
     return ApiError(400, "invalid_request_error", message)
 
 
+def shown(value: str, limit: int = 100) -> str:
+    """A client's value as an error message quotes it: repr, cut to `limit` characters (never echoed whole)."""
+    return repr(value) if len(value) <= limit else f"{value[:limit]!r}..."
+
+
 def adapter_not_found(adapter_id: str) -> ApiError:
-    shown = adapter_id if len(adapter_id) <= 100 else f"{adapter_id[:100]}..."
-    return ApiError(404, "adapter_not_found", f"adapter {shown!r} is not loaded")
+    return ApiError(404, "adapter_not_found", f"adapter {shown(adapter_id)} is not loaded")
 
 
 async def read_json(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:

@@ -42,7 +42,8 @@ class Priority(enum.IntEnum):
             return cls[value.strip().upper()]
         except KeyError:
             names = ", ".join(p.name.lower() for p in cls)
-            raise ValueError(f"X-Priority must be one of {names}, got {value!r}") from None
+            shown = repr(value) if len(value) <= 100 else f"{value[:100]!r}..."
+            raise ValueError(f"X-Priority must be one of {names}, got {shown}") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -226,6 +226,7 @@ class Api:
             if include_usage:
                 yield sse(fmt.usage_chunk(out))
         except ApiError as exc:
+            tracker.finish("error")
             record_error(span, exc)
             yield sse(error_body(exc.type, exc.message))
         except Exception as exc:

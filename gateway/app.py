@@ -37,7 +37,7 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from engine.http_io import ClientGone, adapter_not_found, bad_request, read_json, unless_disconnected
+from engine.http_io import ClientGone, adapter_not_found, bad_request, read_json, shown, unless_disconnected
 from engine.responses import ApiError, error_response
 from gateway.admin import ActivePolicy, AdminRoutes, PolicyStore, unauthorized
 from gateway.admission import AdmissionController, Shed, Upstream
@@ -180,7 +180,7 @@ class Gateway:
         if not name or name in models.bases:
             return None, None
         if not tenant.allows(name):
-            raise ApiError(403, "permission_denied", f"adapter {name!r} is not allowed for tenant {tenant.id!r}")
+            raise ApiError(403, "permission_denied", f"adapter {shown(name)} is not allowed for tenant {tenant.id!r}")
         routed = None
         if active.policy.rollout(name) is not None:
             routed = active.rollouts.route(name, tenant, request.headers.get)

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engine.http_io import shown
 from engine.responses import ApiError
 from gateway.policy import Rollback, Rollout, Tenant, Variant
 
@@ -327,11 +328,11 @@ class Rollouts:
                 if forced not in state.windows:
                     names = ", ".join(v.adapter for v in rollout.variants)
                     raise ApiError(400, "invalid_request_error",
-                                   f"{rollout.override_header}: {forced[:100]!r} is not a variant of rollout "
+                                   f"{rollout.override_header}: {shown(forced)} is not a variant of rollout "
                                    f"{name!r} (one of: {names})")
                 if not tenant.allows(forced):
                     raise ApiError(403, "permission_denied",
-                                   f"{rollout.override_header}: adapter {forced!r} is not allowed for tenant "
+                                   f"{rollout.override_header}: adapter {shown(forced)} is not allowed for tenant "
                                    f"{tenant.id!r}")
                 return Routed(name, forced, "override")
         if state.rolled_back is not None:

@@ -21,20 +21,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_engine_server(log_path: Path, *args: str, model: str = "tiny-random",
-                        timeout_s: float = 120.0) -> tuple[subprocess.Popen[bytes], str]:
+def start_engine_server(log_path: Path, *args: str, model: str = "tiny-random", timeout_s: float = 120.0,
+                        port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """`python -m loragate engine --model MODEL --port FREE --threads 1 ARGS...`; (process, base URL)."""
     return start_loragate(log_path, "engine", "--model", model, "--threads", "1", *args,
-                          timeout_s=timeout_s)
+                          timeout_s=timeout_s, port=port)
 
 
-def start_loragate(log_path: Path, *args: str, timeout_s: float = 120.0
+def start_loragate(log_path: Path, *args: str, timeout_s: float = 120.0, port: int | None = None
                    ) -> tuple[subprocess.Popen[bytes], str]:
-    """`python -m loragate ARGS... --port FREE` (engine or gateway), once its /healthz answers 200."""
-    port = free_port()
+    """`python -m loragate ARGS... --port PORT` (a free one by default; engine or gateway), once its
+    /healthz answers 200. The log is appended to, so a restart on the same port keeps the earlier lines."""
+    port = port if port is not None else free_port()
     argv = [sys.executable, "-m", "loragate", *args, "--port", str(port)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
