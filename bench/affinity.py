@@ -34,9 +34,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from engine.model.sources import cache_root, resolve_model  # noqa: E402
 from gateway_overhead import BENCH_TENANT, KEY, free_port, pct, wait_healthy  # noqa: E402
 from throughput import make_w1_adapters, scale_adapter_dir, w1_prompts, zipf_choices  # noqa: E402
+
+from engine.model.sources import cache_root, resolve_model  # noqa: E402
 
 ADMISSION = """admission: {{max_inflight_per_upstream: 16, max_queue: 1024, queue_timeout_ms: 600000,
              affinity: {affinity}, spill_inflight: {spill}}}

@@ -22,8 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.request import Priority, SamplingParams  # noqa: E402
+from engine.core.llm_engine import LLMEngine  # noqa: E402
+from engine.core.request import SamplingParams
+from loragate.priority import Priority
 
 WORDS = "the quick brown fox jumps over a lazy dog while serving many adapters at once".split()
 

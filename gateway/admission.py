@@ -34,8 +34,8 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from engine.request import Priority
 from gateway.breaker import CircuitBreaker
+from loragate.priority import Priority
 
 BAND_NAMES = ("critical", "standard", "sheddable")  # indexed by Priority
 QUEUE_RETRY_AFTER_S = 1.0  # Retry-After for queue_full / queue_timeout / draining / no_upstream

@@ -31,26 +31,27 @@ from typing import Any
 import anyio
 import httpx
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.middleware import Middleware
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from engine.http_io import ClientGone, adapter_not_found, bad_request, read_json, shown, unless_disconnected
-from engine.responses import ApiError, error_response
-from gateway.admin import ActivePolicy, AdminRoutes, PolicyStore, unauthorized
+from gateway.admin import AdminRoutes, unauthorized
 from gateway.admission import AdmissionController, Shed, Upstream
 from gateway.breaker import CircuitBreaker
 from gateway.policy import Policy, PolicyError, Tenant
 from gateway.proxy import Call, Exchange, Proxy
 from gateway.ratelimit import Decision, RateLimiter, RateLimiterUnavailable, Reservation
+from gateway.reload import ActivePolicy, PolicyStore
 from gateway.request_context import GenerationBody, HeaderLimit, resolve_priority, upstream_body
 from gateway.rollout import LocalShare, RollbackShare, Routed
 from gateway.routes import HANDLERS, Api
 from gateway.telemetry import GatewayMetrics, finish_span, request_span
 from gateway.upstream import DEFAULT_READ_TIMEOUT_S, UpstreamCatalog, make_client
 from gateway.watch import PolicyWatcher
+from loragate.errors import ApiError, adapter_not_found, bad_request, error_response, shown
+from loragate.http_io import ClientGone, read_json, unless_disconnected
 
 logger = logging.getLogger(__name__)
 
@@ -264,8 +265,8 @@ class Generate:
                                             time.monotonic() - started)
             return
         shown = adapter or self.gw.base_name(body.model)
-        call = Call(self.path, upstream_body(data, adapter), tenant.id, adapter, shown, priority, body.stream, body.include_usage,
-                    started, routed.rollout if routed is not None else None,
+        call = Call(self.path, upstream_body(data, adapter), tenant.id, adapter, shown, priority, body.stream,
+                    body.include_usage, started, routed.rollout if routed is not None else None,
                     adapter if active.policy.admission.affinity else None)
         with request_span(self.operation, shown, tenant=tenant.id, adapter=shown,
                           priority=priority.name.lower()) as span:

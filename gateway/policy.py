@@ -15,10 +15,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError
-from pydantic import model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    ValidationError,
+    model_validator,
+)
 
-from engine.request import Priority
+from loragate.priority import Priority
 
 __all__ = [
     "Admission", "Breaker", "Defaults", "Limits", "Policy", "PolicyError", "RateLimitPolicy",

@@ -28,11 +28,12 @@ import anyio
 import httpx
 from starlette.responses import Response, StreamingResponse
 
-from engine.request import Priority
-from engine.responses import SSE_DONE, error_body, error_response, sse
 from gateway.admission import AdmissionController, Shed, Slot
 from gateway.ratelimit import Reservation
 from gateway.telemetry import GatewayMetrics, inject_headers
+from loragate.errors import error_body, error_response
+from loragate.http_io import SSE_DONE, sse
+from loragate.priority import Priority
 
 logger = logging.getLogger(__name__)
 

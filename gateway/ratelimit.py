@@ -25,11 +25,6 @@ from typing import TYPE_CHECKING, Literal, Protocol
 if TYPE_CHECKING:
     from gateway.policy import Limits, Policy
 
-__all__ = [
-    "Decision", "MemoryRateLimiter", "RateLimiter", "RateLimiterUnavailable", "RedisRateLimiter", "Reservation",
-    "make_limiter",
-]
-
 # Float slack for "exactly on the boundary" (e.g. the burst-th request of a burst): 1 microsecond / token.
 EPS = 1e-6
 
@@ -151,12 +146,3 @@ def make_limiter(redis_url: str | None, policy: Policy) -> RateLimiter:
     from gateway.redis_limiter import RedisRateLimiter
 
     return RedisRateLimiter(redis_url, on_error=policy.ratelimit.on_redis_error)
-
-
-def __getattr__(name: str) -> object:
-    # `from gateway.ratelimit import RedisRateLimiter` without a circular import (it builds on these types).
-    if name == "RedisRateLimiter":
-        from gateway.redis_limiter import RedisRateLimiter
-
-        return RedisRateLimiter
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

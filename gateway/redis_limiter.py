@@ -11,24 +11,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Literal
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from gateway.ratelimit import Decision, RateLimiterUnavailable, Reservation, refill_per_s
+from gateway.redis_client import UNREACHABLE, redis_client
 
 if TYPE_CHECKING:
     from gateway.policy import Limits
 
-__all__ = ["RedisRateLimiter", "redis_client"]
-
 logger = logging.getLogger(__name__)
 
-# A dead or stalled Redis must cost a request at most this long, never hang it.
-SOCKET_TIMEOUT_S = 0.5
-_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 _REASONS = {1: "rate_limited", 2: "tokens_exhausted"}
 
 # Shared head: `now` from the Redis clock and the token level of KEYS[tok] refilled to now.
@@ -86,12 +76,6 @@ return 0
 """
 
 
-def redis_client(url: str) -> aioredis.Redis:
-    """The gateway's Redis client: no client-side retries, so a refused connection fails at once and a
-    stalled one after SOCKET_TIMEOUT_S; it never hangs a request."""
-    return aioredis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S,
-                                   retry=Retry(NoBackoff(), 0), decode_responses=True)
-
 
 class RedisRateLimiter:
     """GCRA + token bucket in Redis. on_error: "open" admits while Redis is unreachable, "closed" raises
@@ -117,7 +101,7 @@ class RedisRateLimiter:
                 repr(refill_per_s(limits)), tokens)
         try:
             allowed, reason, retry_after, remaining, reset = await self._acquire(self.keys(tenant), args)
-        except _UNREACHABLE as exc:
+        except UNREACHABLE as exc:
             self._failed("acquire", exc)
             # Fail open: admit, and reserve nothing (reconcile then debits whatever was used, if it can).
             return Decision(True, None, 0.0, limits.burst, limits.burst, 0.0), Reservation(tenant, 0, limits)
@@ -133,14 +117,14 @@ class RedisRateLimiter:
         args = (limits.tokens_per_minute, repr(refill_per_s(limits)), reservation.tokens - used_tokens)
         try:
             await self._reconcile(self.keys(reservation.tenant)[1:], args)
-        except _UNREACHABLE as exc:
+        except UNREACHABLE as exc:
             self.redis_errors += 1
             logger.warning("rate limiter: reconcile for %s lost, Redis unreachable: %s", reservation.tenant, exc)
 
     async def healthy(self) -> bool:
         try:
             return bool(await self._redis.ping())
-        except _UNREACHABLE:
+        except UNREACHABLE:
             return False
 
     async def aclose(self) -> None:

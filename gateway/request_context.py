@@ -1,8 +1,9 @@
 """What the gateway learns from one generation request before it spends anything on it.
 
-`engine.http_io.read_json` enforces the size limit and the JSON-object shape; `GenerationBody.parse` checks the few fields
-the gateway itself acts on (`model`, `stream`, `stream_options`, `max_tokens`); everything else in the body
-is the engine's to validate, and is forwarded untouched. `resolve_priority` and `estimate_tokens` turn
+`loragate.http_io.read_json` enforces the size limit and the JSON-object shape; `GenerationBody.parse`
+checks the few fields the gateway itself acts on (`model`, `stream`, `stream_options`, `max_tokens`);
+everything else in the body is the engine's to validate, and is forwarded untouched but for `model`
+(`upstream_body`). `resolve_priority` and `estimate_tokens` turn
 headers and body into the admission priority and the rate-limit reservation.
 """
 
@@ -14,11 +15,10 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.http_io import bad_request
-from engine.request import Priority
-from engine.responses import error_response
 from gateway.policy import Policy, Tenant
+from loragate.errors import bad_request, error_response
 from loragate.http_server import MAX_HEADER_BYTES  # the request's headers, names and values together
+from loragate.priority import Priority
 
 DEFAULT_MAX_TOKENS = 256  # reserved for a request that names no max_tokens (the engine's own default may differ)
 BYTES_PER_TOKEN = 4  # the prompt estimate: UTF-8 bytes / 4, rounded up (about right for BPE on English)

@@ -43,9 +43,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.http_io import shown
-from engine.responses import ApiError
 from gateway.policy import Rollback, Rollout, Tenant, Variant
+from gateway.redis_client import redis_client
+from loragate.errors import ApiError, shown
 
 logger = logging.getLogger(__name__)
 
@@ -475,8 +475,6 @@ class RedisShare:
     shared = True
 
     def __init__(self, url: str) -> None:
-        from gateway.redis_limiter import redis_client
-
         self._redis = redis_client(url)
 
     async def fetch(self, keys: list[str]) -> dict[str, str]:

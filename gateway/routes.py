@@ -10,7 +10,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.responses import ApiError, error_response, list_body
+from loragate.errors import ApiError, error_response
+from loragate.http_io import list_body
 
 if TYPE_CHECKING:
     from gateway.app import Gateway

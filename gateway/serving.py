@@ -9,8 +9,8 @@ from gateway.app import build_app
 from gateway.policy import Policy, load_policy
 from gateway.ratelimit import make_limiter
 from gateway.rollout import RedisShare
-from gateway.telemetry import setup_tracing
 from loragate.http_server import ConnectionLimits, serve_app
+from loragate.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ read from callbacks at scrape time (`bind`), so there is one owner of each numbe
 
 Each request runs in a SERVER span (`request_span`, named "{operation} {model}" after the GenAI semantic
 conventions); `inject_headers` puts its context in the upstream request as a W3C `traceparent`, which the
-engine continues (engine/tracing.py), so gateway and engine spans share one trace. `setup_tracing` is the
-engine's: both services read the same OTEL_* environment.
+engine continues (engine/entrypoints/tracing.py), so gateway and engine spans share one trace; both
+processes build their TracerProvider with loragate/tracing.py from the same OTEL_* environment.
 """
 
 from __future__ import annotations
@@ -21,10 +21,6 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
-from engine.tracing import setup_tracing
-
-__all__ = ["GatewayMetrics", "finish_span", "inject_headers", "request_span", "setup_tracing"]
 
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)

@@ -1,18 +1,23 @@
 """The `loragate` command line: `engine` serves one model, `gateway` fronts engines, `up` starts a local stack,
 `policy` checks policy files offline.
 
-`up` first makes sure the demo adapters exist (trained once into the cache, see loragate/demo.py), then
+`up` first makes sure the demo adapters exist (trained once into the cache, see engine/lora/demo.py), then
 launches each component as a child process (an engine on an internal port, then the gateway in front
 of it with policies/default.yaml and a fresh dev API key), waits until each answers /healthz, prints
 where to send requests, and stops them all on Ctrl-C or SIGTERM.
 
 `policy check FILE...` runs the gateway's own parser over policy files (so CI can refuse a bad file
 before a gateway ever reloads it) and `policy schema` prints their JSON Schema for editors and linters.
+
+Install profiles: `pip install loragate` is the gateway and this CLI (never importing torch: everything
+the engine needs is imported inside `engine` and `up`); `pip install 'loragate[engine]'` adds the engine.
+Without it, `engine` and `up` exit 2 saying which extra to install.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -183,9 +188,38 @@ def _setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+# What `pip install 'loragate[engine]'` adds (pyproject.toml); `engine` and `up` need all of them.
+ENGINE_MODULES = ("torch", "triton", "transformers", "safetensors", "peft", "gguf", "tokenizers")
+
+
+def missing_engine_modules() -> list[str]:
+    """The engine extra's modules that cannot be imported here (found without importing them)."""
+    missing = []
+    for name in ENGINE_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # ValueError: a module blocked in sys.modules
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def _engine_extra_or_exit(command: str) -> int | None:
+    """None when the engine can run here; else print one line and return the exit status (2)."""
+    missing = missing_engine_modules()
+    if not missing:
+        return None
+    print(f"loragate {command}: error: the engine is not installed (missing {', '.join(missing)}); "
+          "install it with: pip install 'loragate[engine]'", file=sys.stderr)
+    return 2
+
+
 def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if (status := _engine_extra_or_exit("engine")) is not None:
+        return status
     from engine.config import EngineConfig
-    from engine.serving import serve
+    from engine.entrypoints.serving import serve
 
     config = EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
@@ -317,7 +351,7 @@ def _up_adapter_dir(args: argparse.Namespace) -> Path | None:
     """--adapter-dir, else the demo adapters for the model (trained on first use), else None."""
     if args.adapter_dir is not None:
         return Path(args.adapter_dir)
-    from loragate.demo import DEMO_MODELS, demo_adapter_dir
+    from engine.lora.demo import DEMO_MODELS, demo_adapter_dir
 
     if args.model not in DEMO_MODELS:
         print(f"loragate up: no demo adapters for --model {args.model}; serving the base model only "
@@ -338,7 +372,7 @@ def _served_adapters(url: str) -> list[str]:
 
 
 def _banner(url: str, adapter_ids: list[str], dev_key: str = "<your API key>") -> str:
-    from loragate.demo import DEMOS
+    from engine.lora.demo import DEMOS
 
     about = {demo.adapter_id: demo.description for demo in DEMOS}
     lines = [f"\nloragate is up: OpenAI API at {url}/v1 (the gateway; the engine behind it is internal)",
@@ -373,6 +407,8 @@ def _up_components(args: argparse.Namespace, adapter_dir: Path | None, engine_ur
 
 
 def run_up(args: argparse.Namespace) -> int:
+    if (status := _engine_extra_or_exit("up")) is not None:
+        return status
     url = f"http://{args.host}:{args.port}"
     engine_url = f"http://127.0.0.1:{_UP_ENGINE_PORT}"
     if args.port == _UP_ENGINE_PORT:

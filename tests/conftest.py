@@ -27,7 +27,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_config(tiny_model_dir: Path):
     """The tiny model's engine ModelConfig."""
-    from engine.model.loader import load_model_config
+    from engine.model.config import load_model_config
 
     return load_model_config(tiny_model_dir)
 

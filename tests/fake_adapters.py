@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from engine.adapter_config import MODULES, AdapterSpec, LoraTarget, module_features
-from engine.adapter_files import LoraWeights
-from engine.lora import DeviceAdapterTier
-from engine.memory import KVCacheManager, PagePool
-from engine.model.loader import ModelConfig, parse_model_config
+from engine.core.memory import KVCacheManager, PagePool
+from engine.lora.device_tier import DeviceAdapterTier
+from engine.lora.files import LoraWeights
+from engine.lora.peft_config import MODULES, AdapterSpec, LoraTarget, module_features
+from engine.model.config import ModelConfig, parse_model_config
 
 TINY = parse_model_config({
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128,

@@ -14,9 +14,8 @@ from typing import Any
 
 import httpx
 import uvicorn
-from starlette.applications import Starlette
-
 from engine_server import start_loragate
+from starlette.applications import Starlette
 
 
 @contextlib.asynccontextmanager

@@ -19,11 +19,11 @@ import httpx
 import openai
 import pytest
 import torch
+from engine_server import start_engine_server
+from lora_fixtures import load_peft_model, make_peft_adapter, peft_greedy
 from safetensors.torch import load_file, save_file
 
 from engine.model.sources import build_tiny_random, load_tokenizer
-from engine_server import start_engine_server
-from lora_fixtures import load_peft_model, make_peft_adapter, peft_greedy
 from loragate.cli import build_parser, main
 
 MODEL = "tiny-random"
@@ -447,10 +447,10 @@ def test_adapter_metrics(server: str) -> None:
 
 
 def test_runtime_loading_needs_an_adapter_dir(tiny_model_dir: Path) -> None:
-    from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.server import build_app
+    from engine.core.async_engine import AsyncEngine
+    from engine.core.llm_engine import LLMEngine
+    from engine.entrypoints.server import build_app
 
     app = build_app(AsyncEngine(LLMEngine(EngineConfig(model=MODEL, max_model_len=256))))
 
@@ -500,7 +500,7 @@ def test_up_banner_names_the_adapters() -> None:
 
 def test_demo_adapters_are_peft_loras_that_change_the_output(tmp_path: Path,
                                                              tiny_model_dir: Path) -> None:
-    from loragate.demo import DEMOS, build_demo_adapters
+    from engine.lora.demo import DEMOS, build_demo_adapters
 
     written = build_demo_adapters(tiny_model_dir, tmp_path, steps=3)
     assert [p.name for p in written] == [d.adapter_id for d in DEMOS]
@@ -520,7 +520,7 @@ def test_demo_adapters_are_peft_loras_that_change_the_output(tmp_path: Path,
 
 def test_demo_adapter_dir_is_built_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                         tiny_model_dir: Path) -> None:
-    import loragate.demo as demo
+    import engine.lora.demo as demo
 
     monkeypatch.setenv("LORAGATE_CACHE", str(tmp_path))
     monkeypatch.setattr(demo, "resolve_model", lambda spec: SimpleNamespace(path=tiny_model_dir))

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_fixtures import load_peft_model, make_peft_adapter, peft_greedy
 from safetensors.torch import load_file, save_file
 
-import engine.adapter_files as adapter_files
-import engine.adapters as adapters
-from engine.adapter_config import MODULES, AdapterError, validate_adapter_id
-from engine.adapter_files import load_weights, read_adapter
-from engine.adapters import AdapterRegistry
-from engine.model.loader import ModelConfig, load_model_config
-from lora_fixtures import load_peft_model, make_peft_adapter, peft_greedy
+import engine.lora.files as adapter_files
+import engine.lora.registry as adapters
+from engine.lora.files import load_weights, read_adapter
+from engine.lora.peft_config import MODULES, AdapterError, validate_adapter_id
+from engine.lora.registry import AdapterRegistry
+from engine.model.config import ModelConfig, load_model_config
 
 # (r, alpha, targets, extra LoraConfig fields): every target form, rslora, patterns, layer selection.
 PARSE_CASES = {
@@ -375,7 +375,7 @@ def test_scan_dir(good_dir: Path, tmp_path: Path, model_config: ModelConfig,
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("not an adapter")
     registry = AdapterRegistry(model_config)
-    with caplog.at_level(logging.WARNING, logger="engine.adapters"):
+    with caplog.at_level(logging.WARNING, logger="engine.lora.registry"):
         specs = registry.scan_dir(tmp_path)
     assert [s.adapter_id for s in specs] == ["alpha", "beta"] == [s.adapter_id for s in registry.list()]
     warnings = "\n".join(r.getMessage() for r in caplog.records)

@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.request import SamplingParams
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.request import SamplingParams
 
 # Multilingual on purpose: with a small vocabulary, CJK and emoji bytes get split across tokens.
 _TRAIN_TEXT = [

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.request import Request, SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.core.request import Request, SamplingParams
 
 PROMPT_LENGTHS = (1, 3, 7, 16, 17, 33, 50, 90)
 NEW_TOKENS = 24

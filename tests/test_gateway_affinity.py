@@ -12,11 +12,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-
-from engine.request import Priority
 from fake_clock import FakeClock
+
 from gateway.admission import AdmissionController, Slot, Upstream, rendezvous_order
 from gateway.breaker import CircuitBreaker
+from loragate.priority import Priority
 
 CRIT, STD = Priority.CRITICAL, Priority.STANDARD
 URLS = ("http://a", "http://b", "http://c")

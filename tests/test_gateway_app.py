@@ -25,17 +25,18 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from starlette.applications import Starlette
-
 from engine_server import start_engine_server
-from gateway.app import build_app
 from gateway_testing import asgi, assert_error, run, serve_app, start_gateway, stop_process, wait_until
-from gateway.auth import hash_key
-from gateway.policy import Policy, parse_policy
-from gateway.ratelimit import MemoryRateLimiter, RateLimiter, RedisRateLimiter
-from gateway.telemetry import GatewayMetrics
 from mock_upstream import BASE_MODEL, MockUpstream
 from redis_server import redis_url_fixture
+from starlette.applications import Starlette
+
+from gateway.app import build_app
+from gateway.auth import hash_key
+from gateway.policy import Policy, parse_policy
+from gateway.ratelimit import MemoryRateLimiter, RateLimiter
+from gateway.redis_limiter import RedisRateLimiter
+from gateway.telemetry import GatewayMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 KEY, OTHER_KEY, ADMIN_KEY = "acme-secret", "globex-secret", "admin-secret"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from engine.request import Priority
 from gateway.auth import Authenticator, hash_key
 from gateway.policy import Limits, Policy, PolicyError, load_policy, parse_policy
+from loragate.priority import Priority
 
 REPO = Path(__file__).resolve().parents[1]
 

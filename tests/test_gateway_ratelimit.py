@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import redis
-
 from fake_clock import FakeClock
-from gateway.policy import Limits, parse_policy
-from gateway.ratelimit import (Decision, MemoryRateLimiter, RateLimiter, RateLimiterUnavailable, RedisRateLimiter,
-                               make_limiter)
 from redis_server import RedisServer, redis_server_fixture, redis_url_fixture
+
+from gateway.policy import Limits, parse_policy
+from gateway.ratelimit import Decision, MemoryRateLimiter, RateLimiter, RateLimiterUnavailable, make_limiter
+from gateway.redis_limiter import RedisRateLimiter
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,6 +21,9 @@ from typing import Any
 
 import httpx
 import pytest
+from gateway_testing import asgi, assert_error, poll, run, start_gateway, stop_process
+from mock_upstream import MockUpstream
+from test_gateway_rollout import ADMIN, AUTH, COMPLETION, OTHER_KEY, canary_users, policy_yaml, support
 
 from gateway.admission import rendezvous_order
 from gateway.app import build_app
@@ -28,9 +31,6 @@ from gateway.auth import hash_key
 from gateway.policy import parse_policy
 from gateway.ratelimit import MemoryRateLimiter
 from gateway.telemetry import GatewayMetrics
-from gateway_testing import asgi, assert_error, poll, run, start_gateway, stop_process
-from mock_upstream import MockUpstream
-from test_gateway_rollout import ADMIN, AUTH, COMPLETION, OTHER_KEY, canary_users, policy_yaml, support
 
 NEW_KEY = "brand-new-key"
 

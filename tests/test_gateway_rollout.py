@@ -16,19 +16,19 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from engine_server import start_engine_server
+from gateway_testing import asgi, assert_error, poll, run, start_gateway, stop_process
+from lora_fixtures import peft_greedy
+from mock_upstream import MockUpstream
+from redis_server import redis_url_fixture
 
 from engine.model.sources import load_tokenizer
-from engine_server import start_engine_server
 from gateway.app import build_app
 from gateway.auth import hash_key
 from gateway.policy import parse_policy
 from gateway.ratelimit import MemoryRateLimiter
 from gateway.rollout import BUCKETS, Counts, RedisShare, Rollouts, bucket, pick_variant
 from gateway.telemetry import GatewayMetrics
-from gateway_testing import asgi, assert_error, poll, run, start_gateway, stop_process
-from lora_fixtures import peft_greedy
-from mock_upstream import MockUpstream
-from redis_server import redis_url_fixture
 
 KEY, OTHER_KEY, ADMIN_KEY = "acme-secret", "globex-secret", "admin-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}

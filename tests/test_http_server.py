@@ -15,11 +15,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gateway_testing import start_gateway, stop_process
+from mock_upstream import MockUpstream
 
 from gateway.auth import hash_key
-from gateway_testing import start_gateway, stop_process
 from loragate.cli import build_parser
-from mock_upstream import MockUpstream
 
 KEY = "slow-secret"
 POLICY = f"""

@@ -15,10 +15,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 from engine.model import sources
 from engine.model.attention import (
-    AttentionMetadata, PrefillSeq, allocate_kv_cache, kv_cache_bytes_per_block,
+    AttentionMetadata,
+    PrefillSeq,
+    allocate_kv_cache,
+    kv_cache_bytes_per_block,
 )
+from engine.model.config import load_model_config, parse_model_config
 from engine.model.llama import LlamaForCausalLM
-from engine.model.loader import load_model, load_model_config, parse_model_config
+from engine.model.loader import load_model
 from engine.model.sources import build_tiny_random, load_tokenizer, resolve_model
 
 CPU = torch.device("cpu")

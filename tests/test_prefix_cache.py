@@ -11,23 +11,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from engine.adapters import AdapterRegistry, HostAdapterCache
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.lora import DeviceAdapterTier
-from engine.memory import KVCacheManager, PagePool
-from engine.model.attention import allocate_kv_cache
-from engine.request import Request, SamplingParams
 from lora_fixtures import make_peft_adapter
+
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.core.memory import KVCacheManager, PagePool
+from engine.core.request import Request, SamplingParams
+from engine.lora.device_tier import DeviceAdapterTier
+from engine.lora.peft_config import AdapterKey
+from engine.lora.registry import AdapterRegistry, HostAdapterCache
+from engine.model.attention import allocate_kv_cache
 
 BS = 4
 SYSTEM = list(range(100, 112))  # three full blocks
 
 
 def spec(adapter_id: str, version: int = 1) -> SimpleNamespace:
-    """Stands in for AdapterSpec: the cache reads only the id and the version."""
-    return SimpleNamespace(adapter_id=adapter_id, version=version)
+    """Stands in for AdapterSpec: the cache reads only its key (id and version)."""
+    return SimpleNamespace(adapter_id=adapter_id, version=version, key=AdapterKey(adapter_id, version))
 
 
 def req(rid: str, tokens: list[int], adapter: SimpleNamespace | None = None) -> Request:

@@ -14,8 +14,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from engine.request import Request, SamplingParams
-from engine.sampler import Sampler
+from engine.core.request import Request, SamplingParams
+from engine.worker.sampler import Sampler
 
 EOS = 3
 

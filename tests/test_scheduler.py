@@ -6,10 +6,11 @@ import random
 
 import pytest
 
-from engine.memory import PagePool, KVCacheManager
-from engine.outputs import RunnerOutput
-from engine.request import Priority, Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.core.memory import KVCacheManager, PagePool
+from engine.core.outputs import RunnerOutput
+from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from loragate.priority import Priority
 
 EOS = 0
 

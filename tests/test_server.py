@@ -17,12 +17,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from engine_server import start_engine_server
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, describe
 from engine.model.sources import load_tokenizer
-from engine_server import start_engine_server
-from engine.protocol import ChatCompletionRequest, CompletionRequest, describe
 
 MODEL = "tiny-random"
 MAX_MODEL_LEN = 1024  # tiny-random's whole context: long requests take ~1 s, time to disconnect
@@ -396,10 +396,10 @@ def test_sigterm_drains_then_exits(tmp_path: Path) -> None:
 
 
 def test_draining_engine_refuses_new_work(tiny_model_dir: Path) -> None:
-    from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.server import build_app
+    from engine.core.async_engine import AsyncEngine
+    from engine.core.llm_engine import LLMEngine
+    from engine.entrypoints.server import build_app
 
     engine = AsyncEngine(LLMEngine(EngineConfig(model=MODEL, max_model_len=MAX_MODEL_LEN)))
     app = build_app(engine)

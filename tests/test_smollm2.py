@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.core.request import SamplingParams
 
 pytestmark = pytest.mark.smollm2
 

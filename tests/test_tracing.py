@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 import uvicorn
+from mock_upstream import MockUpstream
 from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -39,16 +40,16 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.server import build_app
+from engine.core.async_engine import AsyncEngine
+from engine.core.llm_engine import LLMEngine
+from engine.entrypoints.server import build_app
 from gateway.app import build_app as build_gateway_app
 from gateway.auth import hash_key
 from gateway.policy import parse_policy
 from gateway.ratelimit import MemoryRateLimiter
-from gateway.telemetry import GatewayMetrics, finish_span, inject_headers, request_span, setup_tracing
-from mock_upstream import MockUpstream
+from gateway.telemetry import GatewayMetrics, finish_span, inject_headers, request_span
+from loragate.tracing import setup_tracing
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-random"
@@ -129,13 +130,13 @@ def test_setup_tracing_keeps_an_installed_sdk_provider(exporter: InMemorySpanExp
         setup_tracing("loragate-gateway")
         setup_tracing("loragate-engine")
     assert trace.get_tracer_provider() is installed
-    assert not [r for r in caplog.records if r.name.startswith(("opentelemetry", "engine.tracing"))]
+    assert not [r for r in caplog.records if r.name.startswith(("opentelemetry", "loragate.tracing"))]
 
 
 _SETUP_SCRIPT = """
 import sys
 from opentelemetry import trace
-from engine.tracing import setup_tracing
+from loragate.tracing import setup_tracing
 setup_tracing("svc-from-argument")
 setup_tracing("svc-second-call")
 provider = trace.get_tracer_provider()

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engine.model.loader import ModelConfig
+    from engine.model.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

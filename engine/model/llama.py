@@ -10,7 +10,7 @@ matmuls: measured faster on CPU).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +19,20 @@ from torch import nn
 from engine.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 
 if TYPE_CHECKING:
-    from engine.lora import LayerLora, LoraBatch
-    from engine.model.loader import ModelConfig
+    from engine.model.config import ModelConfig
+
+
+class LayerLoraDelta(Protocol):
+    """One layer's LoRA deltas for a step: `apply` adds them to a projection's output in place."""
+
+    def apply(self, module: str, y: torch.Tensor, x: torch.Tensor) -> None:
+        """y [T, out] (a view of the projection's output) += the deltas of `module` for x [T, in]."""
+
+
+class LoraDelta(Protocol):
+    """All the LoRA the model sees of a step (engine/lora/batch.py's LoraBatch implements it)."""
+
+    def layer(self, index: int) -> LayerLoraDelta: ...
 
 
 class RMSNorm(nn.Module):
@@ -107,7 +119,7 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
-        plan: AttentionPlan, lora: LayerLora | None,
+        plan: AttentionPlan, lora: LayerLoraDelta | None,
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes this step's K/V into layer_cache."""
         num_tokens = x.shape[0]
@@ -138,7 +150,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LayerLoraDelta | None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]: gate | up
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         if lora is not None:
@@ -161,7 +173,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
-        plan: AttentionPlan, lora: LayerLora | None,
+        plan: AttentionPlan, lora: LayerLoraDelta | None,
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer_cache, plan, lora)
         return h + self.mlp(self.post_attention_layernorm(h), lora)
@@ -184,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-        attn: AttentionMetadata, lora: LoraBatch | None = None,
+        attn: AttentionMetadata, lora: LoraDelta | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for a flat batch.
 

@@ -22,14 +22,14 @@ from typing import Any
 
 import httpx
 import torch
-from prometheus_client.parser import text_string_to_metric_families
-from safetensors.torch import load_file, save_file
-
 from engine_server import free_port, start_engine_server
-from gateway.auth import hash_key
 from gateway_testing import start_gateway, stop_process
 from lora_fixtures import make_peft_adapter, peft_greedy
+from prometheus_client.parser import text_string_to_metric_families
 from redis_server import RedisServer
+from safetensors.torch import load_file, save_file
+
+from gateway.auth import hash_key
 
 SCALE = max(1, int(os.environ.get("LORAGATE_SOAK", "1")))
 ADMIN_KEY = "admin-secret"
@@ -55,9 +55,11 @@ def auth(tenant: str) -> dict[str, str]:
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
+UNLIMITED = "{requests_per_second: 1000, burst: 1000, tokens_per_minute: 100000000}"
+
+
 def policy_yaml(*, on_redis_error: str = "open", max_inflight: int = 4, max_queue: int = 8,
-                queue_timeout_ms: int = 20000, acme_limits: str = "{requests_per_second: 1000, burst: 1000, tokens_per_minute: 100000000}",
-                open_seconds: float = 2) -> str:
+                queue_timeout_ms: int = 20000, acme_limits: str = UNLIMITED, open_seconds: float = 2) -> str:
     return f"""
 version: 1
 admin_keys: ["{hash_key(ADMIN_KEY)}"]

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from stack import MAX_MODEL_LEN, PROMPT, Stack, auth, metric, policy_yaml
 
 LONG = {"prompt": PROMPT, "temperature": 0, "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True}

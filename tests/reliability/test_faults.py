@@ -11,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from engine_server import start_engine_server
 from gateway_testing import stop_process
 from rawhttp import gather_tally, post_json, request

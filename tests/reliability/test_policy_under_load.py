@@ -8,10 +8,10 @@ import threading
 import time
 
 import httpx
-
 from rawhttp import gather_tally, post_json
-from gateway.auth import hash_key
 from stack import PROMPT, SCALE, Stack, auth
+
+from gateway.auth import hash_key
 
 
 def _wait_for(stack: Stack, check, timeout_s: float = 20.0) -> dict:

@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from redis_server import start_redis
 from stack import PROMPT, Stack, auth, policy_yaml
 

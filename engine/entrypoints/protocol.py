@@ -12,19 +12,21 @@ pydantic ValidationError into one "field: problem" line for the 400 body.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from engine.adapter_config import AdapterError, validate_adapter_id
-from engine.adapter_files import resolve_inside
-from engine.request import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_REPETITION_PENALTY, SamplingParams
+from engine.core.request import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_REPETITION_PENALTY, SamplingParams
+from engine.lora.files import resolve_inside
+from engine.lora.peft_config import AdapterError, validate_adapter_id
+from loragate.errors import bad_request
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _TEMPERATURE_EPS = 1e-5  # below this sampling is greedy (as in vLLM): logits / ~0 overflow
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 _MAX_PATH_CHARS = 4096
+M = TypeVar("M", bound=BaseModel)
 
 
 def _unsupported(message: str) -> PydanticCustomError:
@@ -260,6 +262,14 @@ class LoadAdapterRequest(BaseModel):
     def resolve_path(self, adapter_dir: Path) -> Path:
         """The real path (symlinks resolved) of the adapter directory, or AdapterError naming `path`."""
         return resolve_inside(adapter_dir, self.path if self.path is not None else self.id)
+
+
+def parse_body(model: type[M], data: dict[str, Any]) -> M:
+    """`data` validated as `model`, or a 400 naming the offending field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise bad_request(describe(exc)) from None
 
 
 def describe(exc: ValidationError) -> str:

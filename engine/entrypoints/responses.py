@@ -1,56 +1,26 @@
-"""The OpenAI wire format of what the engine answers: response bodies, stream chunks, SSE, errors.
+"""The OpenAI wire format of what the engine answers: response bodies and stream chunks.
 
 A formatter belongs to one request: it fixes the response id, model name and creation time, and builds
 either the whole response (`response`) or, when streaming, one chunk per engine output (`chunk`) and the
 closing usage chunk (`usage_chunk`). Logprobs are rendered per endpoint: /v1/completions uses the legacy
 {tokens, token_logprobs, top_logprobs, text_offset} lists, /v1/chat/completions the per-token entries.
-Every error, whether a whole response or an event mid-stream, is {"error": {"type": ..., "message": ...}}.
+Errors and SSE framing are shared with the gateway (loragate/errors.py, loragate/http_io.py).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from starlette.responses import JSONResponse
-
-from engine.outputs import AdapterStatus, RequestOutput
-from engine.request import TokenLogprob
+from engine.core.outputs import AdapterStatus, RequestOutput
+from engine.core.request import TokenLogprob
 
 _MIN_LOGPROB = -9999.0  # JSON has no -Infinity
-SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end-of-stream event
 
 TokenText = Callable[[int], str]  # token id -> its text, for logprobs
-
-
-class ApiError(Exception):
-    """An HTTP error answered as {"error": {"type": ..., "message": ...}}."""
-
-    def __init__(self, status: int, type_: str, message: str,
-                 headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.type = type_
-        self.message = message
-        self.headers = dict(headers or {})
-
-
-def error_body(type_: str, message: str) -> dict[str, Any]:
-    return {"error": {"type": type_, "message": message}}
-
-
-def error_response(status: int, type_: str, message: str,
-                   headers: Mapping[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(type_, message), status_code=status, headers=dict(headers or {}))
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    """One Server-Sent Event carrying `payload` as JSON."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
 def usage(out: RequestOutput) -> dict[str, int]:
@@ -71,9 +41,6 @@ def adapter_card(status: AdapterStatus, base_model: str) -> dict[str, Any]:
             "rank": status.rank, "target_modules": list(status.target_modules),
             "residence": status.residence, "parent": base_model}
 
-
-def list_body(items: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"object": "list", "data": items}
 
 
 def _finite(logprob: float) -> float:

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
+import anyio
 from jinja2 import TemplateError
 from opentelemetry.trace import Span
 from starlette.applications import Starlette
@@ -27,18 +28,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.adapter_config import AdapterError, validate_adapter_id
-from engine.adapter_routes import AdapterRoutes
-from engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
-from engine.http_io import (ClientGone, adapter_not_found, bad_request, close_outputs, parse_body, read_json,
-                            unless_disconnected)
-from engine.metrics import EngineMetrics, RequestTracker
-from engine.outputs import RequestOutput
-from engine.protocol import ChatCompletionRequest, CompletionRequest
-from engine.request import Priority, TokenLogprob
-from engine.responses import (SSE_DONE, ApiError, ChatFormatter, CompletionFormatter, Formatter, error_body,
-                              error_response, list_body, model_card, sse)
-from engine.tracing import engine_span, record_error, record_output
+from engine.core.async_engine import AsyncEngine, EngineDeadError, RequestFailed
+from engine.core.outputs import RequestOutput
+from engine.core.request import TokenLogprob
+from engine.entrypoints.adapter_routes import AdapterRoutes
+from engine.entrypoints.metrics import EngineMetrics, RequestTracker
+from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from engine.entrypoints.responses import ChatFormatter, CompletionFormatter, Formatter, model_card
+from engine.entrypoints.tracing import engine_span, record_error, record_output
+from engine.lora.peft_config import AdapterError, validate_adapter_id
+from loragate.errors import ApiError, adapter_not_found, bad_request, error_body, error_response
+from loragate.http_io import SSE_DONE, ClientGone, list_body, read_json, sse, unless_disconnected
+from loragate.priority import Priority
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,14 @@ def _priority(request: Request) -> Priority:
         return Priority.parse(request.headers.get("x-priority"))
     except ValueError as exc:
         raise bad_request(str(exc)) from None
+
+
+async def close_outputs(it: AsyncIterator[RequestOutput]) -> None:
+    """Close the engine's output iterator: if the request is still running, this aborts it."""
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        with anyio.CancelScope(shield=True):  # runs even while the stream's task is being cancelled
+            await aclose()
 
 
 async def _next(it: AsyncIterator[RequestOutput], adapter_id: str | None) -> RequestOutput:

@@ -12,13 +12,13 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-
 from pathlib import Path
 
-from engine.adapter_config import AdapterSpec
-from engine.llm_engine import AdapterUnusable, LLMEngine
-from engine.outputs import AdapterStatus, RequestError, RequestOutput
-from engine.request import Priority, SamplingParams
+from engine.core.llm_engine import AdapterUnusable, LLMEngine
+from engine.core.outputs import AdapterStatus, RequestError, RequestOutput
+from engine.core.request import SamplingParams
+from engine.lora.peft_config import AdapterSpec
+from loragate.priority import Priority
 
 logger = logging.getLogger(__name__)
 

@@ -23,12 +23,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.lora import DeviceAdapterTier
-from engine.memory import KVCacheManager
-from engine.outputs import RunnerOutput
-from engine.preemption import KVSwapper, PreemptionPolicy, pick_victim
-from engine.request import Request, RequestStatus
-from engine.waiting_queue import WaitingQueue
+from engine.core.memory import KVCacheManager
+from engine.core.outputs import RunnerOutput
+from engine.core.preemption import KVSwapper, PreemptionPolicy, pick_victim
+from engine.core.request import Request, RequestStatus
+from engine.core.waiting_queue import WaitingQueue
+from engine.lora.device_tier import DeviceAdapterTier
+from engine.lora.peft_config import AdapterKey
 
 
 @dataclass(slots=True)
@@ -169,23 +170,23 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, order: list[Request]) -> None:
-        step_adapters = {_adapter_key(r) for r in out.requests if r.adapter is not None}
-        broken: dict[tuple[str, int], Exception] = {}  # adapters whose load failed this step
+        step_adapters = {r.adapter.key for r in out.requests if r.adapter is not None}
+        broken: dict[AdapterKey, Exception] = {}  # adapters whose load failed this step
         bound = self.config.max_adapters_per_step
         for request in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if request.adapter is not None and _adapter_key(request) not in step_adapters:
+            if request.adapter is not None and request.adapter.key not in step_adapters:
                 if bound is not None and len(step_adapters) >= bound:
                     continue  # no more distinct adapters this step; later requests may share one
                 try:
-                    brought = broken.get(_adapter_key(request)) is None and self._bring_adapter(request)
+                    brought = broken.get(request.adapter.key) is None and self._bring_adapter(request)
                 except Exception as exc:  # its files became unusable: its requests fail, alone
-                    broken[_adapter_key(request)] = exc
+                    broken[request.adapter.key] = exc
                     brought = False
-                if _adapter_key(request) in broken:
+                if request.adapter.key in broken:
                     self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
-                    out.failed.append((request, broken[_adapter_key(request)]))
+                    out.failed.append((request, broken[request.adapter.key]))
                     continue
                 if not brought:
                     continue  # cannot be brought in now: skip, do not block the requests behind
@@ -198,7 +199,7 @@ class Scheduler:
                 request.first_scheduled_time = self.clock()
             if request.adapter is not None:
                 self.adapters.pin(request.adapter)
-                step_adapters.add(_adapter_key(request))
+                step_adapters.add(request.adapter.key)
             self.running.append(request)
             out.requests.append(request)
             out.num_tokens.append(n)
@@ -288,8 +289,3 @@ class Scheduler:
         if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-
-def _adapter_key(request: Request) -> tuple[str, int]:
-    assert request.adapter is not None
-    return (request.adapter.adapter_id, request.adapter.version)

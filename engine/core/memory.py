@@ -18,7 +18,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.request import Request
+from engine.core.request import Request
+from engine.lora.peft_config import AdapterKey
 
 
 class PagePool:
@@ -96,7 +97,6 @@ class PagePool:
         return dict(self._runs)
 
 
-AdapterKey = tuple[str, int]  # (adapter id, version)
 # A full prompt block's identity: (id of the previous block's key or None, adapter key or None for the base
 # model, the block's tokens).
 BlockKey = tuple[int | None, AdapterKey | None, tuple[int, ...]]
@@ -110,8 +110,7 @@ class _CacheEntry:
 
 
 def _adapter_key(request: Request) -> AdapterKey | None:
-    spec = request.adapter
-    return None if spec is None else (spec.adapter_id, spec.version)
+    return None if request.adapter is None else request.adapter.key
 
 
 class KVCacheManager:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 class WaitingQueue:

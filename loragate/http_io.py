@@ -1,7 +1,8 @@
-"""HTTP plumbing of the engine's routes: read and validate JSON bodies, watch for client disconnects.
+"""HTTP plumbing both servers share: read a JSON body safely, watch for the client leaving, frame SSE.
 
-Bad input becomes an `ApiError` (400 naming the field, 413 for an oversized body, 404 for an adapter
-that is not loaded), which the app's exception handler turns into a JSON error body.
+`read_json` bounds a body's size (413) and refuses what strict JSON cannot carry (400 naming the field);
+`unless_disconnected` runs work unless the client goes away first; `sse` frames one Server-Sent Event.
+Torch-free: the gateway imports it.
 """
 
 from __future__ import annotations
@@ -9,39 +10,22 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-import anyio
-from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive
 
-from engine.outputs import RequestOutput
-from engine.protocol import describe
-from engine.responses import ApiError
+from loragate.errors import ApiError, bad_request, too_large
 
 MAX_BODY_BYTES = 8 << 20
+SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end-of-stream event
 
-M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 
 class ClientGone(Exception):
     """The client disconnected before its response was ready."""
-
-
-def bad_request(message: str) -> ApiError:
-    return ApiError(400, "invalid_request_error", message)
-
-
-def shown(value: str, limit: int = 100) -> str:
-    """A client's value as an error message quotes it: repr, cut to `limit` characters (never echoed whole)."""
-    return repr(value) if len(value) <= limit else f"{value[:limit]!r}..."
-
-
-def adapter_not_found(adapter_id: str) -> ApiError:
-    return ApiError(404, "adapter_not_found", f"adapter {shown(adapter_id)} is not loaded")
 
 
 async def read_json(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:
@@ -108,25 +92,6 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def too_large(limit: int) -> ApiError:
-    return ApiError(413, "request_too_large", f"body: larger than {limit} bytes")
-
-
-def parse_body(model: type[M], data: dict[str, Any]) -> M:
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise bad_request(describe(exc)) from None
-
-
-async def close_outputs(it: AsyncIterator[RequestOutput]) -> None:
-    """Close the engine's output iterator: if the request is still running, this aborts it."""
-    aclose = getattr(it, "aclose", None)
-    if aclose is not None:
-        with anyio.CancelScope(shield=True):  # runs even while the stream's task is being cancelled
-            await aclose()
-
-
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -150,3 +115,13 @@ async def unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) ->
     if task.cancelled():
         raise ClientGone()
     return task.result()
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One Server-Sent Event carrying `payload` as JSON."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+def list_body(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's list shape (GET /v1/models, /v1/adapters)."""
+    return {"object": "list", "data": items}

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request, TokenLogprob
+from engine.core.request import Request, TokenLogprob
 
 _NEG_INF = float("-inf")
 # Top-p looks for the nucleus among this many most likely tokens before falling back to a full sort.

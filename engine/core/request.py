@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loragate.priority import Priority
+
 if TYPE_CHECKING:
-    from engine.adapter_config import AdapterSpec
+    from engine.lora.peft_config import AdapterSpec
 
 
 # Bounds that keep every sampling step finite in float32 (logits of a few hundred at most): a temperature
@@ -24,26 +26,6 @@ if TYPE_CHECKING:
 # row into NaN probabilities. NaN compares false, so the checks below also refuse it.
 MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
-
-
-class Priority(enum.IntEnum):
-    """Lower value is served first (CONTRACT.md `X-Priority`)."""
-
-    CRITICAL = 0
-    STANDARD = 1
-    SHEDDABLE = 2
-
-    @classmethod
-    def parse(cls, value: str | None) -> Priority:
-        """Parse an `X-Priority` header value; `None` or empty gives STANDARD."""
-        if value is None or value.strip() == "":
-            return cls.STANDARD
-        try:
-            return cls[value.strip().upper()]
-        except KeyError:
-            names = ", ".join(p.name.lower() for p in cls)
-            shown = repr(value) if len(value) <= 100 else f"{value[:100]!r}..."
-            raise ValueError(f"X-Priority must be one of {names}, got {shown}") from None
 
 
 @dataclass(frozen=True, slots=True)

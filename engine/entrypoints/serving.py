@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.server import build_app
-from engine.tracing import setup_tracing
+from engine.core.async_engine import AsyncEngine
+from engine.core.llm_engine import LLMEngine
+from engine.entrypoints.server import build_app
 from loragate.http_server import ConnectionLimits, serve_app
+from loragate.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
 

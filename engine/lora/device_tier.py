@@ -3,7 +3,8 @@
 An adapter on the device owns one run of consecutive pages. In every layer that run is one contiguous
 region of `kv_cache[layer]`, in which each targeted module's A ([r, in]) and scale-folded B ([out, r])
 sit row-major at element offsets recorded in per-(layer, module) slot tables. The batched-LoRA kernels
-(kernels/reference.py) read the weights straight from the pool through those tables, never copying them.
+(kernels/reference.py, through engine/lora/batch.py) read the weights straight from the pool through
+those tables, never copying them.
 Pages taken are proportional to the adapter's own ranks, never padded to a maximum rank.
 
 Residency changes only between engine steps, in the engine thread. An adapter is pinned while a running
@@ -20,15 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.adapter_config import MODULES, AdapterSpec, module_features
-from engine.adapters import HostAdapterCache
-from kernels.reference import lora_sgmv
-from engine.memory import PagePool
-from engine.model.loader import ModelConfig
+from engine.core.memory import PagePool
+from engine.lora.batch import PoolWeights, SlotTables
+from engine.lora.peft_config import MODULES, AdapterKey, AdapterSpec, module_features
+from engine.lora.registry import HostAdapterCache
+from engine.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-AdapterKey = tuple[str, int]  # (adapter id, version)
 LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
 
@@ -40,19 +40,6 @@ class Resident:
     num_pages: int
     pins: int = 0
     stale: bool = False  # a newer version was loaded or the adapter was unloaded
-
-
-@dataclass(slots=True)
-class SlotTables:
-    """Per layer and module, indexed by slot: where A and B start in that layer's pool, and the rank.
-
-    rank 0 means the slot's adapter does not target that module in that layer, or the slot is empty
-    (always so for the null slot).
-    """
-
-    a_offsets: list[dict[str, list[int]]]
-    b_offsets: list[dict[str, list[int]]]
-    ranks: list[dict[str, list[int]]]
 
 
 @dataclass(slots=True)
@@ -83,6 +70,7 @@ class DeviceAdapterTier:
         zeros = [0] * (max_adapters + 1)
         self.tables = SlotTables(*([{m: list(zeros) for m in MODULES} for _ in range(model.num_layers)]
                                    for _ in range(3)))
+        self.weights = PoolWeights(self.layer_pools, self.tables)  # what a step's LoraBatch reads
         self.resident: OrderedDict[AdapterKey, Resident] = OrderedDict()  # LRU first
         self._free_slots = list(range(max_adapters - 1, -1, -1))
         self.counters = TierCounters()
@@ -98,15 +86,15 @@ class DeviceAdapterTier:
     # ---- residency ------------------------------------------------------------------------------------
 
     def slot_of(self, spec: AdapterSpec) -> int | None:
-        res = self.resident.get((spec.adapter_id, spec.version))
+        res = self.resident.get(spec.key)
         return None if res is None else res.slot
 
     def is_resident(self, spec: AdapterSpec) -> bool:
-        return (spec.adapter_id, spec.version) in self.resident
+        return spec.key in self.resident
 
     def ensure_resident(self, spec: AdapterSpec) -> bool:
         """Bring `spec` onto the device, evicting idle adapters as needed; False if it cannot be now."""
-        key = (spec.adapter_id, spec.version)
+        key = spec.key
         if key in self.resident:
             self.resident.move_to_end(key)
             self.counters.hits += 1
@@ -152,7 +140,7 @@ class DeviceAdapterTier:
                 offset += b.numel()
                 self.tables.ranks[layer][module][slot] = a.shape[0]
             assert offset <= base + n * self.page_elems
-        self.resident[(spec.adapter_id, spec.version)] = Resident(spec, slot, start, n)
+        self.resident[spec.key] = Resident(spec, slot, start, n)
         self.counters.loads += 1
 
     def _observe_load(self, seconds: float) -> None:
@@ -185,10 +173,10 @@ class DeviceAdapterTier:
     # ---- pins and versions ----------------------------------------------------------------------------
 
     def pin(self, spec: AdapterSpec) -> None:
-        self.resident[(spec.adapter_id, spec.version)].pins += 1
+        self.resident[spec.key].pins += 1
 
     def unpin(self, spec: AdapterSpec) -> None:
-        key = (spec.adapter_id, spec.version)
+        key = spec.key
         res = self.resident[key]
         assert res.pins > 0, f"adapter {key} unpinned more than pinned"
         res.pins -= 1
@@ -216,28 +204,3 @@ class DeviceAdapterTier:
     @property
     def num_pages(self) -> int:
         return sum(res.num_pages for res in self.resident.values())
-
-
-@dataclass(frozen=True, slots=True)
-class LoraBatch:
-    """One step's adapter segments: rows [seg_starts[s], seg_starts[s+1]) use slot seg_slots[s]."""
-
-    seg_starts: list[int]
-    seg_slots: list[int]
-    tier: DeviceAdapterTier
-
-    def layer(self, index: int) -> LayerLora:
-        return LayerLora(self, index)
-
-
-@dataclass(frozen=True, slots=True)
-class LayerLora:
-    batch: LoraBatch
-    index: int
-
-    def apply(self, module: str, y: torch.Tensor, x: torch.Tensor) -> None:
-        """y += the batch's LoRA deltas for `module` of this layer; y [T, out] (a view), x [T, in]."""
-        tier, i = self.batch.tier, self.index
-        lora_sgmv(y, x, self.batch.seg_starts, self.batch.seg_slots, tier.layer_pools[i],
-                  tier.tables.a_offsets[i][module], tier.tables.b_offsets[i][module],
-                  tier.tables.ranks[i][module])

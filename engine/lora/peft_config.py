@@ -22,9 +22,9 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from engine.model.loader import ModelConfig
+from engine.model.config import ModelConfig
 
 MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_MODULES = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))  # under self_attn, the rest under mlp
@@ -69,6 +69,14 @@ class LoraTarget:
     scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
 
 
+class AdapterKey(NamedTuple):
+    """One adapter content: its id and the version a registration gave it. Caches of anything derived
+    from an adapter (host weights, device residency, prefix-cache blocks) are keyed by it."""
+
+    adapter_id: str
+    version: int
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterSpec:
     """What the registry knows of an adapter without its weights."""
@@ -83,6 +91,10 @@ class AdapterSpec:
     num_params: int
     nbytes: int  # fp32 bytes of all A and B
     stamp: tuple[int, int, int]  # (size, mtime_ns, inode) of the weights file when it was read
+
+    @property
+    def key(self) -> AdapterKey:
+        return AdapterKey(self.adapter_id, self.version)
 
     def targets(self) -> Iterator[tuple[int, str, LoraTarget]]:
         """(layer, module, target) for every adapted pair, layer-major, modules in MODULES order."""

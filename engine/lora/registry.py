@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from engine.adapter_config import AdapterError, AdapterSpec, validate_adapter_id
-from engine.adapter_files import LoraWeights, load_weights, read_adapter, resolve_inside
-from engine.model.loader import ModelConfig
+from engine.lora.files import LoraWeights, load_weights, read_adapter, resolve_inside
+from engine.lora.peft_config import AdapterError, AdapterKey, AdapterSpec, validate_adapter_id
+from engine.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class AdapterRegistry:
         self._versions: dict[str, int] = {}
         # (id, version) -> why its weights could not be loaded. A version's content never changes, so
         # its later requests fail at once; registering the id again makes a new version.
-        self._broken: dict[tuple[str, int], str] = {}
+        self._broken: dict[AdapterKey, str] = {}
 
     def register(self, adapter_id: str, path: Path,
                  verify: Callable[[AdapterSpec], None] | None = None) -> AdapterSpec:
@@ -66,14 +66,14 @@ class AdapterRegistry:
 
     def mark_broken(self, spec: AdapterSpec, reason: str) -> None:
         with self._lock:
-            self._broken[(spec.adapter_id, spec.version)] = reason
+            self._broken[spec.key] = reason
         logger.warning("adapter %s v%d is unusable until registered again: %s", spec.adapter_id, spec.version,
                        reason)
 
     def broken(self, spec: AdapterSpec) -> str | None:
         """Why this version's weights could not be loaded, or None."""
         with self._lock:
-            return self._broken.get((spec.adapter_id, spec.version))
+            return self._broken.get(spec.key)
 
     def get(self, adapter_id: str) -> AdapterSpec:
         """The current spec of an adapter; KeyError if it is not registered."""
@@ -115,7 +115,7 @@ class HostAdapterCache:
         self._model = model
         self._dtype = dtype
         self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple[str, int], LoraWeights] = OrderedDict()  # oldest use first
+        self._entries: OrderedDict[AdapterKey, LoraWeights] = OrderedDict()  # oldest use first
         self._used = 0
         self.hits = self.misses = self.loads = self.evictions = 0
 
@@ -125,7 +125,7 @@ class HostAdapterCache:
 
     def get(self, spec: AdapterSpec) -> LoraWeights:
         """The adapter's weights: cached, or loaded (AdapterError if the file is now unusable)."""
-        key = (spec.adapter_id, spec.version)
+        key = spec.key
         with self._lock:
             weights = self._entries.get(key)
             if weights is not None:
@@ -142,7 +142,7 @@ class HostAdapterCache:
 
     def contains(self, spec: AdapterSpec) -> bool:
         with self._lock:
-            return (spec.adapter_id, spec.version) in self._entries
+            return spec.key in self._entries
 
     def discard(self, adapter_id: str) -> None:
         """Drop every cached version of an adapter."""
@@ -152,7 +152,7 @@ class HostAdapterCache:
 
     def _load(self, spec: AdapterSpec) -> LoraWeights:
         weights = load_weights(spec, self._model, self._dtype)
-        key = (spec.adapter_id, spec.version)
+        key = spec.key
         with self._lock:
             self.loads += 1
             if key in self._entries:  # another thread loaded it meanwhile

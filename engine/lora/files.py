@@ -18,10 +18,19 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.adapter_config import (ATTENTION_MODULES, MODULES, AdapterError, AdapterSpec, LoraTarget,
-                                   module_features, module_name, parse_config, plan_targets,
-                                   validate_adapter_id)
-from engine.model.loader import ModelConfig
+from engine.lora.peft_config import (
+    ATTENTION_MODULES,
+    MODULES,
+    AdapterError,
+    AdapterSpec,
+    LoraTarget,
+    module_features,
+    module_name,
+    parse_config,
+    plan_targets,
+    validate_adapter_id,
+)
+from engine.model.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.lora import DeviceAdapterTier, LoraBatch
+from engine.core.outputs import RunnerOutput
+from engine.core.request import Request, TokenLogprob
+from engine.core.scheduler import SchedulerOutput
+from engine.lora.batch import LoraBatch
+from engine.lora.device_tier import DeviceAdapterTier
 from engine.model.attention import AttentionMetadata, PrefillSeq
 from engine.model.llama import LlamaForCausalLM
-from engine.outputs import RunnerOutput
-from engine.request import Request, TokenLogprob
-from engine.sampler import Sampler
-from engine.scheduler import SchedulerOutput
-
+from engine.worker.sampler import Sampler
 
 NON_FINITE_LOGITS = ("the model computed non-finite logits (NaN or inf) for this request; its adapter's "
                      "weights are the usual cause")
@@ -101,7 +101,7 @@ class ModelRunner:
             else:
                 seg_slots.append(slot)
                 starts.append(starts[-1] + n)
-        return LoraBatch(starts, seg_slots, self.adapters)
+        return LoraBatch(starts, seg_slots, self.adapters.weights)
 
     def _prepare(self, requests: list[Request], num_tokens: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.request import Request
+from engine.core.request import Request
 
 MODES = ("recompute", "swap", "auto")
 _EMA = 0.2  # weight of the newest measurement

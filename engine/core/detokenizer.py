@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 # Prompt tokens decoded as context before the first output token (enough for leading-space rules).
 _CONTEXT_TOKENS = 5

@@ -13,29 +13,30 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.adapter_config import AdapterError, AdapterSpec
-from engine.adapter_files import load_weights
-from engine.adapters import AdapterRegistry, HostAdapterCache
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.lora import LOAD_BUCKETS, DeviceAdapterTier
-from engine.memory import KVCacheManager, PagePool
-from engine.preemption import KVSwapper
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.memory import KVCacheManager, PagePool
+from engine.core.outputs import AdapterStatus, EngineStats, RequestError, RequestOutput, RunnerOutput
+from engine.core.preemption import KVSwapper
+from engine.core.request import Request, RequestStatus, SamplingParams, TokenLogprob
+from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.lora.device_tier import LOAD_BUCKETS, DeviceAdapterTier
+from engine.lora.files import load_weights
+from engine.lora.peft_config import AdapterError, AdapterSpec
+from engine.lora.registry import AdapterRegistry, HostAdapterCache
 from engine.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
 from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
-from engine.outputs import AdapterStatus, EngineStats, RequestError, RequestOutput, RunnerOutput
-from engine.request import Priority, Request, RequestStatus, SamplingParams, TokenLogprob
-from engine.runner import ModelRunner
-from engine.sampler import Sampler
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.worker.runner import ModelRunner
+from engine.worker.sampler import Sampler
+from loragate.priority import Priority
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import TokenLogprob
+from engine.core.request import TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)

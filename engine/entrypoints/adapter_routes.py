@@ -13,12 +13,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.adapter_config import AdapterError, validate_adapter_id
-from engine.async_engine import AsyncEngine
-from engine.http_io import adapter_not_found, bad_request, parse_body, read_json
-from engine.outputs import AdapterStatus
-from engine.protocol import LoadAdapterRequest
-from engine.responses import adapter_card, list_body
+from engine.core.async_engine import AsyncEngine
+from engine.core.outputs import AdapterStatus
+from engine.entrypoints.protocol import LoadAdapterRequest, parse_body
+from engine.entrypoints.responses import adapter_card
+from engine.lora.peft_config import AdapterError, validate_adapter_id
+from loragate.errors import adapter_not_found, bad_request
+from loragate.http_io import list_body, read_json
 
 
 class AdapterRoutes:
@@ -51,7 +52,7 @@ class AdapterRoutes:
             raise bad_request(str(exc)) from None
         registered = AdapterStatus(spec.adapter_id, spec.version, spec.max_rank, spec.modules, "disk")
         status = next((a for a in self.engine.list_adapters()
-                       if (a.adapter_id, a.version) == (spec.adapter_id, spec.version)), registered)
+                       if (a.adapter_id, a.version) == spec.key), registered)
         return JSONResponse(adapter_card(status, self.base_model))
 
     async def unload_adapter(self, request: Request) -> Response:

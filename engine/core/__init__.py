@@ -1,0 +1,1 @@
+"""The engine's step loop and the state it owns: requests, scheduling, the page pool."""

@@ -1,0 +1,1 @@
+"""The engine's HTTP entry points: OpenAI routes, protocol, responses, adapter routes, serving."""

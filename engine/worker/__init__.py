@@ -1,0 +1,1 @@
+"""Running one scheduled step: the flat batch, the model call, sampling."""

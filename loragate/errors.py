@@ -1,0 +1,51 @@
+"""The JSON error every route of the engine and the gateway answers: {"error": {"type": ..., "message": ...}}.
+
+Bad input raises an `ApiError` at the edge; each app's exception handler turns it into this body, with the
+status and headers it carries (Retry-After, X-Loragate-Reason, WWW-Authenticate). A value the client sent
+is quoted with `shown`, so a hostile one is never echoed whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+
+class ApiError(Exception):
+    """An HTTP error answered as {"error": {"type": ..., "message": ...}}."""
+
+    def __init__(self, status: int, type_: str, message: str,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+        self.message = message
+        self.headers = dict(headers or {})
+
+
+def error_body(type_: str, message: str) -> dict[str, Any]:
+    return {"error": {"type": type_, "message": message}}
+
+
+def error_response(status: int, type_: str, message: str,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(type_, message), status_code=status, headers=dict(headers or {}))
+
+
+def shown(value: str, limit: int = 100) -> str:
+    """A client's value as an error message quotes it: repr, cut to `limit` characters (never echoed whole)."""
+    return repr(value) if len(value) <= limit else f"{value[:limit]!r}..."
+
+
+def bad_request(message: str) -> ApiError:
+    return ApiError(400, "invalid_request_error", message)
+
+
+def adapter_not_found(adapter_id: str) -> ApiError:
+    return ApiError(404, "adapter_not_found", f"adapter {shown(adapter_id)} is not loaded")
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, "request_too_large", f"body: larger than {limit} bytes")
