@@ -9,7 +9,7 @@ Everything is on 127.0.0.1, bounded in count and time.
 
     python bench/gateway_overhead.py [--requests 400]
 
-Reference (FACTS.md, same machine kind): LiteLLM added 32 ms p50 at c=1 and ~300 ms at c=10, ~30 req/s.
+Reference (docs/benchmarks.md, same machine kind): LiteLLM added 32 ms p50 at c=1 and ~300 ms at c=10, ~30 req/s.
 Targets: <= 1 ms p50 added at c=1, <= 5 ms at c=10.
 """
 

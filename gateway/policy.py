@@ -1,6 +1,6 @@
 """The gateway policy: tenants, API keys, limits, rollouts, admission and breaker settings.
 
-A policy file (YAML, CONTRACT.md format, `version: 1`) is parsed once, at the edge, into the frozen
+A policy file (YAML, `version: 1`, the format in docs/reference.md) is parsed once, at the edge, into the frozen
 pydantic models below; nothing deeper in the gateway reads raw dicts. Every problem in a file raises
 `PolicyError`, whose message names the offending key (`tenants[0].limits.burst: ...`), so a reload can
 be refused with a message the operator can act on.

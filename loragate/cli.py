@@ -149,7 +149,7 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
 def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gateway", help="serve the gateway in front of engine replicas",
                        description="Tenant auth, rate limits, admission and routing in front of engines.")
-    p.add_argument("--policy", required=True, type=Path, help="the policy YAML file (CONTRACT.md format)")
+    p.add_argument("--policy", required=True, type=Path, help="the policy YAML file (format: docs/reference.md)")
     p.add_argument("--upstream", required=True, action="append", metavar="URL",
                    help="an engine's base URL, e.g. http://127.0.0.1:8001 (repeat for more replicas)")
     p.add_argument("--redis", metavar="URL",
@@ -163,7 +163,7 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_policy_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("policy", help="check policy files, print their JSON Schema",
-                       description="Work with gateway policy files (CONTRACT.md format) offline.")
+                       description="Work with gateway policy files (docs/reference.md) offline.")
     actions = p.add_subparsers(dest="policy_command", required=True, metavar="{check,schema}")
     check = actions.add_parser("check", help="validate policy files the way the gateway loads them",
                                description="Validate policy files with the gateway's own parser; exit 1 if "

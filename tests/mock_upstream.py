@@ -20,19 +20,20 @@ receives (path, headers, body) in `mock.received`:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from processes import serve_in_thread
 
 BASE_MODEL = "mock-base"
 PROMPT_TOKENS = 5
@@ -74,32 +75,18 @@ class MockUpstream:
         self._resume = threading.Event()
         self.streams_finished = 0  # streams that sent [DONE]
         self.streams_aborted = 0  # streams cancelled because the client (the gateway) went away
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
+        self._serving = contextlib.ExitStack()
         self.url = ""
 
     # ---- lifecycle ----
     def start(self) -> MockUpstream:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        config = uvicorn.Config(self._app(), log_level="critical", lifespan="off", http="h11")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("mock upstream did not start")
-            time.sleep(0.01)
+        self.url = self._serving.enter_context(serve_in_thread(self._app(), log_level="critical", lifespan="off"))
         return self
 
     def stop(self) -> None:
         self._open.set()
         self._resume.set()
-        if self._server is not None and self._thread is not None:
-            self._server.should_exit = True
-            self._thread.join(timeout=10)
+        self._serving.close()
 
     def __enter__(self) -> MockUpstream:
         return self.start()

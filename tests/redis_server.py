@@ -11,7 +11,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,13 +18,10 @@ from typing import Any
 
 import pytest
 
+from polling import poll
+from processes import free_port
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def ping(port: int, timeout_s: float = 0.5) -> bool:
@@ -58,13 +54,14 @@ class RedisServer:
         argv = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", str(self.dir), "--logfile", str(self.log_path), "--daemonize", "no"]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while not ping(self.port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                log = self.log_path.read_text() if self.log_path.exists() else ""
-                raise RuntimeError(f"redis-server did not come up on port {self.port}:\n{log[-2000:]}")
-            time.sleep(0.02)
+        proc = self.proc
+        try:
+            poll(lambda: ping(self.port) or proc.poll() is not None, timeout_s, interval_s=0.02)
+            assert proc.poll() is None, f"exited with status {proc.returncode}"
+        except AssertionError as exc:
+            self.stop()
+            log = self.log_path.read_text() if self.log_path.exists() else ""
+            raise RuntimeError(f"redis-server did not come up on port {self.port} ({exc}):\n{log[-2000:]}") from None
 
     def stop(self) -> None:
         """Stop it and wait until the port no longer answers."""
@@ -82,6 +79,7 @@ class RedisServer:
 def start_redis(directory: Path | None = None) -> RedisServer:
     """A running server on a free port; stop() it when done (tries a few ports against bind races)."""
     directory = directory or Path(tempfile.mkdtemp(prefix="loragate-redis-"))
+    directory.mkdir(parents=True, exist_ok=True)
     for attempt in range(3):
         server = RedisServer(free_port(), directory)
         try:

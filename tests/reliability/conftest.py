@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from redis_server import RedisServer, start_redis
 from stack import Stack, build_adapters, reference_texts
 

@@ -15,21 +15,21 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
-from engine_server import free_port, start_engine_server
-from gateway_testing import start_gateway, stop_process
-from lora_fixtures import make_peft_adapter, peft_greedy
 from prometheus_client.parser import text_string_to_metric_families
-from redis_server import RedisServer
 from safetensors.torch import load_file, save_file
 
 from gateway.auth import hash_key
+
+from lora_fixtures import make_peft_adapter, peft_greedy
+from polling import poll
+from processes import free_port, start_engine_server, start_gateway, stop_process
+from redis_server import RedisServer
 
 SCALE = max(1, int(os.environ.get("LORAGATE_SOAK", "1")))
 ADMIN_KEY = "admin-secret"
@@ -204,12 +204,10 @@ class Stack:
 
     def wait_idle(self, timeout_s: float = 30.0) -> None:
         """Until no engine holds a running or waiting request, and their KV blocks are free again."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            busy = [(e.url, name, metric(e.url, name)) for e in self.engines if e.proc is not None
-                    for name in ("loragate_engine_requests_running", "loragate_engine_requests_waiting",
-                                 "loragate_engine_kv_blocks_used") if metric(e.url, name)]
-            if not busy:
-                return
-            assert time.monotonic() < deadline, f"engines still busy: {busy}"
-            time.sleep(0.1)
+        gauges = ("loragate_engine_requests_running", "loragate_engine_requests_waiting",
+                  "loragate_engine_kv_blocks_used")
+
+        def busy() -> list[tuple[str, str]]:
+            return [(e.url, name) for e in self.engines if e.proc is not None for name in gauges if metric(e.url, name)]
+
+        poll(lambda: not busy(), timeout_s, interval_s=0.1, what="engines idle")

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 
 import httpx
+
+from polling import poll
 from stack import MAX_MODEL_LEN, PROMPT, Stack, auth, metric, policy_yaml
 
 LONG = {"prompt": PROMPT, "temperature": 0, "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True}
@@ -47,13 +48,6 @@ async def _streams(url: str, count: int, started: asyncio.Event) -> list[tuple[s
         return list(await asyncio.gather(*(one(http) for _ in range(count))))
 
 
-def _poll(probe, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while not (answer := probe()):
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.1)
-    return answer
-
 
 def test_kill_9_of_an_engine_mid_stream(tmp_path: Path, suite_adapters: Path) -> None:
     stack = Stack(tmp_path, suite_adapters, policy=policy_yaml(open_seconds=2)).start()
@@ -85,14 +79,14 @@ def test_kill_9_of_an_engine_mid_stream(tmp_path: Path, suite_adapters: Path) ->
         answers = [httpx.post(f"{stack.url}/v1/completions", json={**LONG, "max_tokens": 4},
                               headers=auth("globex"), timeout=60) for _ in range(6)]
         assert [a.status_code for a in answers] == [200] * 6
-        assert _poll(lambda: stack.breakers()[victim.url] == "open")
+        poll(lambda: stack.breakers()[victim.url] == "open", 30, what="the victim's breaker open")
 
         victim.start()  # back on the same port: the breaker's half-open probe finds it
         def closed() -> bool:
             httpx.post(f"{stack.url}/v1/completions", json={**LONG, "max_tokens": 2}, headers=auth("globex"),
                        timeout=60).raise_for_status()
             return stack.breakers()[victim.url] == "closed"
-        assert _poll(closed)
+        poll(closed, 30, what="the victim's breaker closed again")
         stack.wait_idle()
     finally:
         stack.stop()

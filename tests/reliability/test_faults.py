@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_server import start_engine_server
-from gateway_testing import stop_process
+
+from processes import start_engine_server, stop_process
 from rawhttp import gather_tally, post_json, request
 from stack import GREEDY, MAX_MODEL_LEN, PROMPT, SCALE, Stack, auth
 

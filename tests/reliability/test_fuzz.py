@@ -14,6 +14,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from stack import SCALE, Stack, auth
 
 # Characters worth trying: letters, digits, spaces, controls and lone surrogates (which "\\ud800" escapes

@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import httpx
-from rawhttp import gather_tally, post_json
-from stack import PROMPT, SCALE, Stack, auth
 
 from gateway.auth import hash_key
 
+from polling import poll
+from rawhttp import gather_tally, post_json
+from stack import PROMPT, SCALE, Stack, auth
+
 
 def _wait_for(stack: Stack, check, timeout_s: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while not check(state := stack.admin_policy()):
-        assert time.monotonic() < deadline, state.get("last_error")
-        time.sleep(0.1)
-    return state
+    return poll(lambda: state if check(state := stack.admin_policy()) else None, timeout_s, interval_s=0.1,
+                what="the policy state")
 
 
 def test_broken_policies_under_load_are_refused_and_a_good_one_takes_over(stack: Stack) -> None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
+
+from polling import poll
 from redis_server import start_redis
 from stack import PROMPT, Stack, auth, policy_yaml
 
@@ -17,15 +18,12 @@ def _post(stack: Stack) -> httpx.Response:
 
 
 def _poll_status(stack: Stack, status: int, timeout_s: float = 20.0) -> httpx.Response:
-    deadline = time.monotonic() + timeout_s
-    while (resp := _post(stack)).status_code != status:
-        assert time.monotonic() < deadline, f"still {resp.status_code}: {resp.text}"
-        time.sleep(0.1)
-    return resp
+    return poll(lambda: (resp := _post(stack)).status_code == status and resp, timeout_s, interval_s=0.1,
+                what=f"an answer {status}")
 
 
 def test_redis_down_and_back_in_both_fail_modes(tmp_path: Path, suite_adapters: Path) -> None:
-    (tmp_path / "redis").mkdir()
+
     redis = start_redis(tmp_path / "redis")
     limited = "{requests_per_second: 0.01, burst: 3, tokens_per_minute: 100000000}"  # 3 requests, then one per 100 s
     stack = Stack(tmp_path, suite_adapters, num_engines=1, redis=redis,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +20,6 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_testing import asgi, assert_error, poll, run, start_gateway, stop_process
-from mock_upstream import MockUpstream
-from test_gateway_rollout import ADMIN, AUTH, COMPLETION, OTHER_KEY, canary_users, policy_yaml, support
 
 from gateway.admission import rendezvous_order
 from gateway.app import build_app
@@ -31,6 +27,22 @@ from gateway.auth import hash_key
 from gateway.policy import parse_policy
 from gateway.ratelimit import MemoryRateLimiter
 from gateway.telemetry import GatewayMetrics
+
+from gateway_testing import (
+    AUTH,
+    COMPLETION,
+    OTHER_KEY,
+    asgi,
+    assert_error,
+    canary_users,
+    rollout_policy_yaml,
+    run,
+    support,
+)
+from mock_upstream import MockUpstream
+from policies import ADMIN
+from polling import poll, wait_until
+from processes import start_gateway, stop_process
 
 NEW_KEY = "brand-new-key"
 
@@ -53,11 +65,11 @@ def app_on(path: Path, upstreams: list[MockUpstream]) -> Any:
 
 BROKEN = {
     "bad YAML": ("version: 1\ntenants: [", "line"),
-    "unknown key": (policy_yaml().replace("    adapters: [\"*\"]", "    adapters: [\"*\"]\n    colour: red"),
+    "unknown key": (rollout_policy_yaml().replace("    adapters: [\"*\"]", "    adapters: [\"*\"]\n    colour: red"),
                     "tenants[1].colour: unknown key"),
-    "weights sum to 0": (policy_yaml(weights=(0, 0)), "rollouts[0].variants: weights must sum to more than 0"),
-    "variant is a pattern": (policy_yaml(variants=("a1", "a*")), "rollouts[0].variants[1].adapter"),
-    "variant nobody serves": (policy_yaml(variants=("a1", "a9")),
+    "weights sum to 0": (rollout_policy_yaml(weights=(0, 0)), "rollouts[0].variants: weights must sum to more than 0"),
+    "variant is a pattern": (rollout_policy_yaml(variants=("a1", "a*")), "rollouts[0].variants[1].adapter"),
+    "variant nobody serves": (rollout_policy_yaml(variants=("a1", "a9")),
                               "rollouts[0].variants[1].adapter: unknown adapter 'a9'"),
 }
 
@@ -66,7 +78,7 @@ BROKEN = {
 def test_broken_file_is_refused_naming_the_key_and_the_gateway_keeps_serving(
         case: str, mock: MockUpstream, tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
-    path.write_text(policy_yaml())
+    path.write_text(rollout_policy_yaml())
     broken, expected = BROKEN[case]
 
     async def scenario() -> dict[str, Any]:
@@ -96,7 +108,7 @@ def test_broken_file_is_refused_naming_the_key_and_the_gateway_keeps_serving(
 def test_file_change_reloads_atomically_and_in_flight_requests_keep_their_policy(
         mock: MockUpstream, tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
-    path.write_text(policy_yaml())
+    path.write_text(rollout_policy_yaml())
     new = {"Authorization": f"Bearer {NEW_KEY}"}
 
     async def scenario() -> dict[str, Any]:
@@ -109,7 +121,7 @@ def test_file_change_reloads_atomically_and_in_flight_requests_keep_their_policy
             while mock.count < 1:
                 await asyncio.sleep(0.01)
             # acme loses the rollout (its key still works for a1), globex gains a key
-            path.write_text(with_new_key(policy_yaml(acme_adapters='["a1"]')))
+            path.write_text(with_new_key(rollout_policy_yaml(acme_adapters='["a1"]')))
             await gw_state.housekeeping()
             mock.release()
             out["inflight"] = await inflight
@@ -142,7 +154,7 @@ def configmap(root: Path, text: str, version: int) -> Path:
 
 def test_configmap_symlink_swap_is_reloaded_and_unchanged_rollouts_keep_their_rollback(
         mock: MockUpstream, tmp_path: Path) -> None:
-    text = policy_yaml(weights=(50, 50))
+    text = rollout_policy_yaml(weights=(50, 50))
     path = configmap(tmp_path, text, 1)
     mock.behavior.fail_adapters = frozenset({"a2"})
     canary = canary_users(text, 11)
@@ -159,7 +171,7 @@ def test_configmap_symlink_swap_is_reloaded_and_unchanged_rollouts_keep_their_ro
             await gw_state.housekeeping()
             out = {"new": await gw.post("/v1/completions", json=COMPLETION, headers=new),
                    "kept": (await gw.get("/admin/policy", headers=ADMIN)).json(), "sha": sha}
-            configmap(tmp_path, with_new_key(policy_yaml(weights=(50, 51))), 3)  # the rollout changes
+            configmap(tmp_path, with_new_key(rollout_policy_yaml(weights=(50, 51))), 3)  # the rollout changes
             await gw_state.housekeeping()
             out["fresh"] = (await gw.get("/admin/policy", headers=ADMIN)).json()
             out["canary"] = await gw.post("/v1/completions", json=COMPLETION, headers=support(canary[10]))
@@ -174,7 +186,7 @@ def test_configmap_symlink_swap_is_reloaded_and_unchanged_rollouts_keep_their_ro
 
 
 def test_a_gateway_process_reloads_its_file_by_itself(tmp_path: Path, mock: MockUpstream) -> None:
-    proc, url = start_gateway(tmp_path, "gw", policy_yaml(), [mock.url])
+    proc, url = start_gateway(tmp_path, "gw", rollout_policy_yaml(), [mock.url])
     path = tmp_path / "gw.yaml"
     new = {"Authorization": f"Bearer {NEW_KEY}"}
     try:
@@ -184,7 +196,7 @@ def test_a_gateway_process_reloads_its_file_by_itself(tmp_path: Path, mock: Mock
             error = poll(lambda: http.get(f"{url}/admin/policy", headers=ADMIN).json()["last_error"])
             assert "invalid YAML" in error["message"]
             assert http.get(f"{url}/v1/models", headers=AUTH).status_code == 200
-            path.write_text(with_new_key(policy_yaml()))
+            path.write_text(with_new_key(rollout_policy_yaml()))
             poll(lambda: http.get(f"{url}/v1/models", headers=new).status_code == 200)
     finally:
         stop_process(proc)
@@ -199,7 +211,7 @@ def test_each_adapter_lands_on_its_rendezvous_upstream_and_base_spreads(mock: Mo
         urls = [m.url for m in upstreams]
 
         async def scenario() -> Any:
-            async with asgi(build_app(parse_policy(policy_yaml()), urls, MemoryRateLimiter())) as gw:
+            async with asgi(build_app(parse_policy(rollout_policy_yaml()), urls, MemoryRateLimiter())) as gw:
                 for _ in range(4):
                     for adapter in ("a1", "a2", "a3"):
                         resp = await gw.post("/v1/completions", json=COMPLETION,
@@ -223,9 +235,9 @@ def test_each_adapter_lands_on_its_rendezvous_upstream_and_base_spreads(mock: Mo
 
 def test_reload_applies_admission_and_breaker_settings_in_place(mock: MockUpstream, tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
-    tight = policy_yaml().replace("admission: {max_inflight_per_upstream: 64, max_queue: 64",
+    tight = rollout_policy_yaml().replace("admission: {max_inflight_per_upstream: 64, max_queue: 64",
                                   "admission: {max_inflight_per_upstream: 1, max_queue: 4")
-    assert tight != policy_yaml()
+    assert tight != rollout_policy_yaml()
     path.write_text(tight)
 
     async def scenario() -> dict[str, Any]:
@@ -242,10 +254,7 @@ def test_reload_applies_admission_and_breaker_settings_in_place(mock: MockUpstre
                                   "max_inflight_per_upstream: 2, max_queue: 0")
             path.write_text(wider + "breaker: {failure_threshold: 1, open_seconds: 30}\n")
             await gw_state.housekeeping()
-            deadline = time.monotonic() + 10
-            while mock.count < 2:  # the queued one got the new slot at once
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: mock.count >= 2, 10)  # the queued one got the new slot at once
             out["queue_full"] = await post()  # both slots taken, and no queue any more
             mock.release()
             out["done"] = [(await first).status_code, (await second).status_code]
@@ -264,7 +273,7 @@ def test_reload_applies_admission_and_breaker_settings_in_place(mock: MockUpstre
 
 
 def test_affinity_off_spreads_adapter_requests_like_base_ones(mock: MockUpstream) -> None:
-    text = policy_yaml().replace("queue_timeout_ms: 5000}", "queue_timeout_ms: 5000, affinity: false}")
+    text = rollout_policy_yaml().replace("queue_timeout_ms: 5000}", "queue_timeout_ms: 5000, affinity: false}")
     assert "affinity: false" in text
     with MockUpstream(adapters=("a1", "a2", "a3")) as other:
         upstreams = [mock, other]

@@ -16,53 +16,31 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from engine_server import start_engine_server
-from gateway_testing import asgi, assert_error, poll, run, start_gateway, stop_process
-from lora_fixtures import peft_greedy
-from mock_upstream import MockUpstream
-from redis_server import redis_url_fixture
 
-from engine.model.sources import load_tokenizer
 from gateway.app import build_app
-from gateway.auth import hash_key
 from gateway.policy import parse_policy
 from gateway.ratelimit import MemoryRateLimiter
 from gateway.rollout import BUCKETS, Counts, RedisShare, Rollouts, bucket, pick_variant
 from gateway.telemetry import GatewayMetrics
 
-KEY, OTHER_KEY, ADMIN_KEY = "acme-secret", "globex-secret", "admin-secret"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-COMPLETION = {"prompt": "hello", "max_tokens": 4}
+from gateway_testing import (
+    COMPLETION,
+    KEY,
+    OTHER_KEY,
+    asgi,
+    assert_error,
+    canary_users,
+    rollout_policy_yaml,
+    run,
+    support,
+)
+from mock_upstream import MockUpstream
+from policies import ADMIN
+from polling import poll
+from processes import start_engine_server, start_gateway, stop_process
+from redis_server import redis_url_fixture
 
 redis_url = redis_url_fixture()
-
-ROLLBACK = "{max_error_rate: 0.2, max_ttft_p99_ms: 60000, min_requests: 10, window_s: 60}"
-
-
-def policy_yaml(*, weights: tuple[float, float] = (90, 10), rollback: str | None = ROLLBACK,
-                sticky: str = "header:X-User-ID", acme_adapters: str = '["support", "a1"]',
-                variants: tuple[str, str] = ("a1", "a2"), extra: str = "") -> str:
-    rollback_line = f"\n    rollback: {rollback}" if rollback else ""
-    return f"""
-version: 1
-admin_keys: ["{hash_key(ADMIN_KEY)}"]
-tenants:
-  - id: acme
-    api_keys: ["{hash_key(KEY)}"]
-    adapters: {acme_adapters}
-    limits: {{requests_per_second: 1000, burst: 1000, tokens_per_minute: 100000000}}
-  - id: globex
-    api_keys: ["{hash_key(OTHER_KEY)}"]
-    adapters: ["*"]
-    limits: {{requests_per_second: 1000, burst: 1000, tokens_per_minute: 100000000}}
-rollouts:
-  - name: support
-    sticky_key: {sticky}
-    variants: [{{adapter: {variants[0]}, weight: {weights[0]}}}, {{adapter: {variants[1]}, weight: {weights[1]}}}]
-    override_header: X-Variant{rollback_line}
-admission: {{max_inflight_per_upstream: 64, max_queue: 64, queue_timeout_ms: 5000}}
-{extra}"""
 
 
 @pytest.fixture
@@ -73,15 +51,8 @@ def mock() -> Iterator[MockUpstream]:
 
 
 def make_app(upstreams: list[MockUpstream], text: str | None = None, **kwargs: Any) -> Any:
-    return build_app(parse_policy(text or policy_yaml()), [m.url for m in upstreams], MemoryRateLimiter(),
+    return build_app(parse_policy(text or rollout_policy_yaml()), [m.url for m in upstreams], MemoryRateLimiter(),
                      metrics=GatewayMetrics(), **kwargs)
-
-
-def support(user: str | None = None, auth: dict[str, str] = AUTH, **headers: str) -> dict[str, str]:
-    out = {**auth, "X-Adapter-ID": "support", **headers}
-    if user is not None:
-        out["X-User-ID"] = user
-    return out
 
 
 # ---- the split ---------------------------------------------------------------------------------------
@@ -89,7 +60,7 @@ def support(user: str | None = None, auth: dict[str, str] = AUTH, **headers: str
 
 @pytest.mark.parametrize("weights", [(90, 10), (50, 50), (1, 3)])
 def test_split_matches_the_weights_over_20000_users(weights: tuple[int, int]) -> None:
-    rollout = parse_policy(policy_yaml(weights=weights)).rollout("support")
+    rollout = parse_policy(rollout_policy_yaml(weights=weights)).rollout("support")
     assert rollout is not None
     counts = Counter(pick_variant(rollout, f"user-{i}").adapter for i in range(20_000))
     share = counts["a2"] / 20_000
@@ -101,13 +72,13 @@ def test_buckets_are_a_blake2b_of_name_and_value_and_weight_zero_gets_none() -> 
 
     digest = hashlib.blake2b(b"support\x00user-7", digest_size=8).digest()
     assert bucket("support", "user-7") == int.from_bytes(digest, "big") % BUCKETS
-    rollout = parse_policy(policy_yaml(weights=(0, 1))).rollout("support")
+    rollout = parse_policy(rollout_policy_yaml(weights=(0, 1))).rollout("support")
     assert rollout is not None
     assert {pick_variant(rollout, f"u{i}").adapter for i in range(2000)} == {"a2"}
 
 
 def test_same_user_same_variant_from_two_gateway_processes(tmp_path: Path, mock: MockUpstream) -> None:
-    gateways = [start_gateway(tmp_path, f"gw{i}", policy_yaml(weights=(50, 50)), [mock.url]) for i in range(2)]
+    gateways = [start_gateway(tmp_path, f"gw{i}", rollout_policy_yaml(weights=(50, 50)), [mock.url]) for i in range(2)]
     try:
         seen: list[dict[str, str]] = [{}, {}]
         with httpx.Client(timeout=30) as http:
@@ -127,7 +98,7 @@ def test_same_user_same_variant_from_two_gateway_processes(tmp_path: Path, mock:
 
 def test_missing_sticky_header_falls_back_to_the_tenant(mock: MockUpstream) -> None:
     async def scenario() -> tuple[set[str], set[str], set[str]]:
-        async with asgi(make_app([mock], policy_yaml(weights=(50, 50)))) as gw:
+        async with asgi(make_app([mock], rollout_policy_yaml(weights=(50, 50)))) as gw:
             async def served(headers: dict[str, str]) -> str:
                 resp = await gw.post("/v1/completions", json=COMPLETION, headers=headers)
                 assert resp.status_code == 200, resp.text
@@ -139,7 +110,7 @@ def test_missing_sticky_header_falls_back_to_the_tenant(mock: MockUpstream) -> N
             return acme, globex, users
 
     acme, globex, users = run(scenario())
-    rollout = parse_policy(policy_yaml(weights=(50, 50))).rollout("support")
+    rollout = parse_policy(rollout_policy_yaml(weights=(50, 50))).rollout("support")
     assert rollout is not None
     assert acme == {pick_variant(rollout, "acme").adapter}
     assert globex == {pick_variant(rollout, "globex").adapter}
@@ -147,7 +118,7 @@ def test_missing_sticky_header_falls_back_to_the_tenant(mock: MockUpstream) -> N
 
 
 def test_sticky_key_tenant_ignores_the_user_header(mock: MockUpstream) -> None:
-    text = policy_yaml(weights=(50, 50), sticky="tenant")
+    text = rollout_policy_yaml(weights=(50, 50), sticky="tenant")
 
     async def scenario() -> set[str]:
         async with asgi(make_app([mock], text)) as gw:
@@ -186,21 +157,9 @@ def test_override_forces_a_variant_the_tenant_may_use(mock: MockUpstream) -> Non
 # ---- rollback ----------------------------------------------------------------------------------------
 
 
-def canary_users(text: str, n: int, start: int = 0) -> list[str]:
-    """The first `n` users (from `start`) the split sends to the canary variant (the second)."""
-    rollout = parse_policy(text).rollout("support")
-    assert rollout is not None
-    users, i = [], start
-    while len(users) < n:
-        if pick_variant(rollout, f"user-{i}").adapter == rollout.variants[1].adapter:
-            users.append(f"user-{i}")
-        i += 1
-    return users
-
-
 def test_rollback_after_min_requests_of_canary_failures_only(mock: MockUpstream, tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
-    text = policy_yaml(weights=(50, 50))
+    text = rollout_policy_yaml(weights=(50, 50))
     path.write_text(text)
     mock.behavior.fail_adapters = frozenset({"a2"})  # the canary is broken, the first variant is fine
     canary = canary_users(text, 12)
@@ -247,7 +206,7 @@ def test_rollback_after_min_requests_of_canary_failures_only(mock: MockUpstream,
 
 
 def test_first_variant_failures_never_roll_back(mock: MockUpstream) -> None:
-    text = policy_yaml(weights=(50, 50))
+    text = rollout_policy_yaml(weights=(50, 50))
     mock.behavior.fail_adapters = frozenset({"a1"})
 
     async def scenario() -> dict[str, Any]:
@@ -262,7 +221,7 @@ def test_first_variant_failures_never_roll_back(mock: MockUpstream) -> None:
 
 
 def test_an_overloaded_engine_does_not_count_against_the_canary(mock: MockUpstream) -> None:
-    text = policy_yaml(weights=(50, 50))
+    text = rollout_policy_yaml(weights=(50, 50))
     mock.behavior.fail_status = 503  # every request, both variants: the engine is busy, not broken
 
     async def scenario() -> dict[str, Any]:
@@ -279,7 +238,7 @@ def test_an_overloaded_engine_does_not_count_against_the_canary(mock: MockUpstre
 
 
 def test_ttft_p99_bound_rolls_back_and_windows_slide() -> None:
-    policy = parse_policy(policy_yaml(rollback="{max_error_rate: 1, max_ttft_p99_ms: 500, min_requests: 100, "
+    policy = parse_policy(rollout_policy_yaml(rollback="{max_error_rate: 1, max_ttft_p99_ms: 500, min_requests: 100, "
                                                "window_s: 10}"))
     now = [0.0]
     rollouts = Rollouts(policy.rollouts, clock=lambda: now[0])
@@ -311,7 +270,7 @@ def test_counts_p99_test_matches_numpy_nearest_rank() -> None:
 
 def test_two_replicas_pool_their_windows_in_redis(redis_url: str) -> None:
     """min_requests counts the fleet: 5 canary failures on each of two replicas trip a rollback of 10."""
-    rollouts = parse_policy(policy_yaml()).rollouts
+    rollouts = parse_policy(rollout_policy_yaml()).rollouts
 
     async def scenario() -> dict[str, Any]:
         shares = [RedisShare(redis_url), RedisShare(redis_url)]
@@ -349,7 +308,7 @@ def test_two_replicas_pool_their_windows_in_redis(redis_url: str) -> None:
 
 def test_rollback_is_shared_through_redis_by_two_gateway_processes(tmp_path: Path, redis_url: str,
                                                                    mock: MockUpstream) -> None:
-    text = policy_yaml(weights=(50, 50))
+    text = rollout_policy_yaml(weights=(50, 50))
     mock.behavior.fail_adapters = frozenset({"a2"})
     canary = canary_users(text, 14)
     gateways = [start_gateway(tmp_path, f"gw{i}", text, [mock.url], "--redis", redis_url) for i in range(2)]
@@ -389,7 +348,7 @@ def test_canary_through_a_real_engine_serves_what_it_names(tmp_path: Path, tiny_
                                                            tiny_adapters: dict[str, Path]) -> None:
     """The official client through the gateway to a real engine: every answer is PEFT's greedy output of
     the variant X-Loragate-Adapter names, and each user keeps their variant."""
-    text = policy_yaml(weights=(50, 50), variants=("qv-r8", "all-r4"), rollback=None,
+    text = rollout_policy_yaml(weights=(50, 50), variants=("qv-r8", "all-r4"), rollback=None,
                        acme_adapters='["support"]')
     rollout = parse_policy(text).rollout("support")
     assert rollout is not None
@@ -411,6 +370,10 @@ def test_canary_through_a_real_engine_serves_what_it_names(tmp_path: Path, tiny_
     finally:
         stop_process(gateway)
         stop_process(engine)
+    from engine.model.sources import load_tokenizer  # the reference needs torch: only this test loads it
+
+    from lora_fixtures import peft_greedy
+
     tokenizer = load_tokenizer(tiny_model_dir)
     ids = tokenizer(prompt)["input_ids"]
     expected = {name: tokenizer.decode(peft_greedy(tiny_model_dir, tiny_adapters[name], ids, 6))

@@ -21,7 +21,7 @@ import yaml
 from gateway.policy import PolicyError, load_policy, parse_policy
 from gateway.policy_schema import policy_json_schema, render_policy_json_schema
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 POLICIES = REPO / "policies"
 SCHEMA_FILE = POLICIES / "schema.json"
 POLICY_FILES = sorted([*POLICIES.glob("*.yaml"), *(POLICIES / "examples").glob("*.yaml")])

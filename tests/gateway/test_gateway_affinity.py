@@ -12,15 +12,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from fake_clock import FakeClock
 
 from gateway.admission import AdmissionController, Slot, Upstream, rendezvous_order
 from gateway.breaker import CircuitBreaker
 from loragate.priority import Priority
 
+from fake_clock import FakeClock
+
 CRIT, STD = Priority.CRITICAL, Priority.STANDARD
 URLS = ("http://a", "http://b", "http://c")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make(

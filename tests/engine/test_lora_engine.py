@@ -8,12 +8,13 @@ import random
 from pathlib import Path
 
 import pytest
-from lora_fixtures import make_peft_adapter, peft_greedy
 from safetensors import safe_open
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request, SamplingParams
+
+from lora_fixtures import make_peft_adapter, peft_greedy
 
 NEW_TOKENS = 12
 # name -> LoraConfig arguments: ranks {2, 4, 8, 16, 32}, different targets and alphas, one rslora,

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_fixtures import load_peft_model, make_peft_adapter, peft_greedy
 from safetensors.torch import load_file, save_file
 
 import engine.lora.files as adapter_files
@@ -23,6 +22,8 @@ from engine.lora.files import load_weights, read_adapter
 from engine.lora.peft_config import MODULES, AdapterError, validate_adapter_id
 from engine.lora.registry import AdapterRegistry
 from engine.model.config import ModelConfig, load_model_config
+
+from lora_fixtures import load_peft_model, make_peft_adapter, peft_greedy
 
 # (r, alpha, targets, extra LoraConfig fields): every target form, rslora, patterns, layer selection.
 PARSE_CASES = {

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_fixtures import make_peft_adapter, peft_greedy
 from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import AdapterUnusable, LLMEngine
 from engine.core.outputs import RequestOutput
 from engine.core.request import SamplingParams
+
+from lora_fixtures import make_peft_adapter, peft_greedy
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

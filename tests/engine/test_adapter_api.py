@@ -19,12 +19,13 @@ import httpx
 import openai
 import pytest
 import torch
-from engine_server import start_engine_server
-from lora_fixtures import load_peft_model, make_peft_adapter, peft_greedy
 from safetensors.torch import load_file, save_file
 
 from engine.model.sources import build_tiny_random, load_tokenizer
 from loragate.cli import build_parser, main
+
+from lora_fixtures import load_peft_model, make_peft_adapter, peft_greedy
+from processes import start_engine_server
 
 MODEL = "tiny-random"
 PROMPT = "The quick brown fox"

@@ -17,14 +17,15 @@ from pathlib import Path
 
 import pytest
 import redis
-from fake_clock import FakeClock
-from redis_server import RedisServer, redis_server_fixture, redis_url_fixture
 
 from gateway.policy import Limits, parse_policy
 from gateway.ratelimit import Decision, MemoryRateLimiter, RateLimiter, RateLimiterUnavailable, make_limiter
 from gateway.redis_limiter import RedisRateLimiter
 
-REPO = Path(__file__).resolve().parents[1]
+from fake_clock import FakeClock
+from redis_server import RedisServer, redis_server_fixture, redis_url_fixture
+
+REPO = Path(__file__).resolve().parents[2]
 
 redis_url = redis_url_fixture()                              # one server for the module
 redis_server = redis_server_fixture(scope="function")        # a private one, for the test that stops it

@@ -6,11 +6,12 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
-from fake_clock import FakeClock
 
 from gateway.admission import AdmissionController, Shed, Slot, Upstream
 from gateway.breaker import CircuitBreaker
 from loragate.priority import Priority
+
+from fake_clock import FakeClock
 
 CRIT, STD, SHED = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
 

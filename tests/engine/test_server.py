@@ -9,7 +9,6 @@ import asyncio
 import json
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from engine_server import start_engine_server
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, describe
 from engine.model.sources import load_tokenizer
+
+from polling import poll
+from processes import start_engine_server
 
 MODEL = "tiny-random"
 MAX_MODEL_LEN = 1024  # tiny-random's whole context: long requests take ~1 s, time to disconnect
@@ -67,14 +68,6 @@ def _metrics(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 def _metric(base: str, name: str, **labels: str) -> float:
     return _metrics(base).get((name, tuple(sorted(labels.items()))), 0.0)
 
-
-def _wait_for(predicate: Any, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 # ---- the OpenAI surface, through the official client -----------------------------------------------
@@ -354,18 +347,18 @@ def test_disconnect_mid_stream_aborts_the_request(server: str) -> None:
         lines = resp.iter_lines()
         assert next(lines).startswith("data: ")
         assert _metric(server, "loragate_engine_kv_blocks_used") > 0
-    assert _wait_for(lambda: _metric(server, "loragate_engine_requests_total", status="abort")
+    poll(lambda: _metric(server, "loragate_engine_requests_total", status="abort")
                      == aborted + 1)
-    assert _wait_for(lambda: _metric(server, "loragate_engine_kv_blocks_used") == 0)
+    poll(lambda: _metric(server, "loragate_engine_kv_blocks_used") == 0)
 
 
 def test_disconnect_while_waiting_for_json_aborts_the_request(server: str) -> None:
     aborted = _metric(server, "loragate_engine_requests_total", status="abort")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=_long_request(False), timeout=0.3)
-    assert _wait_for(lambda: _metric(server, "loragate_engine_requests_total", status="abort")
+    poll(lambda: _metric(server, "loragate_engine_requests_total", status="abort")
                      == aborted + 1)
-    assert _wait_for(lambda: _metric(server, "loragate_engine_kv_blocks_used") == 0)
+    poll(lambda: _metric(server, "loragate_engine_kv_blocks_used") == 0)
 
 
 # ---- draining ---------------------------------------------------------------------------------------

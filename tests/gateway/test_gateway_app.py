@@ -1,4 +1,4 @@
-"""The gateway's HTTP app end to end: every status and reason of CONTRACT.md with its headers, streaming
+"""The gateway's HTTP app end to end: every status and reason of docs/reference.md with its headers, streaming
 passthrough, retries, breakers and priorities against fake engines (tests/mock_upstream.py, real HTTP
 servers on 127.0.0.1), the official `openai` client through the gateway to a real engine, and two gateway
 processes sharing one real Redis.
@@ -25,10 +25,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from engine_server import start_engine_server
-from gateway_testing import asgi, assert_error, run, serve_app, start_gateway, stop_process, wait_until
-from mock_upstream import BASE_MODEL, MockUpstream
-from redis_server import redis_url_fixture
 from starlette.applications import Starlette
 
 from gateway.app import build_app
@@ -38,8 +34,16 @@ from gateway.ratelimit import MemoryRateLimiter, RateLimiter
 from gateway.redis_limiter import RedisRateLimiter
 from gateway.telemetry import GatewayMetrics
 
-REPO = Path(__file__).resolve().parents[1]
-KEY, OTHER_KEY, ADMIN_KEY = "acme-secret", "globex-secret", "admin-secret"
+import policies
+from gateway_testing import asgi, assert_error, run
+from mock_upstream import BASE_MODEL, MockUpstream
+from policies import ADMIN_KEY, tenant_yaml
+from polling import poll, wait_until
+from processes import serve_in_thread, start_engine_server, start_gateway, stop_process
+from redis_server import redis_url_fixture
+
+REPO = Path(__file__).resolve().parents[2]
+KEY, OTHER_KEY = "acme-secret", "globex-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 COMPLETION = {"prompt": "hello", "max_tokens": 8}
 
@@ -50,42 +54,17 @@ def policy_yaml(*, limits: str = "{requests_per_second: 100, burst: 100, tokens_
                 admission: str = "{max_inflight_per_upstream: 8, max_queue: 16, queue_timeout_ms: 5000}",
                 breaker: str = "{failure_threshold: 5, open_seconds: 30, half_open_probes: 1}",
                 max_priority: str = "critical", extra_tenant_key: str = "") -> str:
-    return f"""
-version: 1
-admin_keys: ["{hash_key(ADMIN_KEY)}"]
-tenants:
-  - id: acme
-    api_keys: ["{hash_key(KEY)}"]
-    adapters: ["a1", "sql-*", "support"]
-    max_priority: {max_priority}
-    limits: {limits}
-  - id: globex
-    api_keys: ["{hash_key(OTHER_KEY)}"{extra_tenant_key}]
-    adapters: ["*"]
-rollouts:
-  - name: support
-    variants: [{{adapter: a2, weight: 90}}, {{adapter: a1, weight: 10}}]
-admission: {admission}
-breaker: {breaker}
-"""
+    return policies.policy_yaml(
+        tenant_yaml("acme", KEY, '["a1", "sql-*", "support"]', max_priority=max_priority, limits=limits),
+        tenant_yaml("globex", OTHER_KEY, '["*"]', limits=None, extra_keys=extra_tenant_key),
+        rollouts="  - name: support\n    variants: [{adapter: a2, weight: 90}, {adapter: a1, weight: 10}]",
+        admission=admission, breaker=breaker)
 
 
 def make_app(upstreams: list[MockUpstream], policy: Policy | None = None, limiter: RateLimiter | None = None,
              **kwargs: Any) -> Starlette:
     return build_app(policy or parse_policy(policy_yaml()), [m.url for m in upstreams],
                      limiter or MemoryRateLimiter(), metrics=GatewayMetrics(), **kwargs)
-
-
-@pytest.fixture
-def mock() -> Iterator[MockUpstream]:
-    with MockUpstream() as upstream:
-        yield upstream
-
-
-@pytest.fixture
-def mock_b() -> Iterator[MockUpstream]:
-    with MockUpstream() as upstream:
-        yield upstream
 
 
 def assert_ratelimit_headers(resp: httpx.Response) -> None:
@@ -546,7 +525,7 @@ def stream_body(**extra: Any) -> dict[str, Any]:
 
 def test_stream_is_relayed_as_it_arrives_and_usage_only_when_asked(mock: MockUpstream) -> None:
     mock.behavior.pause_after_chunks = 1  # the upstream stops after one chunk until resumed
-    with serve_app(make_app([mock])) as url, httpx.Client(base_url=url, timeout=30) as http:
+    with serve_in_thread(make_app([mock])) as url, httpx.Client(base_url=url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=stream_body(), headers=AUTH) as resp:
             assert resp.status_code == 200 and resp.headers["X-Loragate-Adapter"] == BASE_MODEL
             assert resp.headers["content-type"].startswith("text/event-stream")
@@ -579,7 +558,7 @@ def test_failure_before_the_first_byte_is_retried_on_the_other_upstream(
     else:
         mock.behavior.drop_before_first_byte = True
     sent = 0
-    with serve_app(make_app([mock, mock_b])) as url, httpx.Client(base_url=url, timeout=30) as http:
+    with serve_in_thread(make_app([mock, mock_b])) as url, httpx.Client(base_url=url, timeout=30) as http:
         while mock.count == 0 and sent < 4:  # admission alternates between equally idle upstreams
             sent += 1
             resp = http.post("/v1/completions", json=stream_body() if stream else COMPLETION, headers=AUTH)
@@ -598,7 +577,7 @@ def test_failure_before_the_first_byte_is_retried_on_the_other_upstream(
 def test_upstream_dying_mid_stream_ends_with_an_error_event_and_no_duplicates(
         mock: MockUpstream, mock_b: MockUpstream) -> None:
     mock.behavior.die_after_chunks = mock_b.behavior.die_after_chunks = 3
-    with serve_app(make_app([mock, mock_b])) as url, httpx.Client(base_url=url, timeout=30) as http:
+    with serve_in_thread(make_app([mock, mock_b])) as url, httpx.Client(base_url=url, timeout=30) as http:
         resp = http.post("/v1/completions", json=stream_body(), headers=AUTH)
     assert resp.status_code == 200
     events = list(sse_events(resp.text.splitlines()))
@@ -612,14 +591,12 @@ def test_upstream_dying_mid_stream_ends_with_an_error_event_and_no_duplicates(
 def test_client_disconnect_cancels_the_upstream_stream_and_frees_the_slot(mock: MockUpstream) -> None:
     mock.behavior.tokens, mock.behavior.token_interval_s = 400, 0.02
     app = make_app([mock])
-    with serve_app(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=stream_body(), headers=AUTH) as resp:
             events = sse_events(resp.iter_lines())
             assert json.loads(next(events))["choices"][0]["text"] == "t0 "
-        deadline = time.monotonic() + 10
-        while mock.streams_aborted == 0 or sum(app.state.gateway.admission.inflight().values()):
-            assert time.monotonic() < deadline, "the upstream stream was not cancelled"
-            time.sleep(0.02)
+        poll(lambda: mock.streams_aborted and not sum(app.state.gateway.admission.inflight().values()), 10,
+             what="the upstream stream cancelled and the slot freed")
     assert mock.streams_finished == 0 and mock.streams_aborted == 1
 
 
@@ -629,7 +606,7 @@ def test_client_disconnect_cancels_the_upstream_stream_and_frees_the_slot(mock: 
 def test_openai_client_through_the_gateway_to_a_real_engine(tmp_path: Path, tiny_model_dir: Path) -> None:
     engine, engine_url = start_engine_server(tmp_path / "engine.log", "--max-model-len", "512")
     try:
-        with serve_app(build_app(parse_policy(policy_yaml()), [engine_url], MemoryRateLimiter())) as url:
+        with serve_in_thread(build_app(parse_policy(policy_yaml()), [engine_url], MemoryRateLimiter())) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
             args: dict[str, Any] = {"model": "tiny-random", "temperature": 0, "max_tokens": 6,
                                     "extra_body": {"ignore_eos": True}}
@@ -710,14 +687,9 @@ def test_sigterm_drains_then_exits(tmp_path: Path, mock: MockUpstream) -> None:
         inflight = threading.Thread(target=lambda: result.setdefault(
             "r", httpx.post(f"{url}/v1/completions", json=COMPLETION, headers=AUTH, timeout=30)))
         inflight.start()
-        deadline = time.monotonic() + 10
-        while mock.count == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        poll(lambda: mock.count, 10, what="the request in flight")
         proc.send_signal(signal.SIGTERM)
-        while httpx.get(f"{url}/readyz", timeout=5).status_code != 503:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        poll(lambda: httpx.get(f"{url}/readyz", timeout=5).status_code == 503, 10, what="not ready (draining)")
         refused = httpx.post(f"{url}/v1/completions", json=COMPLETION, headers=AUTH, timeout=5)
         mock.release()
         inflight.join(timeout=20)

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from lora_fixtures import make_peft_adapter
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
@@ -21,6 +20,8 @@ from engine.lora.device_tier import DeviceAdapterTier
 from engine.lora.peft_config import AdapterKey
 from engine.lora.registry import AdapterRegistry, HostAdapterCache
 from engine.model.attention import allocate_kv_cache
+
+from lora_fixtures import make_peft_adapter
 
 BS = 4
 SYSTEM = list(range(100, 112))  # three full blocks

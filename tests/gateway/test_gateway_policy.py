@@ -12,7 +12,7 @@ from gateway.auth import Authenticator, hash_key
 from gateway.policy import Limits, Policy, PolicyError, load_policy, parse_policy
 from loragate.priority import Priority
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Digests from coreutils `printf %s KEY | sha256sum`, not from the code under test.
 ACME_KEY = "sk-acme-0123456789"
@@ -20,7 +20,7 @@ ACME_HASH = "sha256:70f3edfe9a5539de9541a82c314eabee1dca123ef29487888d219b17b457
 ADMIN_KEY = "sk-admin-0123456789"
 ADMIN_HASH = "sha256:d638dd660e3e43a5ed5f468652c34c7311f3f2a0fe94d77b9434f27a5873870a"
 
-# CONTRACT.md's example policy, with real digests, plus a second tenant that has a low priority cap.
+# The example policy of docs/reference.md, with real digests, plus a second tenant that has a low priority cap.
 CONTRACT_POLICY = f"""
 version: 1
 defaults:

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_testing import start_gateway, stop_process
-from mock_upstream import MockUpstream
 
 from gateway.auth import hash_key
 from loragate.cli import build_parser
+
+from mock_upstream import MockUpstream
+from polling import poll
+from processes import start_gateway, stop_process
 
 KEY = "slow-secret"
 POLICY = f"""
@@ -124,9 +126,7 @@ def test_connections_past_the_cap_are_answered_503_and_closed(gateway: tuple[str
                          b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
                          + str(len(request)).encode() + b"\r\n\r\n" + request)
             held.append(sock)
-        deadline = time.monotonic() + 30
-        while mock.count < MAX_CONNECTIONS and time.monotonic() < deadline:
-            time.sleep(0.02)
+        poll(lambda: mock.count == MAX_CONNECTIONS, 30, what="every held request reached the upstream")
         status, body = _answer(_connect(url))
         assert status == 503 and "connections" in body["error"]["message"]
     finally:

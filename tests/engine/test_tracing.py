@@ -17,11 +17,9 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -29,8 +27,6 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
-import uvicorn
-from mock_upstream import MockUpstream
 from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -51,7 +47,10 @@ from gateway.ratelimit import MemoryRateLimiter
 from gateway.telemetry import GatewayMetrics, finish_span, inject_headers, request_span
 from loragate.tracing import setup_tracing
 
-REPO = Path(__file__).resolve().parents[1]
+from mock_upstream import MockUpstream
+from processes import serve_in_thread
+
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny-random"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -436,29 +435,7 @@ def test_gateway_metrics_read_bound_state_at_scrape_time() -> None:
 # ---- gateway -> engine: one trace ---------------------------------------------------------------------
 
 
-class _EngineServer:
-    """The engine app under uvicorn in a thread on 127.0.0.1 (its lifespan starts the engine loop)."""
 
-    def __init__(self, llm: LLMEngine) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(build_app(AsyncEngine(llm)), log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the engine did not start"
-            time.sleep(0.02)
-        return self.url
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-        self.sock.close()
 
 
 def _ancestors(span: ReadableSpan, by_id: dict[int, ReadableSpan]) -> list[int]:
@@ -485,7 +462,8 @@ def test_gateway_and_engine_spans_share_one_trace(llm: LLMEngine, spans: InMemor
                 return await http.post("/v1/completions", json=body,
                                        headers={"Authorization": "Bearer sk-acme"})
 
-    with _EngineServer(llm) as engine_url:
+    # Under uvicorn in a thread the app's lifespan runs, and with it the engine loop.
+    with serve_in_thread(build_app(AsyncEngine(llm)), lifespan="on") as engine_url:
         resp = asyncio.run(through_gateway(engine_url))
     assert resp.status_code == 200, resp.text
     finished = spans.get_finished_spans()

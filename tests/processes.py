@@ -1,0 +1,101 @@
+"""Every server a test starts, on 127.0.0.1: `loragate engine` / `loragate gateway` processes, and ASGI apps
+under uvicorn in a thread (the mock upstream, an app under test). One launcher for all of them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from polling import poll
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _healthy(base: str, proc: subprocess.Popen[bytes]) -> bool:
+    if proc.poll() is not None:
+        return True  # exited: stop waiting, the caller reports it
+    try:
+        return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def start_loragate(log_path: Path, *args: str, timeout_s: float = 120.0, port: int | None = None
+                   ) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m loragate ARGS... --port PORT` (a free one by default; engine or gateway), once its
+    /healthz answers 200. The log is appended to, so a restart on the same port keeps the earlier lines."""
+    port = port if port is not None else free_port()
+    argv = [sys.executable, "-m", "loragate", *args, "--port", str(port)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        poll(lambda: _healthy(base, proc), timeout_s, interval_s=0.2, what=f"`loragate {args[0]}` healthy")
+        assert proc.poll() is None, f"exited with status {proc.returncode}"
+    except AssertionError as exc:
+        proc.kill()
+        pytest.fail(f"`loragate {args[0]}` did not come up ({exc}):\n{log_path.read_text()[-3000:]}")
+    return proc, base
+
+
+def start_engine_server(log_path: Path, *args: str, model: str = "tiny-random", timeout_s: float = 120.0,
+                        port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m loragate engine --model MODEL --port FREE --threads 1 ARGS...`; (process, base URL)."""
+    return start_loragate(log_path, "engine", "--model", model, "--threads", "1", *args,
+                          timeout_s=timeout_s, port=port)
+
+
+def start_gateway(tmp_path: Path, name: str, policy: str, upstreams: list[str],
+                  *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    """`loragate gateway` with `policy` written to TMP/NAME.yaml and its log in TMP/NAME.log."""
+    policy_path = tmp_path / f"{name}.yaml"
+    policy_path.write_text(policy)
+    args = ["gateway", "--policy", str(policy_path), "--log-level", "warning", *extra]
+    for upstream in upstreams:
+        args += ["--upstream", upstream]
+    return start_loragate(tmp_path / f"{name}.log", *args, timeout_s=30)
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, log_level: str = "warning", **config: Any) -> Iterator[str]:
+    """Run an ASGI `app` under uvicorn in a daemon thread on a free 127.0.0.1 port; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, http="h11", **config))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        poll(lambda: server.started, 10, interval_s=0.01, what="uvicorn started")
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
