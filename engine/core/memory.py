@@ -1,7 +1,7 @@
 """The unified page pool (S-LoRA): fixed-size pages that hold KV blocks and adapter weights alike.
 
 A page is one KV block (`block_size` tokens' K and V for every layer). An adapter takes a run of
-consecutive pages, enough for its weights in every layer (engine/lora.py), so loading an adapter and
+consecutive pages, enough for its weights in every layer (engine/lora/device_tier.py), so loading an adapter and
 growing a KV cache draw from the same pages. KV blocks are handed out lowest id first and adapter runs
 highest first, which keeps the two apart and runs easy to find. The pool only does bookkeeping; the
 tensor lives with the runner (`kv_cache[layer, page]`).

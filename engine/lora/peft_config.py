@@ -1,10 +1,10 @@
 """What a PEFT LoRA adapter adapts: adapter ids, and adapter_config.json -> (layer, module) targets.
 
-Parsing is pure: engine/adapter_files.py reads the files and hands the JSON object here. The result is a
+Parsing is pure: engine/lora/files.py reads the files and hands the JSON object here. The result is a
 rank and a scale for every (layer, module) pair the adapter adapts on the base model (`AdapterSpec`).
 
 Which (layer, module) pairs an adapter adapts, and each pair's rank and scale, follow PEFT's rules
-(checked against PEFT 0.21 in tests/test_adapters.py) applied to LlamaForCausalLM module names
+(checked against PEFT 0.21 in tests/engine/test_adapters.py) applied to LlamaForCausalLM module names
 ("model.layers.{i}.self_attn.q_proj", "model.layers.{i}.mlp.down_proj"):
 - target_modules: a list matches a name equal to an entry or ending in "." + entry, optionally limited to
   layers_to_transform (layer index found via layers_pattern); a string is a regex that must match the

@@ -1,8 +1,8 @@
 """Registered adapters by id, and their weights in a byte-bounded LRU in host RAM.
 
 Registering validates an adapter directory from its config and safetensors header only
-(engine/adapter_files.py), so a registered adapter costs a few KB; weights are read on first use into
-`HostAdapterCache`. The device tier above this one is engine/lora.py.
+(engine/lora/files.py), so a registered adapter costs a few KB; weights are read on first use into
+`HostAdapterCache`. The device tier above this one is engine/lora/device_tier.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 KV cache layout, one tensor for the whole model, which is also the unified page pool (S-LoRA):
     kv_cache: [num_layers, num_pages, 2, block_size, num_kv_heads, head_dim]   (2 = key, value)
 Per layer, a page is one contiguous run of `2 * block_size * num_kv_heads * head_dim` elements; a page
-holds either one KV block or part of an adapter's weights (engine/lora.py), so an adapter given a run of
+holds either one KV block or part of an adapter's weights (engine/lora/device_tier.py), so an adapter given a run of
 consecutive pages owns one contiguous region per layer.
 A token at position p of a sequence lives in block `block_table[p // block_size]` at offset
 `p % block_size`; its logical slot is `block_id * block_size + offset`. In a layer's cache viewed as rows

@@ -1,7 +1,7 @@
 """The adapter HTTP surface end to end: a real `loragate engine --adapter-dir` process on tiny-random,
 with real PEFT adapters (tests/lora_fixtures.py), driven by the official `openai` client and raw httpx.
 
-Also the demo adapters `loragate up` serves (loragate/demo.py), built on tiny-random, and the CLI flags.
+Also the demo adapters `loragate up` serves (engine/lora/demo.py), built on tiny-random, and the CLI flags.
 """
 
 from __future__ import annotations

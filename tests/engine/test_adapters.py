@@ -1,4 +1,4 @@
-"""engine/adapter_config.py, adapter_files.py and adapters.py against real PEFT adapters: parsing (ranks,
+"""engine/lora/peft_config.py, files.py and registry.py against real PEFT adapters: parsing (ranks,
 scales, patterns), rejections, registry, host cache."""
 
 from __future__ import annotations
