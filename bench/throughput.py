@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import random
 import sys
 import time
@@ -139,13 +140,17 @@ def bench_hf_peft(model_dir: Path, adapter_dirs: list[Path], texts: list[str],
 
 
 def scale_adapter_dir(weight_dirs: list[Path], root: Path, count: int) -> Path:
-    """`count` adapter ids (symlinks over the 8 weight sets): each id is its own adapter to the engine."""
-    scale = root / f"scale-{count}"
+    """`count` adapter ids over the 8 weight sets: each id is its own adapter to the engine. Their files are
+    hard links (no extra disk), since the engine refuses symlinks that lead out of its --adapter-dir."""
+    scale = root / f"scale-{count}-v2"
     scale.mkdir(parents=True, exist_ok=True)
     for k in range(count):
-        link = scale / f"a{k:04d}"
-        if not link.exists():
-            link.symlink_to(weight_dirs[k % len(weight_dirs)].resolve(), target_is_directory=True)
+        target = scale / f"a{k:04d}"
+        if target.is_dir():
+            continue
+        target.mkdir()
+        for source in weight_dirs[k % len(weight_dirs)].iterdir():
+            os.link(source, target / source.name)
     return scale
 
 

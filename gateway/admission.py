@@ -170,6 +170,7 @@ class AdmissionController:
         spill_inflight: int | None = None,
     ) -> None:
         self.upstreams = list(upstreams)
+        self.retiring: list[Upstream] = []  # removed by set_upstreams, requests still in flight on them
         self.spills = 0  # affinity requests sent past a busy first choice (exported as a metric)
         self._set_limits(max_inflight_per_upstream, max_queue, queue_timeout_s, spill_inflight)
         self._clock = clock
@@ -199,6 +200,22 @@ class AdmissionController:
         (a waiter's timeout was set when it arrived; a queue now over `max_queue` drains as slots free);
         new room is handed out at once."""
         self._set_limits(max_inflight_per_upstream, max_queue, queue_timeout_s, spill_inflight)
+        self._dispatch()
+
+    def set_upstreams(self, upstreams: list[Upstream]) -> None:
+        """A new set of upstreams (engines discovered or gone). A removed one gets no new request; those in
+        flight on it finish (it is kept in `retiring`, counted in `inflight()`, until they have). Waiters
+        may use new ones at once."""
+        kept = set(map(id, upstreams))
+        for upstream in self.upstreams:
+            if id(upstream) not in kept:
+                upstream.breaker.unsubscribe(self._dispatch)
+                if upstream.inflight:
+                    self.retiring.append(upstream)
+        for upstream in upstreams:
+            if upstream not in self.upstreams:
+                upstream.breaker.subscribe(self._dispatch)
+        self.upstreams = list(upstreams)
         self._dispatch()
 
     @property
@@ -251,7 +268,11 @@ class AdmissionController:
         return dict(zip(BAND_NAMES, self._depths, strict=True))
 
     def inflight(self) -> dict[str, int]:
-        return {u.url: u.inflight for u in self.upstreams}
+        """Requests in flight per upstream URL, those on retiring upstreams included."""
+        self.retiring = [u for u in self.retiring if u.inflight]
+        counts = {u.url: u.inflight for u in self.retiring}
+        counts.update((u.url, u.inflight + counts.get(u.url, 0)) for u in self.upstreams)
+        return counts
 
     def preferred(self, affinity: str) -> str | None:
         """Where `affinity` goes when load is not a concern: its first healthy rendezvous choice, if any."""

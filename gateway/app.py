@@ -13,7 +13,8 @@ one task owns the request from the first byte read to the last byte sent: the sp
 the stream runs, and the settle step runs after the response is done, however it ended.
 
 A background loop (the app's lifespan) polls the policy file for changes and exchanges rollbacks with the
-other replicas through Redis, about once a second.
+other replicas through Redis, about once a second; with `--upstream-dns`, another re-resolves the engines'
+DNS name every few seconds (gateway/discovery.py) and updates the upstreams.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.admin import AdminRoutes, unauthorized
 from gateway.admission import AdmissionController, Shed, Upstream
 from gateway.breaker import CircuitBreaker
+from gateway.discovery import DnsUpstreams
 from gateway.policy import Policy, PolicyError, Tenant
 from gateway.proxy import Call, Exchange, Proxy
 from gateway.ratelimit import Decision, RateLimiter, RateLimiterUnavailable, Reservation
@@ -81,8 +83,11 @@ class Gateway:
     """The state one app serves from: policy, limiter, admission, upstreams, proxy, metrics."""
 
     def __init__(self, store: PolicyStore, limiter: RateLimiter, admission: AdmissionController,
-                 catalog: UpstreamCatalog, proxy: Proxy, metrics: GatewayMetrics, max_body_bytes: int) -> None:
+                 catalog: UpstreamCatalog, proxy: Proxy, metrics: GatewayMetrics, max_body_bytes: int,
+                 discovery: DnsUpstreams | None = None) -> None:
         self.store = store
+        self.discovery = discovery
+        self.static_urls = [u.url for u in admission.upstreams]
         self.limiter = limiter
         self.admission = admission
         self.catalog = catalog
@@ -93,6 +98,39 @@ class Gateway:
         self._decisions: dict[str, tuple[Decision, float]] = {}  # tenant -> last decision, for headers
         self.watcher = PolicyWatcher(store.path) if store.path is not None else None
         self._sync_failing = False
+
+    def set_upstreams(self, urls: list[str]) -> None:
+        """Serve from exactly these engine URLs (the static ones plus those discovered in DNS): new ones
+        join with a fresh breaker, vanished ones get no new request and their requests in flight finish."""
+        current = {u.url: u for u in self.admission.upstreams}
+        if set(urls) == set(current):
+            return
+        b = self.store.active.policy.breaker
+        upstreams = [current.get(url) or Upstream(url, CircuitBreaker(b.failure_threshold, b.open_seconds,
+                                                                      b.half_open_probes)) for url in urls]
+        joined, left = sorted(set(urls) - set(current)), sorted(set(current) - set(urls))
+        logger.info("upstreams: %d (joined %s; left %s)", len(urls), ", ".join(joined) or "none",
+                    ", ".join(left) or "none")
+        self.admission.set_upstreams(upstreams)
+        self.catalog.invalidate()
+
+    async def discover(self) -> None:
+        """Resolve the engines' DNS name once and serve from what it says (with the static upstreams)."""
+        if self.discovery is None:
+            return
+        found = await self.discovery.urls()
+        if found is not None:
+            self.set_upstreams(sorted(set(self.static_urls) | set(found)))
+
+    async def discovering(self) -> None:
+        """Until cancelled: `discover()` every `discovery.interval_s`."""
+        assert self.discovery is not None
+        while True:
+            await asyncio.sleep(self.discovery.interval_s)
+            try:
+                await self.discover()
+            except Exception:
+                logger.exception("engine discovery failed")
 
     def apply_settings(self, policy: Policy) -> None:
         """A reloaded policy's admission, breaker and rate-limiter settings, applied in place."""
@@ -334,8 +372,9 @@ def build_app(policy: Policy, upstream_urls: list[str], limiter: RateLimiter, *,
               client: httpx.AsyncClient | None = None, policy_path: Path | None = None,
               environ: Mapping[str, str] = os.environ,
               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, rollback_share: RollbackShare | None = None,
-              background_interval_s: float = BACKGROUND_INTERVAL_S) -> Starlette:
-    """The gateway app in front of `upstream_urls`.
+              background_interval_s: float = BACKGROUND_INTERVAL_S,
+              discovery: DnsUpstreams | None = None) -> Starlette:
+    """The gateway app in front of `upstream_urls` (and of the engines `discovery` finds in DNS).
 
     `policy_path` enables hot reload (POST /admin/reload, and the file watched while the app's lifespan
     runs); `rollback_share` (gateway.rollout.RedisShare) shares rollbacks with other replicas.
@@ -355,10 +394,11 @@ def build_app(policy: Policy, upstream_urls: list[str], limiter: RateLimiter, *,
                         on_rollback=lambda name, rollback: metrics.count_rollback(name, rollback.reason),
                         on_reload_error=metrics.count_reload_error,
                         on_reload=lambda new: gateway.apply_settings(new))
-    catalog = UpstreamCatalog(upstreams, http)
-    gateway = Gateway(store, limiter, admission, catalog, Proxy(http, admission, metrics), metrics, max_body_bytes)
+    catalog = UpstreamCatalog(lambda: admission.upstreams, http)
+    gateway = Gateway(store, limiter, admission, catalog, Proxy(http, admission, metrics), metrics, max_body_bytes,
+                      discovery)
     metrics.bind(queue_depths=admission.queue_depths, inflight=admission.inflight,
-                 breaker_states=lambda: {u.url: u.breaker.state for u in upstreams},
+                 breaker_states=lambda: {u.url: u.breaker.state for u in admission.upstreams},
                  redis_errors=lambda: int(getattr(limiter, "redis_errors", 0)),
                  rolled_back=lambda: {name: store.active.rollouts.is_rolled_back(name)
                                       for name in store.active.rollouts.states},
@@ -367,13 +407,17 @@ def build_app(policy: Policy, upstream_urls: list[str], limiter: RateLimiter, *,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        background = asyncio.create_task(gateway.background(background_interval_s))
+        tasks = [asyncio.create_task(gateway.background(background_interval_s))]
+        if discovery is not None:
+            await gateway.discover()  # serve from what DNS says from the first request on
+            tasks.append(asyncio.create_task(gateway.discovering()))
         try:
             yield
         finally:
-            background.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await background
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             gateway.drain()
             if own_client:
                 await http.aclose()

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 from gateway.app import build_app
+from gateway.discovery import DnsUpstreams
 from gateway.policy import Policy, load_policy
 from gateway.ratelimit import make_limiter
 from gateway.rollout import RedisShare
@@ -19,7 +20,8 @@ DRAIN_TIMEOUT_S = 30.0  # after SIGTERM, requests in flight get this long to fin
 
 def serve(policy_path: Path, upstreams: list[str], redis_url: str | None, host: str, port: int, *,
           max_body_bytes: int = 1 << 20, log_level: str = "info", policy: Policy | None = None,
-          drain_timeout_s: float = DRAIN_TIMEOUT_S, limits: ConnectionLimits = ConnectionLimits()) -> None:
+          drain_timeout_s: float = DRAIN_TIMEOUT_S, limits: ConnectionLimits = ConnectionLimits(),
+          discovery: DnsUpstreams | None = None) -> None:
     """Serve the gateway until SIGINT/SIGTERM. `policy`, if given, is `policy_path` already loaded.
 
     On the first signal the gateway stops admitting (503 draining, /readyz 503) but keeps listening until
@@ -30,9 +32,10 @@ def serve(policy_path: Path, upstreams: list[str], redis_url: str | None, host: 
     limiter = make_limiter(redis_url, policy)
     share = RedisShare(redis_url) if redis_url is not None else None  # rollbacks, shared like the limits
     app = build_app(policy, upstreams, limiter, max_body_bytes=max_body_bytes, policy_path=policy_path,
-                    rollback_share=share)
+                    rollback_share=share, discovery=discovery)
     gateway = app.state.gateway
-    logger.info("gateway on http://%s:%d/v1 in front of %s", host, port, ", ".join(upstreams))
+    engines = list(upstreams) + ([f"dns:{discovery.name}:{discovery.port}"] if discovery is not None else [])
+    logger.info("gateway on http://%s:%d/v1 in front of %s", host, port, ", ".join(engines))
     serve_app(app, host, port, begin_drain=gateway.drain,
               is_idle=lambda: sum(gateway.admission.inflight().values()) == 0,
               drain_timeout_s=drain_timeout_s, limits=limits, log_level=log_level)

@@ -33,7 +33,8 @@ def make_client(max_inflight_per_upstream: int, num_upstreams: int,
     a policy reload may raise that bound. Enough of them are kept alive for every admitted request.
     """
     per_upstream = max_inflight_per_upstream + 4  # + catalog refreshes and a retry's overlap
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=per_upstream * max(num_upstreams, 1))
+    # With discovered engines the count changes: keep room for a few more than there are at start.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=per_upstream * max(num_upstreams, 4))
     timeout = httpx.Timeout(read_timeout_s, connect=CONNECT_TIMEOUT_S, pool=CONNECT_TIMEOUT_S)
     return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
 
@@ -54,8 +55,9 @@ _EMPTY = Models(frozenset(), frozenset())
 
 
 class UpstreamCatalog:
-    def __init__(self, upstreams: list[Upstream], client: httpx.AsyncClient,
+    def __init__(self, upstreams: Callable[[], list[Upstream]], client: httpx.AsyncClient,
                  clock: Callable[[], float] = time.monotonic, ttl_s: float = CATALOG_TTL_S) -> None:
+        """`upstreams()`: the current upstreams (they change when engines are discovered)."""
         self.upstreams = upstreams
         self.client = client
         self._clock = clock
@@ -90,7 +92,8 @@ class UpstreamCatalog:
         return self._fetched_at is not None and self._clock() - self._fetched_at < self._ttl_s
 
     async def _refresh(self) -> None:
-        healthy = [u for u in self.upstreams if u.breaker.state != "open"] or self.upstreams
+        upstreams = self.upstreams()
+        healthy = [u for u in upstreams if u.breaker.state != "open"] or upstreams
         answers = await asyncio.gather(*(self._fetch(u.url) for u in healthy))
         good = [a for a in answers if a is not None]
         # After a failure everywhere, look again in a second instead of a whole TTL.

@@ -150,8 +150,13 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gateway", help="serve the gateway in front of engine replicas",
                        description="Tenant auth, rate limits, admission and routing in front of engines.")
     p.add_argument("--policy", required=True, type=Path, help="the policy YAML file (format: docs/reference.md)")
-    p.add_argument("--upstream", required=True, action="append", metavar="URL",
+    p.add_argument("--upstream", action="append", default=[], metavar="URL",
                    help="an engine's base URL, e.g. http://127.0.0.1:8001 (repeat for more replicas)")
+    p.add_argument("--upstream-dns", metavar="NAME:PORT",
+                   help="also serve from every address NAME resolves to (e.g. a Kubernetes headless Service), "
+                        "as http://ADDRESS:PORT, re-resolved every --dns-interval-s")
+    p.add_argument("--dns-interval-s", type=_seconds, default=5.0,
+                   help="how often --upstream-dns is resolved again")
     p.add_argument("--redis", metavar="URL",
                    help="share rate limits across gateway replicas through this Redis (default: in-process)")
     p.add_argument("--host", default="127.0.0.1")
@@ -256,10 +261,24 @@ def run_gateway(args: argparse.Namespace) -> int:
         if not url.startswith(("http://", "https://")):
             print(f"loragate gateway: error: --upstream {url!r}: expected an http(s):// URL", file=sys.stderr)
             return 2
+    discovery = None
+    if args.upstream_dns is not None:
+        from gateway.discovery import DnsUpstreams
+
+        try:
+            discovery = DnsUpstreams.from_target(args.upstream_dns, interval_s=args.dns_interval_s)
+        except ValueError as exc:
+            print(f"loragate gateway: error: {exc}", file=sys.stderr)
+            return 2
+    elif not args.upstream:
+        print("loragate gateway: error: name the engines with --upstream URL or --upstream-dns NAME:PORT",
+              file=sys.stderr)
+        return 2
     _setup_logging(args.log_level)
     try:
         serve(args.policy, args.upstream, args.redis, args.host, args.port, policy=policy,
-              max_body_bytes=args.max_body_mb << 20, log_level=args.log_level, limits=_connection_limits(args))
+              max_body_bytes=args.max_body_mb << 20, log_level=args.log_level, limits=_connection_limits(args),
+              discovery=discovery)
     except PolicyError as exc:  # e.g. two tenants sharing a key through env: references
         print(f"loragate gateway: error: {exc}", file=sys.stderr)
         return 2

@@ -64,7 +64,9 @@ class _BrokenOnPurpose(Exception):
 
 
 class MockUpstream:
-    def __init__(self, adapters: tuple[str, ...] = ("a1", "a2"), base_model: str = BASE_MODEL) -> None:
+    def __init__(self, adapters: tuple[str, ...] = ("a1", "a2"), base_model: str = BASE_MODEL,
+                 host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host, self.port = host, port  # where it listens (port 0: a free one)
         self.adapters = adapters
         self.base_model = base_model
         self.behavior = Behavior()
@@ -80,7 +82,8 @@ class MockUpstream:
 
     # ---- lifecycle ----
     def start(self) -> MockUpstream:
-        self.url = self._serving.enter_context(serve_in_thread(self._app(), log_level="critical", lifespan="off"))
+        self.url = self._serving.enter_context(serve_in_thread(self._app(), log_level="critical", lifespan="off",
+                                                               host=self.host, port=self.port))
         return self
 
     def stop(self) -> None:

@@ -85,16 +85,18 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: Any, log_level: str = "warning", **config: Any) -> Iterator[str]:
-    """Run an ASGI `app` under uvicorn in a daemon thread on a free 127.0.0.1 port; yields its base URL."""
+def serve_in_thread(app: Any, log_level: str = "warning", host: str = "127.0.0.1", port: int = 0,
+                    **config: Any) -> Iterator[str]:
+    """Run an ASGI `app` under uvicorn in a daemon thread on `host`:`port` (a free port by default; any
+    127.0.0.x is loopback); yields its base URL."""
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((host, port))
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, http="h11", **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
         poll(lambda: server.started, 10, interval_s=0.01, what="uvicorn started")
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield f"http://{host}:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(timeout=15)

