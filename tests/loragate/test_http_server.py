@@ -117,6 +117,7 @@ def test_a_trickled_request_body_is_answered_408_and_closed(gateway: tuple[str, 
 def test_connections_past_the_cap_are_answered_503_and_closed(gateway: tuple[str, MockUpstream]) -> None:
     url, mock = gateway
     mock.hold()  # requests in flight hold their connections open (no timer runs once a request is in)
+    before = mock.count
     held = []
     try:
         request = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
@@ -126,7 +127,7 @@ def test_connections_past_the_cap_are_answered_503_and_closed(gateway: tuple[str
                          b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
                          + str(len(request)).encode() + b"\r\n\r\n" + request)
             held.append(sock)
-        poll(lambda: mock.count == MAX_CONNECTIONS, 30, what="every held request reached the upstream")
+        poll(lambda: mock.count == before + MAX_CONNECTIONS, 30, what="every held request reached the upstream")
         status, body = _answer(_connect(url))
         assert status == 503 and "connections" in body["error"]["message"]
     finally:
