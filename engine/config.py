@@ -17,7 +17,9 @@ class EngineConfig:
     max_num_seqs: int = 128  # requests running at once
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     served_model_name: str | None = None  # None: derived from `model`
-    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    # torch intra-op threads: a number (fixed), "auto" (the CPUs the process may use, fewer while it cannot
+    # get them: engine/worker/threads.py; what `loragate engine` runs) or None (torch's setting untouched)
+    num_threads: int | str | None = None
     adapter_dir: str | None = None  # every PEFT LoRA subdirectory is registered under its folder name
     max_device_adapters: int = 8  # adapters resident in the page pool at once
     host_adapter_mb: int = 512  # host-RAM LRU of parsed adapter weights
@@ -49,5 +51,8 @@ class EngineConfig:
             raise ValueError("aging_s must be > 0")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.num_threads is not None and self.num_threads != "auto" and (
+                not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be a positive integer or 'auto', got {self.num_threads!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -58,6 +58,10 @@ _positive = _int_at_least(1, "positive")
 _non_negative = _int_at_least(0, "non-negative")
 
 
+def _threads(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive(text)
+
+
 def _directory(text: str) -> str:
     if not Path(text).expanduser().is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is not an existing directory")
@@ -130,7 +134,9 @@ def _add_engine_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=_positive,
                    help="context length (default: the model's max_position_embeddings)")
     p.add_argument("--served-model-name", help="the name /v1/models reports (default: derived)")
-    p.add_argument("--threads", type=_positive, help="torch intra-op threads")
+    p.add_argument("--threads", type=_threads, default="auto",
+                   help="torch intra-op threads: N, or auto (default): the CPUs this process may use (affinity "
+                        "mask and cgroup quota), fewer while other processes take them")
     _add_connection_args(p)
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
 
@@ -223,6 +229,9 @@ def _engine_extra_or_exit(command: str) -> int | None:
 def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if (status := _engine_extra_or_exit("engine")) is not None:
         return status
+    # Prompts are tokenized one at a time: the tokenizers' own thread pool would only compete with the
+    # compute threads for the CPUs.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from engine.config import EngineConfig
     from engine.entrypoints.serving import serve
 

@@ -36,6 +36,7 @@ from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
 from engine.worker.runner import ModelRunner
 from engine.worker.sampler import Sampler
+from engine.worker.threads import ThreadTuner, usable_cpus
 from loragate.priority import Priority
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,10 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
-        if config.num_threads:
+        self.threads: ThreadTuner | None = None
+        if config.num_threads == "auto":
+            self.threads = ThreadTuner(usable_cpus())
+        elif config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
         resolved = resolve_model(config.model)
@@ -224,7 +228,11 @@ class LLMEngine:
         if batch.is_empty():
             return outputs
         t0 = time.perf_counter()
+        if self.threads is not None:
+            self.threads.step_started()
         result = self._execute(batch)
+        if self.threads is not None:
+            self.threads.step_done()
         self.scheduler.preemption.observe_step(batch.total_tokens, time.perf_counter() - t0)
         if result.errors:
             outputs += [self._engine_failure(batch.requests[i], message) for i, message in result.errors.items()]

@@ -1,0 +1,136 @@
+"""Compute threads (engine/worker/threads.py): the CPUs a process may use (affinity mask and cgroup quota,
+v1 and v2, read from fake cgroup trees), the tuner's decisions on scripted CPU and wall clocks, and, on a
+two-CPU machine, the tuner shrinking a real engine's team beside a real CPU hog."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.core.request import SamplingParams
+from engine.worker.threads import ThreadTuner, quota_cpus, usable_cpus
+from loragate.cli import build_parser
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_quota_from_cgroup_v2_and_v1_files(tmp_path: Path) -> None:
+    v2 = _tree(tmp_path / "v2", {"cpu.max": "max 100000", "pod/cpu.max": "150000 100000"})
+    assert quota_cpus(v2, "0::/") is None
+    assert quota_cpus(v2, "0::/pod") == 1.5  # its own group's limit
+    v1 = _tree(tmp_path / "v1", {"cpu,cpuacct/cpu.cfs_quota_us": "-1", "cpu,cpuacct/cpu.cfs_period_us": "100000",
+                                 "cpu,cpuacct/kube/pod/cpu.cfs_quota_us": "250000",
+                                 "cpu,cpuacct/kube/pod/cpu.cfs_period_us": "100000",
+                                 "cpu,cpuacct/kube/cpu.cfs_quota_us": "100000",
+                                 "cpu,cpuacct/kube/cpu.cfs_period_us": "100000"})
+    assert quota_cpus(v1, "4:cpu,cpuacct:/kube/pod\n3:memory:/kube/pod") == 1.0  # the tighter ancestor
+    assert quota_cpus(v1, "4:cpu,cpuacct:/") is None
+    assert quota_cpus(tmp_path / "none", "0::/") is None
+
+
+def test_usable_cpus_is_the_affinity_mask_capped_by_the_quota(tmp_path: Path) -> None:
+    mask = len(os.sched_getaffinity(0))
+    assert usable_cpus(tmp_path / "none", "0::/") == mask
+    half = _tree(tmp_path / "q", {"cpu.max": "50000 100000"})
+    assert usable_cpus(half, "0::/") == 1  # never below one
+    if mask >= 2:
+        assert usable_cpus(_tree(tmp_path / "big", {"cpu.max": f"{mask * 200000} 100000"}), "0::/") == mask
+
+
+class Clocks:
+    """Scripted clocks: each step lasts `wall` seconds and the process gets `cpu` seconds of CPU in it."""
+
+    def __init__(self) -> None:
+        self.cpu_s = self.wall_s = 0.0
+
+    def step(self, tuner: ThreadTuner, wall: float, cpu_share: float) -> None:
+        tuner.step_started()
+        self.wall_s += wall
+        self.cpu_s += wall * tuner.threads * cpu_share
+        tuner.step_done()
+
+
+def _tuner(max_threads: int, clocks: Clocks, calls: list[int]) -> ThreadTuner:
+    return ThreadTuner(max_threads, set_threads=calls.append, cpu_clock=lambda: clocks.cpu_s,
+                       wall_clock=lambda: clocks.wall_s)
+
+
+def test_the_tuner_shrinks_the_team_to_the_cpus_it_gets_and_probes_back_later() -> None:
+    clocks, calls = Clocks(), []
+    tuner = _tuner(2, clocks, calls)
+    assert calls == [2]
+    for _ in range(5):  # quiet: every thread gets its CPU
+        clocks.step(tuner, 0.1, 1.0)
+    assert tuner.threads == 2 and tuner.changes == 0
+    clocks.step(tuner, 0.5, 0.53)  # a hog took a CPU: two threads got ~1.06 CPUs
+    assert tuner.threads == 1 and calls[-1] == 1
+    for _ in range(int(ThreadTuner.FIRST_PROBE_S / 0.1) - 1):  # no probe before FIRST_PROBE_S of work
+        clocks.step(tuner, 0.1, 1.0)
+    assert tuner.threads == 1
+    clocks.step(tuner, 0.2, 1.0)  # now it probes one thread more
+    assert tuner.threads == 2
+    clocks.step(tuner, 0.5, 0.55)  # the hog is still there: back to one, the next probe twice as far
+    assert tuner.threads == 1
+    for _ in range(int(ThreadTuner.FIRST_PROBE_S / 0.1) + 5):
+        clocks.step(tuner, 0.1, 1.0)
+    assert tuner.threads == 1  # 15 s more is not yet 30 s
+    for _ in range(int(ThreadTuner.FIRST_PROBE_S / 0.1)):
+        clocks.step(tuner, 0.1, 1.0)
+    assert tuner.threads == 2  # probing
+    clocks.step(tuner, 0.1, 0.98)  # the hog left: the probe's thread got its CPU
+    assert tuner.threads == 2
+    for _ in range(20):
+        clocks.step(tuner, 0.1, 1.0)
+    assert tuner.threads == 2 and calls == [2, 1, 2, 1, 2]
+
+
+def test_short_steps_are_judged_together_and_many_cpus_shrink_in_proportion() -> None:
+    clocks, calls = Clocks(), []
+    tuner = _tuner(8, clocks, calls)
+    for _ in range(4):  # 4 x 10 ms is under WINDOW_S: not judged yet
+        clocks.step(tuner, 0.01, 0.5)
+    assert tuner.threads == 8
+    clocks.step(tuner, 0.02, 0.5)  # 60 ms at half the CPU asked for: 8 threads got 4 CPUs
+    assert tuner.threads == 4
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("3", 3)])
+def test_threads_flag(value: str, expected: object) -> None:
+    assert build_parser().parse_args(["engine", "--model", "tiny-random", "--threads", value]).threads == expected
+    assert build_parser().parse_args(["engine", "--model", "tiny-random"]).threads == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["engine", "--model", "tiny-random", "--threads", "0"])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="the scenario is one of two CPUs taken")
+def test_a_real_engine_beside_a_cpu_hog_computes_with_one_thread() -> None:
+    threads = torch.get_num_threads()
+    hog = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{max(os.sched_getaffinity(0))}}})"
+                                                  "\nwhile True:\n    pass\n"])
+    try:
+        time.sleep(0.3)
+        engine = LLMEngine(EngineConfig(model="tiny-random", num_threads="auto", max_model_len=1024))
+        assert engine.threads is not None and engine.threads.threads == 2
+        params = SamplingParams(max_tokens=200, min_tokens=200, temperature=0.0, ignore_eos=True)
+        for i in range(16):
+            engine.add_request(f"r{i}", list(range(5, 300)), params)
+        while engine.has_unfinished_requests() and engine.threads.threads == 2:
+            engine.step()
+        assert engine.threads.threads == 1 and torch.get_num_threads() == 1
+    finally:
+        hog.kill()
+        hog.wait()
+        torch.set_num_threads(threads)
