@@ -118,8 +118,8 @@ def test_threads_flag(value: str, expected: object) -> None:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="the scenario is one of two CPUs taken")
 def test_a_real_engine_beside_a_cpu_hog_computes_with_one_thread() -> None:
     threads = torch.get_num_threads()
-    hog = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{max(os.sched_getaffinity(0))}}})"
-                                                  "\nwhile True:\n    pass\n"])
+    spin = f"import os\nos.sched_setaffinity(0, {{{max(os.sched_getaffinity(0))}}})\nwhile True:\n    pass\n"
+    hog = subprocess.Popen([sys.executable, "-c", spin])
     try:
         time.sleep(0.3)
         engine = LLMEngine(EngineConfig(model="tiny-random", num_threads="auto", max_model_len=1024))
