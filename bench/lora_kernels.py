@@ -1,4 +1,6 @@
-"""Batched-LoRA on CPU: per-segment matmuls on pool views vs gather-bmm, at SmolLM2-135M sizes.
+"""Batched-LoRA kernels: per-segment matmuls on pool views vs gather-bmm on CPU at SmolLM2-135M sizes, the
+grouped twin (one shrink per fused projection) vs one call pair per module, and on a CUDA device the
+Triton SGMV kernels (kernels/sgmv.py) vs the same two at Llama-7B-like sizes.
 
 (a) `kernels.reference.lora_sgmv`: one `mm` + one `addmm_` per segment on `as_strided` pool views.
 (b) gather-bmm (below, bench only): pad segments to the longest and ranks to the largest, gather x
@@ -8,7 +10,11 @@ Prints µs per call (best of several repeats, so other processes on the machine 
 the ratio b/a, a dense [T, 576] x [576, 1536] matmul for scale, and the estimated per-step LoRA
 overhead of (a) for decode (T=32 over 8 adapters, ranks 4/8/16, 7 modules, 30 layers).
 
-    python bench/lora_kernels.py [--threads 2] [--repeats 25] [--dtype float32]
+    python bench/lora_kernels.py [--threads 2] [--repeats 25] [--dtype float32] [--gpu-only]
+
+With CUDA (`--gpu-only` skips the CPU part): hidden 4096, rank 16, 1..256 tokens each of its own adapter,
+fp16 and bf16; µs per call from CUDA events (median of repeats); the target is Triton >= 2x gather-bmm at
+64 distinct adapters (Punica measured SGMV 37 -> 46 µs and gather+bmm 37 -> 116 µs from 1 to 64).
 
 On a machine shared with other busy processes, 2-thread timings of these tiny matmuls stall for whole
 scheduler slices (ms per call); `--threads 1` gives the stable numbers.
@@ -27,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.reference import lora_sgmv  # noqa: E402
+from kernels.reference import lora_sgmv, lora_sgmv_group  # noqa: E402
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]
 RANK_MIXES = {"4/8/16": lambda n, rng: [(4, 8, 16)[i % 3] for i in range(n)],
@@ -53,17 +59,18 @@ def sgmv_gather_bmm(y: torch.Tensor, x: torch.Tensor, seg_starts: list[int], seg
     lens = [hi - lo for lo, hi, _ in segs]
     rs = [ranks[k] for _, _, k in segs]
     max_len, max_r = max(lens), max(rs)
-    lens_t = torch.tensor(lens)
-    pos = torch.arange(max_len)
+    dev = x.device
+    lens_t = torch.tensor(lens, device=dev)
+    pos = torch.arange(max_len, device=dev)
     valid = pos < lens_t[:, None]                                                     # [S, L]
-    rows = torch.tensor([lo for lo, _, _ in segs])[:, None] + torch.minimum(pos, lens_t[:, None] - 1)
+    rows = torch.tensor([lo for lo, _, _ in segs], device=dev)[:, None] + torch.minimum(pos, lens_t[:, None] - 1)
     # A padded to max_r rows by reading past its end, B to max_r columns by reading with its own row
     # stride; the over-read is masked out of h and B (it may be another adapter's data or garbage).
     base = pool.storage_offset()
     a = torch.stack([pool.as_strided((max_r, d_in), (d_in, 1), base + a_offsets[k]) for _, _, k in segs])
     b = torch.stack([pool.as_strided((d_out, max_r), (r, 1), base + b_offsets[k])
                      for (_, _, k), r in zip(segs, rs)])
-    rank_ok = torch.arange(max_r) < torch.tensor(rs)[:, None]                         # [S, R]
+    rank_ok = torch.arange(max_r, device=dev) < torch.tensor(rs, device=dev)[:, None]  # [S, R]
     h = torch.bmm(x[rows], a.transpose(1, 2)).masked_fill_(~rank_ok[:, None, :], 0)  # [S, L, R]
     b = b.masked_fill_(~rank_ok[:, None, :], 0)                                       # [S, out, R]
     delta = torch.bmm(h, b.transpose(1, 2))                                           # [S, L, out]
@@ -182,20 +189,118 @@ def step_overhead(repeats: int, dtype: torch.dtype) -> None:
               f"{base_ms / (base_ms + lora_ms):.2f}")
 
 
+def grouped_vs_per_module(repeats: int, dtype: torch.dtype) -> None:
+    """Decode, T=32 over 8 adapters: the q/k/v group and the gate/up group as one shrink each (the engine's
+    path) vs one shrink and one expand per module (the old one). Both give the same deltas."""
+    print("\ngrouped twin vs per module, decode T=32 over 8 adapters (ranks 4/8/16), µs per layer:")
+    lens, ranks = [4] * 8, [(4, 8, 16)[i % 3] for i in range(8)]
+    for group, outs in (("qkv", [576, 192, 192]), ("gate_up", [1536, 1536])):
+        d_in, width = 576, sum(outs)
+        g = torch.Generator().manual_seed(1)
+        a_off, b_off, cursor = [], [[] for _ in outs], 0
+        for r in ranks:
+            a_off.append(cursor)
+            cursor += len(outs) * r * d_in
+            for m, out in enumerate(outs):
+                b_off[m].append(cursor)
+                cursor += out * r
+        pool = (torch.randn(cursor, generator=g) * 0.05).to(dtype)
+        x = torch.randn(sum(lens), d_in, generator=g).to(dtype)
+        y = torch.zeros(sum(lens), width, dtype=dtype)
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        slots = list(range(len(lens)))
+        cols = [0]
+        for out in outs:
+            cols.append(cols[-1] + out)
+        # Per module: module m's A is rows [m * r, (m + 1) * r) of the slot's stacked A.
+        per_module = [(y[:, cols[m]:cols[m + 1]], [a + m * r * d_in for a, r in zip(a_off, ranks)], b_off[m])
+                      for m in range(len(outs))]
+
+        def grouped() -> None:
+            lora_sgmv_group(y, x, starts, slots, pool, a_off, [ranks] * len(outs), b_off, cols)
+
+        def separate() -> None:
+            for out_view, a_m, b_m in per_module:
+                lora_sgmv(out_view, x, starts, slots, pool, a_m, b_m, ranks)
+
+        check = y.clone()
+        grouped()
+        first = y.clone()
+        y.copy_(check)
+        separate()
+        torch.testing.assert_close(y, first, rtol=1e-4, atol=1e-4)
+        g_us, s_us = best_us(grouped, repeats), best_us(separate, repeats)
+        print(f"  {group:>7}: grouped {g_us:8.1f}  per module {s_us:8.1f}  ({s_us / g_us:.2f}x)")
+
+
+def gpu_table(repeats: int) -> None:
+    """Triton vs per-segment torch vs gather-bmm on CUDA, hidden 4096, rank 16, one adapter per token."""
+    from kernels.sgmv import GroupTables, column_tiles, lora_sgmv_group_triton, plan_segments
+
+    dev = torch.device("cuda")
+
+    def timed(fn: Callable[[], object]) -> float:
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return sorted(times)[len(times) // 2]
+
+    print(f"\nCUDA {torch.cuda.get_device_name()}: hidden 4096 -> 4096, rank 16, each token its own adapter")
+    print(f"{'dtype':>6} {'T':>5} {'triton µs':>10} {'torch µs':>9} {'bmm µs':>8} {'bmm/triton':>11}")
+    for dtype in (torch.float16, torch.bfloat16):
+        for t in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            args = make_case(4096, 4096, [16] * t, [1] * t, dtype)
+            y, x, starts, slots, pool, a_off, b_off, ranks = args
+            y, x, pool = y.to(dev), x.to(dev), pool.to(dev)
+            cuda_args = (y, x, starts, slots, pool, a_off, b_off, ranks)
+            tables = GroupTables(torch.tensor(a_off, device=dev), torch.tensor([ranks], dtype=torch.int32, device=dev),
+                                 torch.tensor([b_off], device=dev), torch.zeros(1, t, dtype=torch.int32, device=dev),
+                                 torch.tensor(ranks, dtype=torch.int32, device=dev))
+            plan = plan_segments(starts, slots, dev)
+            cols = torch.tensor([0, 4096], dtype=torch.int32, device=dev)
+            tiles = column_tiles([0, 4096], dev)
+            check = y.clone()
+            lora_sgmv(check, x, starts, slots, pool, a_off, b_off, ranks)
+            base = y.clone()
+            lora_sgmv_group_triton(y, x, plan, pool, tables, cols, tiles, 16)
+            torch.testing.assert_close(y - base, check - base, rtol=3e-2, atol=3e-2)
+            tri = timed(lambda: lora_sgmv_group_triton(y, x, plan, pool, tables, cols, tiles, 16))
+            seg = timed(lambda: lora_sgmv(*cuda_args))
+            bmm = timed(lambda: sgmv_gather_bmm(*cuda_args))
+            name = str(dtype).removeprefix("torch.")
+            print(f"{name:>6} {t:>5} {tri:>10.1f} {seg:>9.1f} {bmm:>8.1f} {bmm / tri:>11.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--gpu-only", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"torch {torch.__version__}, {args.threads} threads, {args.dtype}\n")
-    compare_table(args.repeats, dtype)
-    print("\ndense [T, 576] x [576, 1536] for scale:")
-    for t in (32, 1024):
-        print(f"  T={t:<5} {dense_us(t, 576, 1536, args.repeats, dtype):9.1f} µs")
-    step_overhead(args.repeats, dtype)
+    if not args.gpu_only:
+        compare_table(args.repeats, dtype)
+        print("\ndense [T, 576] x [576, 1536] for scale:")
+        for t in (32, 1024):
+            print(f"  T={t:<5} {dense_us(t, 576, 1536, args.repeats, dtype):9.1f} µs")
+        step_overhead(args.repeats, dtype)
+        grouped_vs_per_module(args.repeats, dtype)
+    if torch.cuda.is_available():
+        gpu_table(args.repeats)
+    else:
+        print("\nno CUDA device: the Triton kernels' timings are skipped (tests run them under the interpreter)")
 
 
 if __name__ == "__main__":

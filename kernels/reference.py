@@ -45,6 +45,15 @@ def _segments(seg_starts: IntSeq, seg_slots: IntSeq, ranks: IntSeq, first: torch
     return [(k, rank_of[k], firsts[s], seconds[s]) for s, k in enumerate(slots) if rank_of[k] and sizes[s]]
 
 
+def _spans(seg_starts: IntSeq, seg_slots: IntSeq, num_rows: int) -> list[tuple[int, int, int]]:
+    """(slot, first row, end row) of every segment that has rows."""
+    starts, slots = _ints(seg_starts), _ints(seg_slots)
+    assert len(starts) == len(slots) + 1, "seg_starts must have one more entry than seg_slots"
+    assert all(0 <= lo <= hi <= num_rows for lo, hi in zip(starts, starts[1:])), (
+        f"seg_starts must be nondecreasing within [0, {num_rows}]: {starts}")
+    return [(k, lo, hi) for k, lo, hi in zip(slots, starts, starts[1:]) if hi > lo]
+
+
 def _view_t(pool: torch.Tensor, offset: int, rows: int, cols: int) -> torch.Tensor:
     """The transpose `[cols, rows]` of the row-major matrix `[rows, cols]` at `offset` in `pool`, a view."""
     assert 0 <= offset and offset + rows * cols <= pool.numel(), (
@@ -169,3 +178,75 @@ def lora_expand(
     b_off = _ints(b_offsets)
     for k, r, h_rows, y_rows in _segments(seg_starts, seg_slots, ranks, h, y):
         y_rows.addmm_(h_rows[:, :r], _view_t(pool, b_off[k], d_out, r))
+
+
+def lora_sgmv_group(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    seg_starts: IntSeq,
+    seg_slots: IntSeq,
+    pool: torch.Tensor,
+    a_offsets: IntSeq,
+    ranks: Sequence[IntSeq],
+    b_offsets: Sequence[IntSeq],
+    out_cols: Sequence[int],
+) -> None:
+    """Add each segment's LoRA deltas for a group of modules that share their input (q/k/v, gate/up; or
+    one module alone) to their fused output `y`, in place: one shrink for the whole group per segment.
+
+    A slot's group region holds the A of every module it targets stacked in module order, `[R, in]` with
+    R the sum of those ranks (a rank-0 module has no rows), then each module's scale-folded B.
+
+    Semantics:
+        for s in range(len(seg_slots)):
+            rows = slice(seg_starts[s], seg_starts[s + 1]); k = seg_slots[s]
+            R = sum(ranks[m][k] for m in modules)
+            if R == 0: continue
+            A = pool[a_offsets[k] : a_offsets[k] + R * in_features].view(R, in_features)
+            h = x[rows] @ A.T                                   # [rows, R], one matmul for the group
+            c = 0
+            for m in modules:
+                r = ranks[m][k]
+                if r == 0: continue
+                B = pool[b_offsets[m][k] : ... + out_m * r].view(out_m, r)
+                y[rows, out_cols[m] : out_cols[m + 1]] += h[:, c : c + r] @ B.T
+                c += r
+        # rows outside every segment, and modules a slot does not target, are left untouched
+
+    Shapes:
+        y:          [T, out_cols[-1]]   the group's fused output; module m owns columns out_cols[m:m+2]
+        x:          [T, in_features]
+        seg_starts: [S + 1];  seg_slots: [S]
+        pool:       [N]                 contiguous, same dtype as x and y
+        a_offsets:  [num_slots]         element offset of the stacked A [R, in_features]
+        ranks:      [M][num_slots]      rank of module m for each slot; 0: not targeted
+        b_offsets:  [M][num_slots]      element offset of module m's B [out_m, rank]
+        out_cols:   [M + 1]             column boundaries of the modules in y
+    """
+    _check(y, x, pool)
+    assert len(ranks) == len(b_offsets) == len(out_cols) - 1, "one rank and one B table per module"
+    d_in = x.shape[1]
+    a_off = _ints(a_offsets)
+    rank_of = [_ints(r) for r in ranks]
+    b_off = [_ints(b) for b in b_offsets]
+    spans = _spans(seg_starts, seg_slots, x.shape[0])
+    if not spans:
+        return
+    # Segments tile [lo, hi) (empty ones dropped): row blocks by one `split` per tensor, cheaper than
+    # slicing per segment (as in `_segments`).
+    lo, hi = spans[0][1], spans[-1][2]
+    sizes = [end - first for _, first, end in spans]
+    x_blocks = x[lo:hi].split(sizes)
+    out_blocks = [y[lo:hi, c0:c1].split(sizes) for c0, c1 in zip(out_cols, out_cols[1:])]
+    for s, (k, _, _) in enumerate(spans):
+        module_ranks = [r[k] for r in rank_of]
+        big_r = sum(module_ranks)
+        if not big_r:
+            continue
+        h = torch.mm(x_blocks[s], _view_t(pool, a_off[k], big_r, d_in))  # [rows, R]: the group's one shrink
+        c = 0
+        for m, r in enumerate(module_ranks):
+            if r:
+                out = out_blocks[m][s]
+                out.addmm_(h[:, c:c + r], _view_t(pool, b_off[m][k], out.shape[1], r))
+                c += r

@@ -10,9 +10,15 @@ engine), redis_server.py, lora_fixtures.py (PEFT adapters and PEFT's greedy outp
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
+
+# Without a GPU, Triton kernels run under its interpreter (on CPU tensors). The variable is read when
+# @triton.jit decorates a kernel, so it is set here, before any test imports kernels/sgmv.py.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _resolve(model: str) -> Path:

@@ -37,6 +37,7 @@ from engine.model.sources import load_tokenizer, resolve_model
 from engine.worker.runner import ModelRunner
 from engine.worker.sampler import Sampler
 from engine.worker.threads import ThreadTuner, usable_cpus
+from kernels import lora_backend
 from loragate.priority import Priority
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,8 @@ class LLMEngine:
             self.adapters.scan_dir(Path(config.adapter_dir))
         self.host_adapters = HostAdapterCache(config.host_adapter_mb << 20, mc, dtype)
         self.device_adapters = DeviceAdapterTier(self.pool, kv_cache, mc, config.max_device_adapters,
-                                                 self.host_adapters, reclaim=kv.evict_cached)
+                                                 self.host_adapters, reclaim=kv.evict_cached,
+                                                 mirror=lora_backend(device) == "triton")
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_batch_tokens, config.max_num_seqs, self.max_model_len,
                             config.preemption, config.aging_s,

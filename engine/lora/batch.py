@@ -1,49 +1,81 @@
 """One step's LoRA work: which rows use which adapter slot, and where the slots' weights sit in the pool.
 
 The runner groups a step's rows into segments by adapter slot (`LoraBatch`); the model asks it for each
-layer's deltas (`LoraBatch.layer(i).apply(module, y, x)`, engine/model/llama.py's `LoraDelta` protocol)
-and the torch SGMV twin (kernels/reference.py) adds them, reading A and scale-folded B straight from the
-unified page pool through the slot tables the device tier (engine/lora/device_tier.py) keeps.
+layer's deltas, one call per fused projection (`LoraBatch.layer(i).apply(group, y, x)`,
+engine/model/llama.py's `LoraDelta` protocol), and the SGMV kernels add them, reading A and scale-folded B
+straight from the unified page pool through the slot tables the device tier (engine/lora/device_tier.py)
+keeps: the torch twin (kernels/reference.py, the CPU path) from Python lists, the Triton kernels
+(kernels/sgmv.py, CUDA) from the tier's device mirror of the same tables, with row tiles planned once per
+step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from kernels.reference import lora_sgmv
+from engine.lora.peft_config import GROUPS, module_features
+from engine.model.config import ModelConfig
+from kernels.reference import lora_sgmv_group
 
 
 @dataclass(slots=True)
 class SlotTables:
-    """Per layer and module, indexed by slot: where A and B start in that layer's pool, and the rank.
+    """Per layer, indexed by slot: each group's stacked-A offset, each module's rank and B offset.
 
-    rank 0 means the slot's adapter does not target that module in that layer, or the slot is empty
-    (always so for the null slot).
+    A slot's region in a layer holds, group by group (GROUPS order), the A [r, in] of every module it
+    targets stacked in module order, then those modules' B [out, r]. Rank 0 means the slot's adapter does
+    not target that module in that layer, or the slot is empty (always so for the null slot).
     """
 
-    a_offsets: list[dict[str, list[int]]]
-    b_offsets: list[dict[str, list[int]]]
-    ranks: list[dict[str, list[int]]]
+    a_offsets: list[dict[str, list[int]]]  # [layer][group][slot]
+    b_offsets: list[dict[str, list[int]]]  # [layer][module][slot]
+    ranks: list[dict[str, list[int]]]  # [layer][module][slot]
+
+    @classmethod
+    def empty(cls, num_layers: int, num_slots: int) -> SlotTables:
+        modules = [m for names in GROUPS.values() for m in names]
+        return cls([{g: [0] * num_slots for g in GROUPS} for _ in range(num_layers)],
+                   [{m: [0] * num_slots for m in modules} for _ in range(num_layers)],
+                   [{m: [0] * num_slots for m in modules} for _ in range(num_layers)])
 
 
-@dataclass(frozen=True, slots=True)
+def group_out_cols(model: ModelConfig) -> dict[str, list[int]]:
+    """Each group's column boundaries in its fused output: [0, out_1, out_1 + out_2, ...]."""
+    cols = {}
+    for group, names in GROUPS.items():
+        bounds = [0]
+        for module in names:
+            bounds.append(bounds[-1] + module_features(model, module)[1])
+        cols[group] = bounds
+    return cols
+
+
+@dataclass(slots=True)
 class PoolWeights:
     """Where the device tier keeps adapter weights: one flat view of the pool per layer
-    ([num_pages * page_elems]) and the slot tables into it."""
+    ([num_pages * page_elems]), the slot tables into it, and (for the Triton kernels) their device mirror."""
 
     layer_pools: list[torch.Tensor]
     tables: SlotTables
+    out_cols: dict[str, list[int]]
+    mirror: Any = None  # engine.lora.device_tier.DeviceMirror, when the Triton kernels are in use
+    max_rank: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0))  # over loads, per group
 
 
 @dataclass(frozen=True, slots=True)
 class LoraBatch:
-    """One step's adapter segments: rows [seg_starts[s], seg_starts[s+1]) use slot seg_slots[s]."""
+    """One step's adapter segments: rows [seg_starts[s], seg_starts[s+1]) use slot seg_slots[s].
+
+    `plan` is set when the Triton kernels run: the step's row tiles, built once and shared by all layers.
+    """
 
     seg_starts: list[int]
     seg_slots: list[int]
     weights: PoolWeights
+    plan: Any = None  # kernels.sgmv.SgmvPlan
 
     def layer(self, index: int) -> LayerLora:
         return LayerLora(self, index)
@@ -54,9 +86,17 @@ class LayerLora:
     batch: LoraBatch
     index: int
 
-    def apply(self, module: str, y: torch.Tensor, x: torch.Tensor) -> None:
-        """y += the batch's LoRA deltas for `module` of this layer; y [T, out] (a view), x [T, in]."""
-        weights, i = self.batch.weights, self.index
-        lora_sgmv(y, x, self.batch.seg_starts, self.batch.seg_slots, weights.layer_pools[i],
-                  weights.tables.a_offsets[i][module], weights.tables.b_offsets[i][module],
-                  weights.tables.ranks[i][module])
+    def apply(self, group: str, y: torch.Tensor, x: torch.Tensor) -> None:
+        """y [T, out] += the batch's LoRA deltas for the group's modules in this layer; x [T, in]."""
+        batch, w, i = self.batch, self.batch.weights, self.index
+        if batch.plan is not None:
+            from kernels.sgmv import lora_sgmv_group_triton
+
+            mirror = w.mirror
+            lora_sgmv_group_triton(y, x, batch.plan, w.layer_pools[i], mirror.tables[i][group],
+                                   mirror.out_cols[group], mirror.n_tiles[group], w.max_rank[group])
+            return
+        names = GROUPS[group]
+        lora_sgmv_group(y, x, batch.seg_starts, batch.seg_slots, w.layer_pools[i], w.tables.a_offsets[i][group],
+                        [w.tables.ranks[i][m] for m in names], [w.tables.b_offsets[i][m] for m in names],
+                        w.out_cols[group])

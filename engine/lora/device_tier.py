@@ -1,10 +1,12 @@
 """The device tier of adapters: LoRA weights resident in the unified page pool, LRU, pinned while used.
 
 An adapter on the device owns one run of consecutive pages. In every layer that run is one contiguous
-region of `kv_cache[layer]`, in which each targeted module's A ([r, in]) and scale-folded B ([out, r])
-sit row-major at element offsets recorded in per-(layer, module) slot tables. The batched-LoRA kernels
-(kernels/reference.py, through engine/lora/batch.py) read the weights straight from the pool through
-those tables, never copying them.
+region of `kv_cache[layer]` holding, module group by module group (q/k/v, o, gate/up, down: the model's
+fused projections), the A ([r, in]) of every targeted module of the group stacked in module order, then
+their scale-folded B ([out, r]), row-major at element offsets recorded in slot tables (engine/lora/batch.py
+SlotTables). The batched-LoRA kernels read the weights straight from the pool through those tables, never
+copying them; one shrink serves a whole group. For the Triton kernels the tier also keeps a device mirror
+of the tables (`DeviceMirror`), updated when an adapter is loaded or evicted, never rebuilt per step.
 Pages taken are proportional to the adapter's own ranks, never padded to a maximum rank.
 
 Residency changes only between engine steps, in the engine thread. An adapter is pinned while a running
@@ -22,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.core.memory import PagePool
-from engine.lora.batch import PoolWeights, SlotTables
-from engine.lora.peft_config import MODULES, AdapterKey, AdapterSpec, module_features
+from engine.lora.batch import PoolWeights, SlotTables, group_out_cols
+from engine.lora.peft_config import GROUPS, AdapterKey, AdapterSpec, module_features
 from engine.lora.registry import HostAdapterCache
 from engine.model.config import ModelConfig
 
@@ -42,6 +44,41 @@ class Resident:
     stale: bool = False  # a newer version was loaded or the adapter was unloaded
 
 
+class DeviceMirror:
+    """The slot tables as device tensors, one kernels.sgmv.GroupTables per (layer, group), plus the static
+    column tiles of each group: what the Triton kernels read. A load or an eviction rewrites one slot's
+    column (a few small host-to-device copies); nothing is rebuilt per step."""
+
+    def __init__(self, num_layers: int, num_slots: int, out_cols: dict[str, list[int]],
+                 device: torch.device) -> None:
+        from kernels.sgmv import GroupTables, column_tiles
+
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.tables = [{group: GroupTables(zeros(num_slots, dtype=torch.int64),
+                                           zeros(len(names), num_slots, dtype=torch.int32),
+                                           zeros(len(names), num_slots, dtype=torch.int64),
+                                           zeros(len(names), num_slots, dtype=torch.int32),
+                                           zeros(num_slots, dtype=torch.int32))
+                        for group, names in GROUPS.items()} for _ in range(num_layers)]
+        self.out_cols = {g: torch.tensor(cols, dtype=torch.int32, device=device) for g, cols in out_cols.items()}
+        self.n_tiles = {g: column_tiles(cols, device) for g, cols in out_cols.items()}
+
+    def update(self, tables: SlotTables, slot: int) -> None:
+        """Copy slot `slot`'s entries of `tables` (every layer and group) to the device."""
+        for layer, groups in enumerate(self.tables):
+            for group, mirror in groups.items():
+                names = GROUPS[group]
+                ranks = [tables.ranks[layer][m][slot] for m in names]
+                h_cols = [sum(ranks[:i]) for i in range(len(ranks))]
+                mirror.a_offsets[slot] = tables.a_offsets[layer][group][slot]
+                mirror.ranks[:, slot] = torch.tensor(ranks, dtype=torch.int32)
+                mirror.b_offsets[:, slot] = torch.tensor([tables.b_offsets[layer][m][slot] for m in names])
+                mirror.h_cols[:, slot] = torch.tensor(h_cols, dtype=torch.int32)
+                mirror.rank_total[slot] = sum(ranks)
+
+
 @dataclass(slots=True)
 class TierCounters:
     hits: int = 0
@@ -54,7 +91,8 @@ class TierCounters:
 
 class DeviceAdapterTier:
     def __init__(self, pool: PagePool, kv_cache: torch.Tensor, model: ModelConfig, max_adapters: int,
-                 host: HostAdapterCache, reclaim: Callable[[], bool] | None = None) -> None:
+                 host: HostAdapterCache, reclaim: Callable[[], bool] | None = None, mirror: bool = False) -> None:
+        """`mirror`: keep a device copy of the slot tables (the Triton kernels read it)."""
         self.pool = pool
         # Frees one idle page held elsewhere (a cached KV block); False when there is none. Tried before
         # evicting idle adapters when no run of free pages is long enough.
@@ -67,10 +105,10 @@ class DeviceAdapterTier:
         self.page_elems = kv_cache[0, 0].numel()
         self.dtype = kv_cache.dtype
         self.null_slot = max_adapters  # never holds an adapter: rows without one use it
-        zeros = [0] * (max_adapters + 1)
-        self.tables = SlotTables(*([{m: list(zeros) for m in MODULES} for _ in range(model.num_layers)]
-                                   for _ in range(3)))
-        self.weights = PoolWeights(self.layer_pools, self.tables)  # what a step's LoraBatch reads
+        self.tables = SlotTables.empty(model.num_layers, max_adapters + 1)
+        out_cols = group_out_cols(model)
+        self.mirror = DeviceMirror(model.num_layers, max_adapters + 1, out_cols, kv_cache.device) if mirror else None
+        self.weights = PoolWeights(self.layer_pools, self.tables, out_cols, self.mirror)  # what a LoraBatch reads
         self.resident: OrderedDict[AdapterKey, Resident] = OrderedDict()  # LRU first
         self._free_slots = list(range(max_adapters - 1, -1, -1))
         self.counters = TierCounters()
@@ -127,19 +165,27 @@ class DeviceAdapterTier:
         base = start * self.page_elems
         for layer, modules in enumerate(weights.layers):
             pool, offset = self.layer_pools[layer], base
-            for module in MODULES:
-                if module not in modules:
-                    self.tables.ranks[layer][module][slot] = 0
-                    continue
-                a, b = modules[module]  # [r, in], [out, r] with the scale folded in
-                self.tables.a_offsets[layer][module][slot] = offset
-                pool[offset: offset + a.numel()].copy_(a.reshape(-1))
-                offset += a.numel()
-                self.tables.b_offsets[layer][module][slot] = offset
-                pool[offset: offset + b.numel()].copy_(b.reshape(-1))
-                offset += b.numel()
-                self.tables.ranks[layer][module][slot] = a.shape[0]
+            for group, names in GROUPS.items():
+                targeted = [m for m in names if m in modules]
+                self.tables.a_offsets[layer][group][slot] = offset
+                for module in targeted:  # the group's A [r, in] stacked: one shrink serves them all
+                    a = modules[module][0]
+                    pool[offset: offset + a.numel()].copy_(a.reshape(-1))
+                    offset += a.numel()
+                for module in names:
+                    if module not in modules:
+                        self.tables.ranks[layer][module][slot] = 0
+                        continue
+                    a, b = modules[module]  # b: [out, r] with the scale folded in
+                    self.tables.b_offsets[layer][module][slot] = offset
+                    pool[offset: offset + b.numel()].copy_(b.reshape(-1))
+                    offset += b.numel()
+                    self.tables.ranks[layer][module][slot] = a.shape[0]
+                total = sum(self.tables.ranks[layer][m][slot] for m in names)
+                self.weights.max_rank[group] = max(self.weights.max_rank[group], total)
             assert offset <= base + n * self.page_elems
+        if self.mirror is not None:
+            self.mirror.update(self.tables, slot)
         self.resident[spec.key] = Resident(spec, slot, start, n)
         self.counters.loads += 1
 
@@ -169,6 +215,8 @@ class DeviceAdapterTier:
         for layer in self.tables.ranks:
             for ranks in layer.values():
                 ranks[slot] = 0
+        if self.mirror is not None:
+            self.mirror.update(self.tables, slot)
 
     # ---- pins and versions ----------------------------------------------------------------------------
 

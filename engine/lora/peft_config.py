@@ -28,6 +28,10 @@ from engine.model.config import ModelConfig
 
 MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_MODULES = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))  # under self_attn, the rest under mlp
+# Modules the model computes as one fused projection (same input, outputs side by side): the device tier
+# stacks a group's A matrices so one shrink serves the whole group.
+GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+                                      "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 MAX_ID_LEN = 128
 _ID_RE = re.compile(r"[A-Za-z0-9._-]+")
 _MAX_PATTERN_LEN = 1000

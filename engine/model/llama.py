@@ -2,8 +2,8 @@
 
 No padding: a step is one flat batch of T tokens from many sequences, `[T, hidden]` through every
 linear layer. Each layer runs four projections as separate, named steps (qkv_proj, o_proj,
-gate_up_proj, down_proj) so per-request LoRA deltas can be added to their outputs (`y += lora(x)` on
-slices of the fused q|k|v and gate|up outputs). q/k/v and gate/up are fused at load time (fewer
+gate_up_proj, down_proj) so per-request LoRA deltas can be added to their outputs (`y += lora(x)`, one
+call per fused projection: the group's modules share their input). q/k/v and gate/up are fused at load time (fewer
 matmuls: measured faster on CPU).
 """
 
@@ -25,8 +25,11 @@ if TYPE_CHECKING:
 class LayerLoraDelta(Protocol):
     """One layer's LoRA deltas for a step: `apply` adds them to a projection's output in place."""
 
-    def apply(self, module: str, y: torch.Tensor, x: torch.Tensor) -> None:
-        """y [T, out] (a view of the projection's output) += the deltas of `module` for x [T, in]."""
+    def apply(self, group: str, y: torch.Tensor, x: torch.Tensor) -> None:
+        """y [T, out] (a fused projection's output) += the deltas of the group's modules for x [T, in].
+
+        Groups (engine/lora/peft_config.py GROUPS) follow the fused projections: "qkv" (q|k|v columns),
+        "o", "gate_up" (gate|up columns), "down"."""
 
 
 class LoraDelta(Protocol):
@@ -125,10 +128,7 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]: q | k | v
         if lora is not None:
-            q_end, k_end = self.q_size, self.q_size + self.kv_size
-            lora.apply("q_proj", qkv[:, :q_end], x)
-            lora.apply("k_proj", qkv[:, q_end:k_end], x)
-            lora.apply("v_proj", qkv[:, k_end:], x)
+            lora.apply("qkv", qkv, x)  # q, k and v deltas into their columns: one shrink for the three
         # q and k are adjacent in qkv, so one RoPE call rotates both: [T, H + kvh, hd].
         qk = apply_rope(
             qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin
@@ -138,7 +138,7 @@ class LlamaAttention(nn.Module):
         out = paged_attention(q, k, v, layer_cache, plan).reshape(num_tokens, self.q_size)
         y = self.o_proj(out)  # [T, hidden]
         if lora is not None:
-            lora.apply("o_proj", y, out)
+            lora.apply("o", y, out)
         return y
 
 
@@ -152,14 +152,13 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LayerLoraDelta | None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]: gate | up
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         if lora is not None:
-            lora.apply("gate_proj", gate, x)
-            lora.apply("up_proj", up, x)
+            lora.apply("gate_up", gate_up, x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         act = F.silu(gate) * up  # [T, intermediate]
         y = self.down_proj(act)
         if lora is not None:
-            lora.apply("down_proj", y, act)
+            lora.apply("down", y, act)
         return y
 
 

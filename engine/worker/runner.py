@@ -12,6 +12,7 @@ from engine.lora.device_tier import DeviceAdapterTier
 from engine.model.attention import AttentionMetadata, PrefillSeq
 from engine.model.llama import LlamaForCausalLM
 from engine.worker.sampler import Sampler
+from kernels import lora_backend
 
 NON_FINITE_LOGITS = ("the model computed non-finite logits (NaN or inf) for this request; its adapter's "
                      "weights are the usual cause")
@@ -29,6 +30,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = device
+        self.lora_backend = lora_backend(device)  # "torch" (CPU) or "triton" (CUDA), kernels/__init__.py
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
@@ -101,7 +103,12 @@ class ModelRunner:
             else:
                 seg_slots.append(slot)
                 starts.append(starts[-1] + n)
-        return LoraBatch(starts, seg_slots, self.adapters.weights)
+        plan = None
+        if self.lora_backend == "triton":  # the step's row tiles, once for every layer and group
+            from kernels.sgmv import plan_segments
+
+            plan = plan_segments(starts, seg_slots, self.device, skip_slot=null)
+        return LoraBatch(starts, seg_slots, self.adapters.weights, plan)
 
     def _prepare(self, requests: list[Request], num_tokens: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:

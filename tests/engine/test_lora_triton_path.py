@@ -1,0 +1,60 @@
+"""The engine with the Triton SGMV kernels forced (LORAGATE_LORA_BACKEND=triton; on a machine without a GPU
+they run under the Triton interpreter on CPU tensors): the same logits as the torch path for a mixed-adapter
+step, and greedy outputs equal to PEFT's for every adapter in one batch."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.core.request import SamplingParams
+
+from lora_fixtures import peft_greedy
+
+NEW_TOKENS = 5
+
+
+def _run(engine: LLMEngine, jobs: list[tuple[str | None, list[int]]]) -> tuple[list[list[int]], torch.Tensor]:
+    """Every job at once, to completion: each one's tokens, and the logits of the first sampling step."""
+    logits: list[torch.Tensor] = []
+    compute = engine.model.compute_logits
+
+    def recording(hidden: torch.Tensor) -> torch.Tensor:
+        out = compute(hidden)
+        logits.append(out.detach().clone())
+        return out
+
+    engine.model.compute_logits = recording  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    requests = [engine.add_request(f"j{i}", prompt, params, adapter_id=adapter)
+                for i, (adapter, prompt) in enumerate(jobs)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [r.output_token_ids for r in requests], logits[0]
+
+
+def test_triton_path_equals_the_torch_path_and_peft(tiny_model_dir: Path, tiny_adapters: dict[str, Path],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (7, 3, 20, 5)]
+    names = sorted(tiny_adapters)  # three adapters: q/v, all seven modules, mlp with rslora
+    jobs = [(names[i % 3] if i < 3 else None, p) for i, p in enumerate(prompts)]
+    adapter_dir = str(next(iter(tiny_adapters.values())).parent)
+    results = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("LORAGATE_LORA_BACKEND", backend)
+        engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=adapter_dir, max_model_len=256))
+        assert engine.runner.lora_backend == backend
+        assert (engine.device_adapters.mirror is not None) == (backend == "triton")
+        results[backend] = _run(engine, jobs)
+    (torch_tokens, torch_logits), (triton_tokens, triton_logits) = results["torch"], results["triton"]
+    scale = torch_logits.abs().max().item()
+    torch.testing.assert_close(triton_logits, torch_logits, rtol=0, atol=1e-4 * scale)
+    expected = [peft_greedy(tiny_model_dir, None if a is None else tiny_adapters[a], p, NEW_TOKENS) for a, p in jobs]
+    assert triton_tokens == expected
+    assert torch_tokens == expected
