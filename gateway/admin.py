@@ -1,55 +1,249 @@
-"""The routes only an admin key may call: GET /admin/policy (the active policy, its reload state, the
-rollouts and the routing) and POST /admin/reload (reload the policy file now, gateway/reload.py).
+"""The routes only an admin key may call, and the ops page that drives them.
+
+  GET  /admin/policy                      the active policy, its reload state, rollouts, routing, queues,
+                                          per-tenant counts, overrides and the latest operator actions
+  POST /admin/reload                      reload the policy file now (gateway/reload.py); clears overrides
+  POST /admin/rollouts/{name}/{action}    pause | resume | promote | rollback | reset (gateway/rollout.py)
+  POST /admin/upstreams/{action}          drain | undrain | reset-breaker, body {"url": ...}
+  POST /admin/tenants/{id}/{action}       suspend | resume, body {"reason": ...} (optional)
+  POST /admin/overrides/clear             lift every suspension and drain (gateway/overrides.py)
+  GET  /admin/ui                          the ops page (gateway/ops.html): it holds no data of its own
+
+Auth is the `Authorization: Bearer <admin key>` header only: no cookie, no key in a URL. A page on another
+site can neither read these answers nor trigger an action (a cross-site form cannot set that header, and
+a cross-origin fetch that sets it needs a CORS preflight this app never grants), so no CSRF token is needed.
+
+Every action is idempotent: repeating it answers 200 with `"changed": false`. Each one is logged (who,
+what, when, and whether it changed anything), counted in `loragate_gateway_admin_actions_total{action,
+changed}` and kept in a short log shown by GET /admin/policy (shared through Redis, so any replica shows
+the fleet's). Who: the admin key's fingerprint (the first 12 hex digits of its sha256), plus the
+`X-Loragate-Actor` header when the caller names itself (`loragate admin` sends the user's login name).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+import time
+from collections import deque
+from importlib import resources
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.clock import iso_time
+from gateway.overrides import BREAKER, TENANT, UPSTREAM
 from gateway.policy import PolicyError
-from gateway.reload import PolicyStore
-from loragate.errors import ApiError
+from gateway.rollout import Rollouts
+from loragate.errors import ApiError, bad_request, shown
+from loragate.http_io import read_json
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
 
 logger = logging.getLogger(__name__)
 
 BEARER = {"WWW-Authenticate": "Bearer"}
+UPSTREAM_ACTIONS = ("drain", "undrain", "reset-breaker")
+TENANT_ACTIONS = ("suspend", "resume")
+LOG_KEY = "loragate:admin-log"
+LOG_KEEP = 200  # actions kept in the log
+LOG_SHOWN = 50  # of which GET /admin/policy shows the newest
+MAX_ACTOR = 64
+MAX_REASON = 200
+ADMIN_BODY_BYTES = 16 << 10
 
 
 def unauthorized(message: str) -> ApiError:
     return ApiError(401, "authentication_error", message, BEARER)
 
 
-class AdminRoutes:
-    def __init__(self, store: PolicyStore, served: Callable[[], Awaitable[frozenset[str]]],
-                 routing: Callable[[], dict[str, Any]] = dict) -> None:
-        """`served`: the adapter ids the upstreams serve now (refreshed), to check rollout variants against;
-        `routing`: the upstreams' state and adapter affinity, shown in GET /admin/policy."""
-        self.store = store
-        self._served = served
-        self._routing = routing
+def not_found(message: str) -> ApiError:
+    return ApiError(404, "not_found", message)
 
-    def _require_admin(self, request: Request) -> None:
-        if not self.store.active.auth.is_admin(request.headers.get("authorization")):
+
+def _text(value: Any, field: str, limit: int) -> str:
+    """A short free-text value from an admin body (a reason, a URL): a string, control characters removed."""
+    if not isinstance(value, str):
+        raise bad_request(f"{field}: must be a string")
+    if len(value) > limit:
+        raise bad_request(f"{field}: at most {limit} characters")
+    return "".join(c for c in value if c.isprintable()).strip()
+
+
+class OpsPage:
+    """gateway/ops.html with a Content-Security-Policy that lets only its own inline script and style run."""
+
+    def __init__(self) -> None:
+        self.html = resources.files("gateway").joinpath("ops.html").read_text(encoding="utf-8")
+        hashes = {}
+        for tag in ("script", "style"):
+            body = self.html.split(f"<{tag}>", 1)[1].split(f"</{tag}>", 1)[0]
+            digest = hashlib.sha256(body.encode()).digest()
+            hashes[tag] = "'sha256-" + base64.b64encode(digest).decode() + "'"
+        self.headers = {
+            "Content-Security-Policy": (f"default-src 'none'; script-src {hashes['script']}; style-src "
+                                        f"{hashes['style']}; connect-src 'self'; img-src 'self' data:; "
+                                        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"),
+            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
+            "X-Frame-Options": "DENY"}
+
+
+class AdminRoutes:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+        self.store = gateway.store
+        self.log: deque[dict[str, Any]] = deque(maxlen=LOG_KEEP)  # this replica's actions (no Redis)
+        self._page: OpsPage | None = None
+
+    # ---- auth ----
+
+    def _require_admin(self, request: Request) -> str:
+        """The caller's name for the log; 401 without an admin key."""
+        authorization = request.headers.get("authorization")
+        if not self.store.active.auth.is_admin(authorization):
             raise unauthorized("an admin key is required (Authorization: Bearer <admin key>)")
+        key = (authorization or "").strip().partition(" ")[2].strip()
+        who = f"key:{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+        actor = "".join(c for c in request.headers.get("x-loragate-actor", "") if c.isprintable()).strip()
+        return f"{actor[:MAX_ACTOR]} ({who})" if actor else who
+
+    # ---- reading ----
 
     async def policy(self, request: Request) -> Response:
         self._require_admin(request)
-        return JSONResponse({**self.store.describe(), "routing": self._routing()})
+        return JSONResponse(await self.state())
+
+    async def state(self) -> dict[str, Any]:
+        gw = self.gw
+        tenants = {}
+        for tenant in self.store.active.policy.tenants:
+            suspended = gw.overrides.suspended(tenant.id)
+            tenants[tenant.id] = {**gw.metrics.tally(tenant.id),
+                                  "suspended": suspended.to_json() if suspended is not None else None}
+        return {**self.store.describe(), "routing": gw.routing(), "queues": gw.admission.queue_depths(),
+                "tenants": tenants, "overrides": gw.overrides.describe(), "actions": await self._read_log(),
+                "now": iso_time(time.time())}
+
+    async def _read_log(self) -> list[dict[str, Any]]:
+        share = self.gw.share
+        if share.shared:
+            try:
+                return [json.loads(line) for line in await share.read_log(LOG_KEY, LOG_SHOWN)]
+            except Exception as exc:  # Redis down: this replica's own
+                logger.warning("could not read the shared admin log: %s", exc)
+        return list(self.log)[-LOG_SHOWN:][::-1]
+
+    # ---- acting ----
+
+    async def _record(self, who: str, action: str, target: str, changed: bool, detail: str = "") -> None:
+        entry = {"at": iso_time(time.time()), "by": who, "action": action, "target": target, "changed": changed}
+        if detail:
+            entry["detail"] = detail
+        logger.info("admin action %s %s by %s: %s%s", action, target, who, "changed" if changed else "no change",
+                    f" ({detail})" if detail else "")
+        self.gw.metrics.count_admin_action(action, changed)
+        self.log.append(entry)
+        share = self.gw.share
+        if share.shared:
+            try:
+                await share.push_log(LOG_KEY, json.dumps(entry), LOG_KEEP)
+            except Exception as exc:
+                logger.warning("could not write the shared admin log: %s", exc)
 
     async def reload(self, request: Request) -> Response:
-        """Reload the file now; every rollout starts afresh, here and (through Redis) on every replica."""
-        self._require_admin(request)
+        """Reload the file now: every rollout starts afresh and every override is lifted, here and (through
+        Redis) on every replica."""
+        who = self._require_admin(request)
         try:
-            active = self.store.reload(await self._served(), fresh=True)
+            active = self.store.reload(await self.gw.served_adapters(), fresh=True)
         except PolicyError as exc:
+            await self._record(who, "reload", "policy", False, "refused")
             raise ApiError(400, "invalid_policy", str(exc)) from None
         try:
             await active.rollouts.clear_shared()
         except Exception as exc:  # Redis down: this replica is fresh, the others keep a shared rollback
             logger.warning("could not clear the shared rollbacks: %s", exc)
+        await self.gw.clear_overrides()
+        await self._record(who, "reload", "policy", True, f"sha256 {active.sha256[:12]}")
         return JSONResponse(self.store.describe())
+
+    async def rollout(self, request: Request) -> Response:
+        who = self._require_admin(request)
+        name, action = request.path_params["name"], request.path_params["action"]
+        rollouts = self.store.active.rollouts
+        if action not in Rollouts.ACTIONS:
+            raise not_found(f"unknown rollout action {shown(action)} (one of: {', '.join(Rollouts.ACTIONS)})")
+        if name not in rollouts.states:
+            raise not_found(f"no rollout named {shown(name)} in the active policy")
+        try:
+            changed = await rollouts.act(name, action, who)
+        except ValueError as exc:
+            raise ApiError(409, "conflict", str(exc)) from None
+        await self._record(who, f"rollout.{action}", name, changed)
+        return JSONResponse({"action": action, "rollout": name, "changed": changed,
+                             "state": rollouts.states[name].describe(time.monotonic())})
+
+    async def upstream(self, request: Request) -> Response:
+        who = self._require_admin(request)
+        action = request.path_params["action"]
+        if action not in UPSTREAM_ACTIONS:
+            raise not_found(f"unknown upstream action {shown(action)} (one of: {', '.join(UPSTREAM_ACTIONS)})")
+        data = await read_json(request, ADMIN_BODY_BYTES)
+        if "url" not in data:
+            raise bad_request('body: give the upstream as {"url": "http://..."} (GET /admin/policy lists them)')
+        url = _text(data["url"], "url", 2048).rstrip("/")
+        upstream = next((u for u in self.gw.admission.upstreams if u.url == url), None)
+        if upstream is None:
+            raise not_found(f"no upstream {shown(url)} (GET /admin/policy lists them under routing.upstreams)")
+        overrides = self.gw.overrides
+        if action == "drain":
+            changed = await overrides.put(UPSTREAM, url, "drained by an operator", who)
+        elif action == "undrain":
+            changed = await overrides.remove(UPSTREAM, url)
+        else:
+            changed = upstream.breaker.reset()
+            await overrides.put(BREAKER, url, "reset by an operator", who)  # the other replicas reset theirs
+        self.gw.apply_overrides()
+        await self._record(who, f"upstream.{action}", url, changed)
+        return JSONResponse({"action": action, "upstream": url, "changed": changed,
+                             "state": self.gw.upstream_state(upstream)})
+
+    async def tenant(self, request: Request) -> Response:
+        who = self._require_admin(request)
+        tenant_id, action = request.path_params["id"], request.path_params["action"]
+        if action not in TENANT_ACTIONS:
+            raise not_found(f"unknown tenant action {shown(action)} (one of: {', '.join(TENANT_ACTIONS)})")
+        if self.store.active.policy.tenant(tenant_id) is None:
+            raise not_found(f"no tenant {shown(tenant_id)} in the active policy")
+        overrides = self.gw.overrides
+        if action == "suspend":
+            data = await read_json(request, ADMIN_BODY_BYTES, optional=True)
+            reason = _text(data.get("reason", ""), "reason", MAX_REASON) or "suspended by an operator"
+            changed = await overrides.put(TENANT, tenant_id, reason, who)
+        else:
+            changed = await overrides.remove(TENANT, tenant_id)
+        await self._record(who, f"tenant.{action}", tenant_id, changed)
+        suspended = overrides.suspended(tenant_id)
+        return JSONResponse({"action": action, "tenant": tenant_id, "changed": changed,
+                             "suspended": suspended.to_json() if suspended is not None else None})
+
+    async def clear_overrides(self, request: Request) -> Response:
+        who = self._require_admin(request)
+        had = self.gw.overrides.describe()
+        changed = bool(had["suspended_tenants"] or had["drained_upstreams"])
+        await self.gw.clear_overrides()
+        await self._record(who, "overrides.clear", "all", changed)
+        return JSONResponse({"action": "clear", "changed": changed, "overrides": self.gw.overrides.describe()})
+
+    # ---- the page ----
+
+    async def ui(self, request: Request) -> Response:
+        """The ops page. It is the same for everyone and holds no data: it asks for the admin key and reads
+        GET /admin/policy with it, so serving it needs no key (and the key never appears in a URL)."""
+        if self._page is None:
+            self._page = OpsPage()
+        return Response(self._page.html, media_type="text/html; charset=utf-8", headers=self._page.headers)

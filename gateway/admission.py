@@ -2,7 +2,8 @@
 
 `AdmissionController.acquire(priority, tenant, exclude, affinity)` returns a `Slot` on an upstream or
 raises `Shed`:
-- An upstream can take a request when it is not in `exclude`, its breaker allows it and fewer than
+- An upstream can take a request when it is not in `exclude`, not drained by an operator (`set_drained`:
+  it takes no new request, those in flight finish), its breaker allows it and fewer than
   `max_inflight_per_upstream` requests are in flight on it.
 - Without an affinity key (a base-model request) the least loaded of those is chosen (ties rotate).
 - With an affinity key (an adapter id) the upstreams are ranked by rendezvous (highest-random-weight)
@@ -31,7 +32,7 @@ import hashlib
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from gateway.breaker import CircuitBreaker
@@ -89,6 +90,11 @@ class Upstream:
     url: str
     breaker: CircuitBreaker
     inflight: int = 0
+    drained: bool = False  # an operator's drain: no new requests (gateway/overrides.py)
+
+    def can_allow(self) -> bool:
+        """Whether it may take a request now, room aside (without taking a half-open probe place)."""
+        return not self.drained and self.breaker.can_allow()
 
 
 class Slot:
@@ -218,6 +224,17 @@ class AdmissionController:
         self.upstreams = list(upstreams)
         self._dispatch()
 
+    def set_drained(self, urls: Collection[str]) -> None:
+        """Drain exactly these upstreams (an operator's action, gateway/overrides.py): no new requests for
+        them, those in flight finish. Undrained ones take waiters at once."""
+        changed = False
+        for upstream in self.upstreams:
+            drained = upstream.url in urls
+            changed |= upstream.drained != drained
+            upstream.drained = drained
+        if changed:
+            self._dispatch()
+
     @property
     def draining(self) -> bool:
         return self._draining
@@ -232,7 +249,7 @@ class AdmissionController:
         """A slot for one request; `affinity` (an adapter id, None for the base model) steers the choice."""
         if self._draining:
             raise Shed("draining")
-        candidates = [u for u in self.upstreams if u.url not in exclude]
+        candidates = [u for u in self.upstreams if u.url not in exclude and not u.drained]
         if not candidates:
             raise Shed("no_upstream")
         if not any(u.breaker.can_allow() for u in candidates):
@@ -277,7 +294,7 @@ class AdmissionController:
     def preferred(self, affinity: str) -> str | None:
         """Where `affinity` goes when load is not a concern: its first healthy rendezvous choice, if any."""
         for upstream in self._rendezvous(affinity):
-            if upstream.breaker.can_allow():
+            if upstream.can_allow():
                 return upstream.url
         return None
 
@@ -315,7 +332,7 @@ class AdmissionController:
         )
         for i in order:
             upstream = self.upstreams[i]
-            if upstream.url in exclude or upstream.inflight >= self.max_inflight_per_upstream:
+            if upstream.url in exclude or upstream.drained or upstream.inflight >= self.max_inflight_per_upstream:
                 continue
             if upstream.breaker.allow():
                 self._rotation += 1
@@ -329,7 +346,7 @@ class AdmissionController:
         Breakers are only asked `can_allow()` while ranking: `allow()` takes a half-open probe place, so it
         is called on the upstream actually chosen.
         """
-        healthy = [u for u in self._rendezvous(affinity) if u.url not in exclude and u.breaker.can_allow()]
+        healthy = [u for u in self._rendezvous(affinity) if u.url not in exclude and u.can_allow()]
         roomy = [u for u in healthy if u.inflight < self.max_inflight_per_upstream]
         calm = [u for u in roomy if u.inflight < self.spill_inflight]
         busy = sorted((u for u in roomy if u.inflight >= self.spill_inflight), key=lambda u: u.inflight)
@@ -383,7 +400,7 @@ class AdmissionController:
     def _grant_one(self) -> bool:
         """Give one slot to the first waiter in priority and turn order that an upstream has room for."""
         cap = self.max_inflight_per_upstream
-        if not any(u.inflight < cap and u.breaker.can_allow() for u in self.upstreams):
+        if not any(u.inflight < cap and u.can_allow() for u in self.upstreams):
             return False  # fast path: nothing is free
         # Exclude sets no upstream can serve right now. Keyed by exclude alone: whether `_pick` finds an
         # upstream does not depend on the affinity (it only orders the upstreams with room), so a refusal

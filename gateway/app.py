@@ -12,9 +12,11 @@ meanwhile. The generation routes are plain ASGI callables (not request -> respon
 one task owns the request from the first byte read to the last byte sent: the span stays current while
 the stream runs, and the settle step runs after the response is done, however it ended.
 
-A background loop (the app's lifespan) polls the policy file for changes and exchanges rollbacks with the
-other replicas through Redis, about once a second; with `--upstream-dns`, another re-resolves the engines'
-DNS name every few seconds (gateway/discovery.py) and updates the upstreams.
+A background loop (the app's lifespan) polls the policy file for changes, exchanges rollbacks, rollout
+steps and operator overrides (suspended tenants, drained upstreams: gateway/overrides.py) with the other
+replicas through Redis and moves progressive rollouts on, about once a second; with `--upstream-dns`,
+another re-resolves the engines' DNS name every few seconds (gateway/discovery.py) and updates the
+upstreams.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ from starlette.types import Receive, Scope, Send
 from gateway.admin import AdminRoutes, unauthorized
 from gateway.admission import AdmissionController, Shed, Upstream
 from gateway.breaker import CircuitBreaker
+from gateway.clock import iso_time
 from gateway.discovery import DnsUpstreams
+from gateway.overrides import Overrides
 from gateway.policy import Policy, PolicyError, Tenant
 from gateway.proxy import Call, Exchange, Proxy
 from gateway.ratelimit import Decision, RateLimiter, RateLimiterUnavailable, Reservation
@@ -84,8 +88,10 @@ class Gateway:
 
     def __init__(self, store: PolicyStore, limiter: RateLimiter, admission: AdmissionController,
                  catalog: UpstreamCatalog, proxy: Proxy, metrics: GatewayMetrics, max_body_bytes: int,
-                 discovery: DnsUpstreams | None = None) -> None:
+                 discovery: DnsUpstreams | None = None, share: RollbackShare | None = None) -> None:
         self.store = store
+        self.share = share if share is not None else LocalShare()  # what the replicas share (Redis)
+        self.overrides = Overrides(self.share)
         self.discovery = discovery
         self.static_urls = [u.url for u in admission.upstreams]
         self.limiter = limiter
@@ -112,6 +118,7 @@ class Gateway:
         logger.info("upstreams: %d (joined %s; left %s)", len(urls), ", ".join(joined) or "none",
                     ", ".join(left) or "none")
         self.admission.set_upstreams(upstreams)
+        self.apply_overrides()
         self.catalog.invalidate()
 
     async def discover(self) -> None:
@@ -140,10 +147,27 @@ class Gateway:
             upstream.breaker.reconfigure(b.failure_threshold, b.open_seconds, b.half_open_probes)
         self.limiter.on_error = policy.ratelimit.on_redis_error
 
+    def apply_overrides(self) -> None:
+        """Drain exactly the upstreams the operators' overrides name."""
+        self.admission.set_drained(self.overrides.drained())
+
+    async def clear_overrides(self) -> None:
+        """Lift every override (POST /admin/reload, POST /admin/overrides/clear, --clear-overrides)."""
+        try:
+            await self.overrides.clear()
+        except Exception as exc:  # Redis down: lifted here; the shared ones stay until it is back
+            logger.warning("could not clear the shared overrides: %s", exc)
+        self.apply_overrides()
+
+    @staticmethod
+    def upstream_state(upstream: Upstream) -> dict[str, Any]:
+        return {"url": upstream.url, "inflight": upstream.inflight, "breaker": upstream.breaker.state,
+                "consecutive_failures": upstream.breaker.consecutive_failures, "drained": upstream.drained}
+
     def routing(self) -> dict[str, Any]:
-        """For GET /admin/policy: each upstream's load and breaker, each known adapter's preferred upstream."""
-        upstreams = [{"url": u.url, "inflight": u.inflight, "breaker": u.breaker.state}
-                     for u in self.admission.upstreams]
+        """For GET /admin/policy: each upstream's load, breaker and drain, each known adapter's preferred
+        upstream."""
+        upstreams = [self.upstream_state(u) for u in self.admission.upstreams]
         affinity = {}
         if self.store.active.policy.admission.affinity:
             affinity = {a: self.admission.preferred(a) for a in sorted(self.catalog.cached().adapters)}
@@ -171,12 +195,17 @@ class Gateway:
                 self.store.reload(await self.served_adapters(), fresh=False)
         try:
             await self.store.active.rollouts.sync()
+            for url in await self.overrides.sync():  # a breaker reset sent to another replica
+                for upstream in self.admission.upstreams:
+                    if upstream.url == url and upstream.breaker.reset():
+                        logger.info("breaker of %s reset by an operator (through another replica)", url)
         except Exception as exc:
             if not self._sync_failing:
-                logger.warning("sharing rollbacks failed (kept locally until it works): %s", exc)
+                logger.warning("sharing rollouts and overrides failed (kept locally until it works): %s", exc)
             self._sync_failing = True
         else:
             self._sync_failing = False
+        self.apply_overrides()
 
     def drain(self) -> None:
         """Stop admitting (503 draining, /readyz 503); requests in flight finish."""
@@ -191,10 +220,22 @@ class Gateway:
         return min(bases) if bases else "base"
 
     def tenant(self, request: Request, active: ActivePolicy) -> Tenant:
+        """The caller's tenant: 401 without a valid key, 403 while an operator has it suspended."""
+        tenant = self.authenticate(request, active)
+        self.refuse_suspended(tenant)
+        return tenant
+
+    def authenticate(self, request: Request, active: ActivePolicy) -> Tenant:
         tenant = active.auth.tenant_for(request.headers.get("authorization"))
         if tenant is None:
             raise unauthorized("a valid API key is required (Authorization: Bearer <key>)")
         return tenant
+
+    def refuse_suspended(self, tenant: Tenant) -> None:
+        suspended = self.overrides.suspended(tenant.id)
+        if suspended is not None:
+            raise ApiError(403, "tenant_suspended", f"tenant {tenant.id!r} is suspended: {suspended.reason} "
+                           f"(since {iso_time(suspended.at)}); ask the platform team to resume it")
 
     def known_headers(self, tenant: str) -> dict[str, str]:
         """RateLimit-* from the tenant's last decision, for answers given before the limiter is asked."""
@@ -290,8 +331,9 @@ class Generate:
         tenant_id = "unknown"
         active = self.gw.store.active  # this request's policy, to the end
         try:
-            tenant = self.gw.tenant(request, active)
-            tenant_id = tenant.id
+            tenant = self.gw.authenticate(request, active)
+            tenant_id = tenant.id  # from here on, answers count as this tenant's
+            self.gw.refuse_suspended(tenant)
             data = await read_json(request, self.gw.max_body_bytes)
             body = GenerationBody.parse(data, self.chat)
             adapter, routed = await self.gw.resolve_adapter(request, body, tenant, active)
@@ -373,11 +415,12 @@ def build_app(policy: Policy, upstream_urls: list[str], limiter: RateLimiter, *,
               environ: Mapping[str, str] = os.environ,
               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, rollback_share: RollbackShare | None = None,
               background_interval_s: float = BACKGROUND_INTERVAL_S,
-              discovery: DnsUpstreams | None = None) -> Starlette:
+              discovery: DnsUpstreams | None = None, clear_overrides: bool = False) -> Starlette:
     """The gateway app in front of `upstream_urls` (and of the engines `discovery` finds in DNS).
 
     `policy_path` enables hot reload (POST /admin/reload, and the file watched while the app's lifespan
-    runs); `rollback_share` (gateway.rollout.RedisShare) shares rollbacks with other replicas.
+    runs); `rollback_share` (gateway.rollout.RedisShare) shares rollbacks, rollout steps and operator
+    overrides with other replicas; `clear_overrides` lifts the overrides at start (--clear-overrides).
     """
     metrics = metrics if metrics is not None else GatewayMetrics()
     b = policy.breaker
@@ -393,20 +436,27 @@ def build_app(policy: Policy, upstream_urls: list[str], limiter: RateLimiter, *,
     store = PolicyStore(policy, policy_path, environ, share,
                         on_rollback=lambda name, rollback: metrics.count_rollback(name, rollback.reason),
                         on_reload_error=metrics.count_reload_error,
-                        on_reload=lambda new: gateway.apply_settings(new))
+                        on_reload=lambda new: gateway.apply_settings(new),
+                        on_step=lambda name, control: metrics.count_rollout_step(name, control.status))
     catalog = UpstreamCatalog(lambda: admission.upstreams, http)
     gateway = Gateway(store, limiter, admission, catalog, Proxy(http, admission, metrics), metrics, max_body_bytes,
-                      discovery)
+                      discovery, share)
     metrics.bind(queue_depths=admission.queue_depths, inflight=admission.inflight,
                  breaker_states=lambda: {u.url: u.breaker.state for u in admission.upstreams},
                  redis_errors=lambda: int(getattr(limiter, "redis_errors", 0)),
                  rolled_back=lambda: {name: store.active.rollouts.is_rolled_back(name)
                                       for name in store.active.rollouts.states},
-                 spills=lambda: admission.spills)
-    api, admin = Api(gateway), AdminRoutes(store, gateway.served_adapters, gateway.routing)
+                 spills=lambda: admission.spills,
+                 rollout_weights=lambda: store.active.rollouts.weights(),
+                 overrides=lambda: gateway.overrides.describe())
+    api, admin = Api(gateway), AdminRoutes(gateway)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if clear_overrides:
+            await gateway.clear_overrides()
+        with contextlib.suppress(Exception):  # Redis down: the loop retries
+            await gateway.housekeeping()  # the fleet's overrides and rollout steps before the first request
         tasks = [asyncio.create_task(gateway.background(background_interval_s))]
         if discovery is not None:
             await gateway.discover()  # serve from what DNS says from the first request on
@@ -433,6 +483,11 @@ def build_app(policy: Policy, upstream_urls: list[str], limiter: RateLimiter, *,
         Route("/metrics", api.metrics_text, methods=["GET"]),
         Route("/admin/policy", admin.policy, methods=["GET"]),
         Route("/admin/reload", admin.reload, methods=["POST"]),
+        Route("/admin/rollouts/{name}/{action}", admin.rollout, methods=["POST"]),
+        Route("/admin/upstreams/{action}", admin.upstream, methods=["POST"]),
+        Route("/admin/tenants/{id}/{action}", admin.tenant, methods=["POST"]),
+        Route("/admin/overrides/clear", admin.clear_overrides, methods=["POST"]),
+        Route("/admin/ui", admin.ui, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan,
                     middleware=[Middleware(HeaderLimit)])

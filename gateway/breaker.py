@@ -115,6 +115,14 @@ class CircuitBreaker:
             self._open()
             self._notify()
 
+    def reset(self) -> bool:
+        """Close the breaker now (an operator's action); False when it was closed with no failures counted."""
+        if self._opened_at is None and self._failures == 0:
+            return False
+        self._close()
+        self._notify()
+        return True
+
     def retry_after_s(self) -> float:
         """Seconds until the breaker lets a probe through (0 unless open)."""
         if self._opened_at is None:

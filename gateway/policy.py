@@ -138,12 +138,29 @@ def _check_variants(variants: tuple[Variant, ...]) -> tuple[Variant, ...]:
     return variants
 
 
+def _check_steps(steps: tuple[float, ...]) -> tuple[float, ...]:
+    if any(b <= a for a, b in zip(steps, steps[1:])):
+        raise ValueError("steps must increase")
+    if steps[-1] != 100:
+        raise ValueError("the last step must be 100 (the new variant takes all traffic: promoted)")
+    return steps
+
+
 class Rollout(_Model):
     name: NonEmptyStr
     sticky_key: Annotated[str, AfterValidator(_sticky_key)] = "header:X-User-ID"
     variants: Annotated[tuple[Variant, ...], Field(min_length=1), AfterValidator(_check_variants)]
     override_header: Annotated[str, AfterValidator(_header_name)] | None = None
     rollback: Rollback | None = None
+    # A progressive rollout: the second variant's weight goes through `steps` (percent), each held for
+    # `hold_s` while the rollback bounds hold, then the next; at 100 the rollout is promoted.
+    steps: Annotated[tuple[Annotated[float, Field(strict=True, gt=0, le=100, allow_inf_nan=False)], ...],
+                     Field(min_length=1), AfterValidator(_check_steps)] | None = None
+    hold_s: PosFloat | None = None
+
+    @property
+    def progressive(self) -> bool:
+        return self.steps is not None
 
 
 class Admission(_Model):
@@ -194,6 +211,8 @@ class Policy(_Model):
         # Messages carry their own path: a model validator's error has no location of its own.
         _first_duplicate(self.tenants, lambda t: t.id, "tenants", "id", "tenant id")
         _first_duplicate(self.rollouts, lambda r: r.name, "rollouts", "name", "rollout name")
+        for i, rollout in enumerate(self.rollouts):
+            _check_progressive(rollout, f"rollouts[{i}]")
         owner: dict[str, str] = {}
         for i, tenant in enumerate(self.tenants):
             for j, ref in enumerate(tenant.api_keys):
@@ -218,6 +237,24 @@ class Policy(_Model):
     @property
     def default_priority(self) -> Priority:
         return Priority.parse(self.defaults.priority)
+
+
+def _check_progressive(rollout: Rollout, where: str) -> None:
+    """The rules that tie `steps` to the rest of a rollout (the steps themselves are checked on their own)."""
+    if rollout.steps is None:
+        if rollout.hold_s is not None:
+            raise ValueError(f"{where}.hold_s: only a rollout with steps holds them")
+        return
+    if len(rollout.variants) != 2:
+        raise ValueError(f"{where}.variants: a rollout with steps has exactly two variants: the current one "
+                         "first, the new one second")
+    if rollout.rollback is None:
+        raise ValueError(f"{where}.rollback: a rollout with steps needs rollback bounds (its gate between steps)")
+    if rollout.hold_s is None:
+        raise ValueError(f"{where}.hold_s: a rollout with steps needs a hold time per step")
+    if rollout.hold_s < rollout.rollback.window_s:
+        raise ValueError(f"{where}.hold_s: must be at least rollback.window_s ({rollout.rollback.window_s:g} s), "
+                         "so each step is judged on a whole window of its own traffic")
 
 
 def _first_duplicate(items: tuple[Any, ...], key: Any, where: str, field: str, what: str) -> None:

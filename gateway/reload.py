@@ -28,14 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from gateway.auth import Authenticator
+from gateway.clock import iso_time
 from gateway.policy import Policy, PolicyError, read_policy
+from gateway.progress import Control
 from gateway.rollout import RollbackEvent, RollbackShare, Rollouts
 
 logger = logging.getLogger(__name__)
-
-
-def iso_time(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +64,17 @@ class PolicyStore:
                  share: RollbackShare | None = None,
                  on_rollback: Callable[[str, RollbackEvent], None] | None = None,
                  on_reload_error: Callable[[], None] | None = None,
-                 on_reload: Callable[[Policy], None] | None = None) -> None:
-        """`on_reload(policy)` runs after each switch, to apply settings that live outside the policy."""
+                 on_reload: Callable[[Policy], None] | None = None,
+                 on_step: Callable[[str, Control], None] | None = None) -> None:
+        """`on_reload(policy)` runs after each switch, to apply settings that live outside the policy;
+        `on_step(rollout, control)` when a progressive rollout moves on (gateway/progress.py)."""
         self.path = path
         self._environ = environ
         self._share = share
         self._on_rollback = on_rollback
         self._on_reload_error = on_reload_error
         self._on_reload = on_reload
+        self._on_step = on_step
         self.last_error: tuple[str, float] | None = None  # (message, wall-clock time)
         self.reload_errors = 0
         if path is not None and path.is_file():
@@ -83,7 +84,8 @@ class PolicyStore:
         self.active = self._activate(policy, digest, previous=None)
 
     def _activate(self, policy: Policy, digest: str, previous: Rollouts | None) -> ActivePolicy:
-        rollouts = Rollouts(policy.rollouts, self._share, previous=previous, on_rollback=self._on_rollback)
+        rollouts = Rollouts(policy.rollouts, self._share, previous=previous, on_rollback=self._on_rollback,
+                            on_step=self._on_step)
         return ActivePolicy(policy, Authenticator(policy, self._environ), rollouts, digest, time.time())
 
     def reload(self, served: frozenset[str] = frozenset(), *, fresh: bool = True) -> ActivePolicy:

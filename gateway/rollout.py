@@ -10,6 +10,9 @@ Routing (`Rollouts.route`): a request that names a rollout gets one of its varia
   the tenant's `adapters` globs allow that adapter itself (403 otherwise; 400 when it names no variant).
   An override is honoured even after a rollback: it is an explicit, permitted ask.
 - Rollback: once rolled back, a rollout serves its first variant to everyone.
+- Control (gateway/progress.py): a progressive rollout's split is its current step's weight; a promoted
+  rollout serves its last variant to everyone. Operators pause, resume, promote, roll back and reset a
+  rollout (`Rollouts.act`, POST /admin/rollouts/{name}/{action}).
 
 Health (`Rollouts.record`): every request that reached an upstream is recorded against its variant in a
 sliding window of `rollback.window_s` (the app decides what is an error: an engine's 5xx other than 503,
@@ -28,6 +31,9 @@ Sharing (`RollbackShare`), with Redis, at each `Rollouts.sync` (about once a sec
 - Rollbacks: a rollback is written to a key named after the rollout and a hash of its definition, and
   every replica adopts the keys it finds, so all replicas roll back together. One decided while Redis
   is unreachable is kept locally (and its counts kept for pooling) until Redis is back.
+- Control states: one key per rollout definition, the newest version wins (gateway/progress.py), so every
+  replica serves the same step and a restarted one resumes it; a key that vanished (another replica's
+  POST /admin/reload) sends the rollout back to its first step.
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gateway.clock import iso_time
 from gateway.policy import Rollback, Rollout, Tenant, Variant
+from gateway.progress import PAUSED, PROGRESSING, PROMOTED, Control, effective_weights, next_step
 from gateway.redis_client import redis_client
 from loragate.errors import ApiError, shown
 
@@ -58,9 +66,10 @@ def bucket(rollout: str, sticky: str) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") % BUCKETS
 
 
-def bucket_bounds(variants: Iterable[Variant]) -> list[int]:
-    """The exclusive upper bucket of each variant: cumulative weights scaled to BUCKETS."""
-    weights = [v.weight for v in variants]
+def bucket_bounds(variants: Iterable[Variant], weights: list[float] | None = None) -> list[int]:
+    """The exclusive upper bucket of each variant: cumulative weights (the variants' own, or `weights`)
+    scaled to BUCKETS."""
+    weights = weights if weights is not None else [v.weight for v in variants]
     total = sum(weights)
     bounds, running = [], 0.0
     for w in weights:
@@ -70,10 +79,11 @@ def bucket_bounds(variants: Iterable[Variant]) -> list[int]:
     return bounds
 
 
-def pick_variant(rollout: Rollout, sticky: str) -> Variant:
-    """The variant a sticky value lands on: the first whose bound lies above its bucket."""
+def pick_variant(rollout: Rollout, sticky: str, weights: list[float] | None = None) -> Variant:
+    """The variant a sticky value lands on: the first whose bound lies above its bucket (with the
+    rollout's weights, or `weights`: a progressive rollout's current step)."""
     b = bucket(rollout.name, sticky)
-    bounds = bucket_bounds(rollout.variants)
+    bounds = bucket_bounds(rollout.variants, weights)
     return rollout.variants[bisect.bisect_right(bounds, b)]
 
 
@@ -103,7 +113,7 @@ class RollbackEvent:
 
     def to_json(self) -> dict[str, Any]:
         return {"variant": self.variant, "reason": self.reason, "detail": self.detail,
-                "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.at))}
+                "at": iso_time(self.at)}
 
     def dumps(self) -> str:
         return json.dumps({"variant": self.variant, "reason": self.reason, "detail": self.detail, "at": self.at})
@@ -209,7 +219,8 @@ class Window:
 
 
 class RollbackShare(Protocol):
-    """Where replicas publish rollbacks and pool their window counts. `shared` False: nothing is shared."""
+    """What replicas share: rollbacks, pooled window counts and control states (here), operator overrides
+    (gateway/overrides.py) and the admin actions' log (gateway/admin.py). `shared` False: nothing is."""
 
     shared: bool
 
@@ -218,6 +229,11 @@ class RollbackShare(Protocol):
     async def clear(self, keys: list[str]) -> None: ...
     async def add_counts(self, counts: dict[str, tuple[dict[str, int], int]]) -> None: ...
     async def read_counts(self, keys: list[str]) -> list[dict[str, str]]: ...
+    async def put_newer(self, key: str, value: str, version: int, ttl_s: int) -> None: ...
+    async def read_hash(self, key: str) -> dict[str, str]: ...
+    async def update_hash(self, key: str, put: dict[str, str], remove: list[str]) -> None: ...
+    async def push_log(self, key: str, value: str, keep: int) -> None: ...
+    async def read_log(self, key: str, count: int) -> list[str]: ...
     async def aclose(self) -> None: ...
 
 
@@ -241,6 +257,21 @@ class LocalShare:
     async def read_counts(self, keys: list[str]) -> list[dict[str, str]]:
         return [{} for _ in keys]
 
+    async def put_newer(self, key: str, value: str, version: int, ttl_s: int) -> None:
+        return None
+
+    async def read_hash(self, key: str) -> dict[str, str]:
+        return {}
+
+    async def update_hash(self, key: str, put: dict[str, str], remove: list[str]) -> None:
+        return None
+
+    async def push_log(self, key: str, value: str, keep: int) -> None:
+        return None
+
+    async def read_log(self, key: str, count: int) -> list[str]:
+        return []
+
     async def aclose(self) -> None:
         return None
 
@@ -255,10 +286,30 @@ class RolloutState:
     rolled_back: RollbackEvent | None = None
     published: bool = True  # False: decided here, not yet written to the shared store
     fleet: dict[str, Counts] = field(default_factory=dict)  # the pooled windows, as last read (shared only)
+    control: Control = field(default_factory=Control)  # step, pause, promotion (gateway/progress.py)
+    control_dirty: bool = False  # changed here, not yet written to the shared store
 
     def __post_init__(self) -> None:
         span = self.rollout.rollback.window_s if self.rollout.rollback is not None else 60.0
         self.windows = {v.adapter: Window(span) for v in self.rollout.variants}
+
+    @property
+    def control_key(self) -> str:
+        return self.key.replace(Rollouts.SHARE_PREFIX, Rollouts.CONTROL_PREFIX, 1)
+
+    def set_control(self, control: Control) -> None:
+        self.control = control
+        self.control_dirty = True
+        logger.info("rollout %r: %s (by %s)", self.rollout.name, control.decision, control.by)
+
+    def current_weights(self) -> list[float]:
+        """The percent of traffic each variant gets now: all to the first while rolled back, else the
+        step's or the policy's split (gateway/progress.py)."""
+        if self.rolled_back is not None:
+            return [100.0] + [0.0] * (len(self.rollout.variants) - 1)
+        weights = effective_weights(self.rollout, self.control)
+        total = sum(weights) or 1.0
+        return [100 * w / total for w in weights]
 
     def check(self, variant: str, now: float, wall: float) -> RollbackEvent | None:
         """The rollback this replica's window of `variant` calls for, if any (never for the first variant)."""
@@ -280,9 +331,11 @@ class RolloutState:
                 entry["fleet_window"] = {"requests": fleet.requests, "errors": fleet.errors,
                                          "timed": fleet.timed, "slow": fleet.slow}
             variants.append(entry)
+        for entry, weight in zip(variants, self.current_weights()):
+            entry["current_weight"] = round(weight, 2)
         return {"name": self.rollout.name, "sticky_key": self.rollout.sticky_key,
                 "rolled_back": self.rolled_back.to_json() if self.rolled_back is not None else None,
-                "variants": variants}
+                "control": self.control.to_json(self.rollout), "variants": variants}
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,15 +351,20 @@ class Rollouts:
     """The rollouts of one active policy: routing, health windows, rollbacks, sharing."""
 
     SHARE_PREFIX = "loragate:rollback:"
+    CONTROL_PREFIX = "loragate:rollctl:"
     COUNTS_PREFIX = "loragate:rollstats:"
     SLICES = 20  # a pooled window is kept in this many time slices (it slides by window_s / SLICES)
+    CONTROL_TTL_S = 30 * 24 * 3600  # a rollout's step outlives any gateway restart
 
     def __init__(self, rollouts: Iterable[Rollout], share: RollbackShare | None = None,
                  previous: Rollouts | None = None, on_rollback: Callable[[str, RollbackEvent], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
-        """`previous`: the rollouts of the policy this one replaces; unchanged rollouts keep their state."""
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 on_step: Callable[[str, Control], None] | None = None) -> None:
+        """`previous`: the rollouts of the policy this one replaces; unchanged rollouts keep their state.
+        `on_step(name, control)`: a progressive rollout moved to its next step (or was promoted) here."""
         self.share = share if share is not None else LocalShare()
         self._on_rollback = on_rollback
+        self._on_step = on_step
         self._clock = clock
         self._wall = wall
         old = previous.states if previous is not None else {}
@@ -316,7 +374,8 @@ class Rollouts:
         for rollout in rollouts:
             key = f"{self.SHARE_PREFIX}{rollout.name}:{definition_hash(rollout)}"
             kept = old.get(rollout.name)
-            self.states[rollout.name] = kept if kept is not None and kept.key == key else RolloutState(rollout, key)
+            self.states[rollout.name] = (kept if kept is not None and kept.key == key else
+                                         RolloutState(rollout, key, control=Control.initial(rollout, wall())))
 
     def route(self, name: str, tenant: Tenant, header: Callable[[str], str | None]) -> Routed:
         """The variant for one request; 400 for an override naming no variant, 403 for one not allowed."""
@@ -337,7 +396,10 @@ class Rollouts:
                 return Routed(name, forced, "override")
         if state.rolled_back is not None:
             return Routed(name, rollout.variants[0].adapter, "rollback")
-        return Routed(name, pick_variant(rollout, sticky_value(rollout, tenant, header)).adapter, "split")
+        if state.control.status == PROMOTED:
+            return Routed(name, rollout.variants[-1].adapter, "promoted")
+        weights = effective_weights(rollout, state.control)
+        return Routed(name, pick_variant(rollout, sticky_value(rollout, tenant, header), weights).adapter, "split")
 
     def record(self, name: str, adapter: str, error: bool, ttft_s: float | None) -> RollbackEvent | None:
         """One finished request of a rollout variant; returns the rollback it triggered, if any."""
@@ -383,9 +445,13 @@ class Rollouts:
 
     async def sync(self) -> None:
         """Exchange with the other replicas: publish our rollbacks, pool our counts, adopt their rollbacks,
-        drop cleared ones, and judge the pooled windows."""
+        drop cleared ones, judge the pooled windows; then exchange control states and move progressive
+        rollouts whose gate holds to their next step."""
         states = list(self.states.values())
-        if not states or not self.share.shared:
+        if not states:
+            return
+        if not self.share.shared:
+            self._progress(states)
             return
         for state in states:
             if state.rolled_back is not None and not state.published:
@@ -403,6 +469,51 @@ class Rollouts:
                 for window in state.windows.values():
                     window.clear()
         await self._judge_pooled(states)
+        await self._exchange_controls(states)
+        self._progress(states)
+        await self._publish_controls(states)
+
+    def _progress(self, states: list[RolloutState]) -> None:
+        """Advance every progressive rollout whose step held within bounds (the fleet's pooled window when
+        shared, else this replica's)."""
+        now, wall = self._clock(), self._wall()
+        for state in states:
+            rollout = state.rollout
+            if rollout.steps is None or rollout.rollback is None or state.rolled_back is not None:
+                continue
+            canary = rollout.variants[-1].adapter
+            counts = state.fleet.get(canary) if self.share.shared else None
+            if counts is None:
+                counts = state.windows[canary].counts(now, rollout.rollback.max_ttft_p99_ms)
+            breached = verdict(rollout.rollback, canary, counts, wall) is not None
+            advanced = next_step(rollout, state.control, counts.requests, breached, wall)
+            if advanced is not None:
+                state.set_control(advanced)
+                if self._on_step is not None:
+                    self._on_step(rollout.name, advanced)
+
+    async def _exchange_controls(self, states: list[RolloutState]) -> None:
+        """Adopt a newer control state another replica (or an operator there) wrote."""
+        found = await self.share.fetch([s.control_key for s in states])
+        for state in states:
+            theirs = Control.loads(found[state.control_key]) if state.control_key in found else None
+            if theirs is not None and theirs.version > state.control.version:
+                state.control = theirs
+                state.control_dirty = False
+                logger.info("rollout %r: %s (adopted from another replica)", state.rollout.name, theirs.decision)
+            elif theirs is None and state.control.version > 0 and not state.control_dirty:
+                # Published once, gone now: another replica's POST /admin/reload started it afresh (or
+                # Redis lost its data: starting over from the first step is the safe direction).
+                state.control = Control.initial(state.rollout, self._wall())
+                logger.info("rollout %r: control state cleared by another replica; back to the start",
+                            state.rollout.name)
+
+    async def _publish_controls(self, states: list[RolloutState]) -> None:
+        for state in states:
+            if state.control_dirty:
+                await self.share.put_newer(state.control_key, state.control.dumps(), state.control.version,
+                                           self.CONTROL_TTL_S)
+                state.control_dirty = False
 
     async def _pool_counts(self) -> None:
         """Add this replica's counts since the last sync to the pooled windows (kept for a later try on error)."""
@@ -443,15 +554,78 @@ class Rollouts:
         """Forget every published rollback and pooled window of these rollouts (POST /admin/reload starts
         afresh)."""
         wall = self._wall()
-        keys = [s.key for s in self.states.values()]
+        keys = [s.key for s in self.states.values()] + [s.control_key for s in self.states.values()]
         keys += [key for state in self.states.values() if state.rollout.rollback is not None
                  for v in state.rollout.variants for key in self._window_keys(state, v.adapter, wall)]
         self._pending.clear()
         await self.share.clear(keys)
 
+    def weights(self) -> dict[tuple[str, str], float]:
+        """(rollout, variant) -> the percent of traffic the split sends there now."""
+        return {(name, variant.adapter): weight for name, state in self.states.items()
+                for variant, weight in zip(state.rollout.variants, state.current_weights())}
+
     def describe(self) -> list[dict[str, Any]]:
         now = self._clock()
         return [state.describe(now) for state in self.states.values()]
+
+    # ---- operator actions (POST /admin/rollouts/{name}/{action}) ----
+
+    ACTIONS = ("pause", "resume", "promote", "rollback", "reset")
+
+    async def act(self, name: str, action: str, by: str) -> bool:
+        """Apply an operator's action; False when it changes nothing (already in that state). Raises
+        KeyError for an unknown rollout and ValueError for an action this rollout cannot take."""
+        state = self.states[name]
+        rollout, control, wall = state.rollout, state.control, self._wall()
+        changed = False
+        if action in ("pause", "resume"):
+            if rollout.steps is None:
+                raise ValueError(f"rollout {name!r} has no steps: there is nothing to {action}")
+            if action == "pause" and control.status == PROGRESSING:
+                state.set_control(control.changed(wall, by, f"paused at {rollout.steps[control.step]:g}%",
+                                                  status=PAUSED))
+                changed = True
+            elif action == "resume" and control.status == PAUSED:
+                state.set_control(control.changed(wall, by, f"resumed at {rollout.steps[control.step]:g}%",
+                                                  status=PROGRESSING, since=wall))
+                changed = True
+        elif action == "promote":
+            if control.status != PROMOTED or state.rolled_back is not None:
+                last = len(rollout.steps) - 1 if rollout.steps is not None else 0
+                state.set_control(control.changed(wall, by, "promoted by an operator", status=PROMOTED,
+                                                  step=last, since=wall))
+                await self._clear_rollback(state)
+                changed = True
+        elif action == "rollback":
+            if state.rolled_back is None:
+                event = RollbackEvent(rollout.variants[-1].adapter, "operator", f"rolled back by {by}", wall)
+                self._roll_back(state, event, published=False)
+                changed = True
+        elif action == "reset":
+            fresh = Control.initial(rollout, wall)
+            if state.rolled_back is not None or (control.status, control.step) != (fresh.status, fresh.step):
+                state.set_control(control.changed(wall, by, "reset by an operator", status=fresh.status, step=0,
+                                                  since=wall))
+                await self._clear_rollback(state)
+                changed = True
+        else:
+            raise ValueError(f"unknown action {action!r} (one of: {', '.join(self.ACTIONS)})")
+        if changed and self.share.shared:
+            await self.sync()  # the fleet sees it within a second; this replica at once
+        return changed
+
+    async def _clear_rollback(self, state: RolloutState) -> None:
+        """Forget a rollback here and in the shared store, with the windows that led to it."""
+        state.rolled_back = None
+        state.published = True
+        for window in state.windows.values():
+            window.clear()
+        state.fleet.clear()
+        if self.share.shared and state.rollout.rollback is not None:
+            wall = self._wall()
+            await self.share.clear([state.key] + [key for v in state.rollout.variants
+                                                  for key in self._window_keys(state, v.adapter, wall)])
 
     def _roll_back(self, state: RolloutState, rollback: RollbackEvent, published: bool, adopted: bool = False) -> None:
         state.rolled_back = rollback
@@ -474,8 +648,20 @@ class RedisShare:
     TTL_S = 7 * 24 * 3600
     shared = True
 
+    # KEYS: the control key. ARGV: the JSON value, its version, the TTL. Writes only over an older version.
+    _PUT_NEWER = """
+local current = redis.call('GET', KEYS[1])
+if current then
+  local ok, decoded = pcall(cjson.decode, current)
+  if ok and tonumber(decoded['version']) >= tonumber(ARGV[2]) then return 0 end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[3]))
+return 1
+"""
+
     def __init__(self, url: str) -> None:
         self._redis = redis_client(url)
+        self._put_newer = self._redis.register_script(self._PUT_NEWER)
 
     async def fetch(self, keys: list[str]) -> dict[str, str]:
         values = await self._redis.mget(keys)
@@ -501,6 +687,31 @@ class RedisShare:
         for key in keys:
             pipe.hgetall(key)
         return list(await pipe.execute())
+
+    async def put_newer(self, key: str, value: str, version: int, ttl_s: int) -> None:
+        """Write `value` unless the stored one has `version` or newer (replicas deciding at once agree)."""
+        await self._put_newer(keys=[key], args=[value, version, ttl_s])
+
+    async def read_hash(self, key: str) -> dict[str, str]:
+        return dict(await self._redis.hgetall(key))
+
+    async def update_hash(self, key: str, put: dict[str, str], remove: list[str]) -> None:
+        pipe = self._redis.pipeline(transaction=True)
+        if put:
+            pipe.hset(key, mapping=put)
+        if remove:
+            pipe.hdel(key, *remove)
+        await pipe.execute()
+
+    async def push_log(self, key: str, value: str, keep: int) -> None:
+        """Prepend `value` to a list that keeps its newest `keep` entries."""
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.lpush(key, value)
+        pipe.ltrim(key, 0, keep - 1)
+        await pipe.execute()
+
+    async def read_log(self, key: str, count: int) -> list[str]:
+        return list(await self._redis.lrange(key, 0, count - 1))
 
     async def aclose(self) -> None:
         await self._redis.aclose()

@@ -21,7 +21,7 @@ DRAIN_TIMEOUT_S = 30.0  # after SIGTERM, requests in flight get this long to fin
 def serve(policy_path: Path, upstreams: list[str], redis_url: str | None, host: str, port: int, *,
           max_body_bytes: int = 1 << 20, log_level: str = "info", policy: Policy | None = None,
           drain_timeout_s: float = DRAIN_TIMEOUT_S, limits: ConnectionLimits = ConnectionLimits(),
-          discovery: DnsUpstreams | None = None) -> None:
+          discovery: DnsUpstreams | None = None, clear_overrides: bool = False) -> None:
     """Serve the gateway until SIGINT/SIGTERM. `policy`, if given, is `policy_path` already loaded.
 
     On the first signal the gateway stops admitting (503 draining, /readyz 503) but keeps listening until
@@ -32,7 +32,7 @@ def serve(policy_path: Path, upstreams: list[str], redis_url: str | None, host: 
     limiter = make_limiter(redis_url, policy)
     share = RedisShare(redis_url) if redis_url is not None else None  # rollbacks, shared like the limits
     app = build_app(policy, upstreams, limiter, max_body_bytes=max_body_bytes, policy_path=policy_path,
-                    rollback_share=share, discovery=discovery)
+                    rollback_share=share, discovery=discovery, clear_overrides=clear_overrides)
     gateway = app.state.gateway
     engines = list(upstreams) + ([f"dns:{discovery.name}:{discovery.port}"] if discovery is not None else [])
     logger.info("gateway on http://%s:%d/v1 in front of %s", host, port, ", ".join(engines))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, StatusCode
@@ -37,8 +38,12 @@ class _Bound:
 
     def __init__(self, queue_depths: Callable[[], dict[str, int]], inflight: Callable[[], dict[str, int]],
                  breaker_states: Callable[[], dict[str, str]], redis_errors: Callable[[], int],
-                 rolled_back: Callable[[], dict[str, bool]], spills: Callable[[], int]) -> None:
+                 rolled_back: Callable[[], dict[str, bool]], spills: Callable[[], int],
+                 rollout_weights: Callable[[], dict[tuple[str, str], float]],
+                 overrides: Callable[[], dict[str, Any]]) -> None:
         self.queue_depths = queue_depths
+        self.rollout_weights = rollout_weights
+        self.overrides = overrides
         self.inflight = inflight
         self.breaker_states = breaker_states
         self.redis_errors = redis_errors
@@ -81,6 +86,23 @@ class _StateCollector:
         for rollout, flag in sorted(bound.rolled_back().items()):
             rolled.add_metric([rollout], int(flag))
         yield rolled
+        weights = GaugeMetricFamily("loragate_gateway_rollout_weight", "Percent of a rollout's traffic each "
+                                    "variant gets now (a progressive rollout's step, a promotion, a rollback).",
+                                    labels=["rollout", "variant"])
+        for (rollout, variant), weight in sorted(bound.rollout_weights().items()):
+            weights.add_metric([rollout, variant], weight)
+        yield weights
+        overrides = bound.overrides()
+        drained = GaugeMetricFamily("loragate_gateway_upstream_drained", "1 for an upstream an operator drained.",
+                                    labels=["upstream"])
+        for entry in overrides.get("drained_upstreams", ()):
+            drained.add_metric([entry["target"]], 1)
+        yield drained
+        suspended = GaugeMetricFamily("loragate_gateway_tenant_suspended", "1 for a tenant an operator "
+                                      "suspended.", labels=["tenant"])
+        for entry in overrides.get("suspended_tenants", ()):
+            suspended.add_metric([entry["target"]], 1)
+        yield suspended
         yield CounterMetricFamily("loragate_gateway_affinity_spills", "Adapter requests sent to another "
                                   "upstream because their preferred one had spill_inflight requests in flight.",
                                   value=bound.spills())
@@ -120,12 +142,23 @@ class GatewayMetrics:
         self.rollbacks = Counter("loragate_gateway_rollout_rollbacks", "Automatic rollbacks this replica "
                                  "decided, by rollout and the bound broken (error_rate or ttft_p99).",
                                  ["rollout", "reason"], registry=self.registry)
+        self.rollout_steps = Counter("loragate_gateway_rollout_steps", "Progressive rollout steps this replica "
+                                     "took, by rollout and the status reached (progressing or promoted).",
+                                     ["rollout", "status"], registry=self.registry)
+        self.admin_actions = Counter("loragate_gateway_admin_actions", "Operator actions through the admin "
+                                     "API, by action and whether it changed anything.", ["action", "changed"],
+                                     registry=self.registry)
+        self._tallies: dict[str, list[int]] = {}  # tenant -> [requests, shed, errors], for the ops page
         self._state = _StateCollector()
         self.registry.register(self._state)
 
     def observe_request(self, tenant: str, adapter: str, status: int, reason: str | None,
                         duration_s: float) -> None:
         self.requests.labels(tenant, adapter, str(status), reason or "").inc()
+        tally = self._tallies.setdefault(tenant, [0, 0, 0])
+        tally[0] += 1
+        tally[1] += status in (429, 503)
+        tally[2] += status >= 500 and status != 503
         self.duration.labels(adapter, f"{status // 100}xx").observe(duration_s)
 
     def observe_ttft(self, adapter: str, seconds: float) -> None:
@@ -145,14 +178,28 @@ class GatewayMetrics:
     def count_rollback(self, rollout: str, reason: str) -> None:
         self.rollbacks.labels(rollout, reason).inc()
 
+    def tally(self, tenant: str) -> dict[str, int]:
+        """A tenant's answers since start: all, shed (429 or 503) and server errors (other 5xx)."""
+        requests, shed, errors = self._tallies.get(tenant, (0, 0, 0))
+        return {"requests": requests, "shed": shed, "errors": errors}
+
+    def count_rollout_step(self, rollout: str, status: str) -> None:
+        self.rollout_steps.labels(rollout, status).inc()
+
+    def count_admin_action(self, action: str, changed: bool) -> None:
+        self.admin_actions.labels(action, str(changed).lower()).inc()
+
     def count_reload_error(self) -> None:
         self.reload_errors.inc()
 
     def bind(self, *, queue_depths: Callable[[], dict[str, int]], inflight: Callable[[], dict[str, int]],
              breaker_states: Callable[[], dict[str, str]], redis_errors: Callable[[], int],
-             rolled_back: Callable[[], dict[str, bool]] = dict, spills: Callable[[], int] = int) -> None:
+             rolled_back: Callable[[], dict[str, bool]] = dict, spills: Callable[[], int] = int,
+             rollout_weights: Callable[[], dict[tuple[str, str], float]] = dict,
+             overrides: Callable[[], dict[str, Any]] = dict) -> None:
         """Read these at each scrape; binding again replaces the callbacks."""
-        self._state.bound = _Bound(queue_depths, inflight, breaker_states, redis_errors, rolled_back, spills)
+        self._state.bound = _Bound(queue_depths, inflight, breaker_states, redis_errors, rolled_back, spills,
+                                   rollout_weights, overrides)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

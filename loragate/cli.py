@@ -1,5 +1,5 @@
 """The `loragate` command line: `engine` serves one model, `gateway` fronts engines, `up` starts a local stack,
-`policy` checks policy files offline.
+`policy` checks policy files offline, `admin` steers a running gateway (loragate/admin_cli.py).
 
 `up` first makes sure the demo adapters exist (trained once into the cache, see engine/lora/demo.py), then
 launches each component as a child process (an engine on an internal port, then the gateway in front
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from loragate import admin_cli
 from loragate.http_server import ConnectionLimits
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -168,6 +169,9 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--max-body-mb", type=_positive, default=1, help="largest request body, in MiB")
+    p.add_argument("--clear-overrides", action="store_true",
+                   help="lift every operator override (suspended tenants, drained upstreams) at start, for "
+                        "every replica sharing --redis")
     _add_connection_args(p)
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
 
@@ -186,11 +190,12 @@ def _add_policy_parser(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loragate", description="Multi-LoRA LLM serving.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{engine,up,gateway,policy}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{engine,up,gateway,policy,admin}")
     _add_engine_parser(sub)
     _add_up_parser(sub)
     _add_gateway_parser(sub)
     _add_policy_parser(sub)
+    admin_cli.add_parser(sub)
     return parser
 
 
@@ -287,7 +292,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     try:
         serve(args.policy, args.upstream, args.redis, args.host, args.port, policy=policy,
               max_body_bytes=args.max_body_mb << 20, log_level=args.log_level, limits=_connection_limits(args),
-              discovery=discovery)
+              discovery=discovery, clear_overrides=args.clear_overrides)
     except PolicyError as exc:  # e.g. two tenants sharing a key through env: references
         print(f"loragate gateway: error: {exc}", file=sys.stderr)
         return 2
@@ -399,7 +404,8 @@ def _served_adapters(url: str) -> list[str]:
         return []
 
 
-def _banner(url: str, adapter_ids: list[str], dev_key: str = "<your API key>") -> str:
+def _banner(url: str, adapter_ids: list[str], dev_key: str = "<your API key>",
+            admin_key: str = "<the admin key>") -> str:
     from engine.lora.demo import DEMOS
 
     about = {demo.adapter_id: demo.description for demo in DEMOS}
@@ -417,12 +423,14 @@ def _banner(url: str, adapter_ids: list[str], dev_key: str = "<your API key>") -
               "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Tell me about the moon.\"}], "
               "\"max_tokens\": 48}'",
               f"  curl {url}/v1/models -H \"Authorization: Bearer $KEY\"     # what this key may use",
+              f"ops page: {url}/admin/ui   admin key (new every run): {admin_key}",
+              f"  LORAGATE_ADMIN_KEY={admin_key} loragate admin --url {url} status",
               "Ctrl-C stops it."]
     return "\n".join(lines)
 
 
 def _up_components(args: argparse.Namespace, adapter_dir: Path | None, engine_url: str, url: str,
-                   dev_key: str) -> list[Component]:
+                   dev_key: str, admin_key: str) -> list[Component]:
     engine_argv = [sys.executable, "-m", "loragate", "engine", "--model", args.model,
                    "--host", "127.0.0.1", "--port", str(_UP_ENGINE_PORT), "--log-level", args.log_level]
     if adapter_dir is not None:
@@ -430,7 +438,7 @@ def _up_components(args: argparse.Namespace, adapter_dir: Path | None, engine_ur
     gateway_argv = [sys.executable, "-m", "loragate", "gateway", "--policy", str(_DEFAULT_POLICY),
                     "--upstream", engine_url, "--host", args.host, "--port", str(args.port),
                     "--log-level", args.log_level]
-    env = {**os.environ, "LORAGATE_DEV_API_KEY": dev_key, "LORAGATE_ADMIN_KEY": secrets.token_urlsafe(32)}
+    env = {**os.environ, "LORAGATE_DEV_API_KEY": dev_key, "LORAGATE_ADMIN_KEY": admin_key}
     return [Component("engine", engine_argv, engine_url), Component("gateway", gateway_argv, url, env=env)]
 
 
@@ -454,12 +462,12 @@ def run_up(args: argparse.Namespace) -> int:
             adapter_dir = _up_adapter_dir(args)
         except (ValueError, OSError) as exc:
             raise RuntimeError(f"cannot prepare the demo adapters: {exc}") from None
-        dev_key = secrets.token_urlsafe(24)
-        components += _up_components(args, adapter_dir, engine_url, url, dev_key)
+        dev_key, admin_key = secrets.token_urlsafe(24), secrets.token_urlsafe(32)
+        components += _up_components(args, adapter_dir, engine_url, url, dev_key, admin_key)
         print(f"loragate up: starting the engine ({args.model}) on {engine_url} and the gateway on "
               f"{url} ...", flush=True)
         launch(components)
-        print(_banner(url, _served_adapters(engine_url), dev_key), flush=True)
+        print(_banner(url, _served_adapters(engine_url), dev_key, admin_key), flush=True)
         _wait_any_exit(components)
         print("loragate up: a component exited; stopping the rest", file=sys.stderr)
         return 1
@@ -481,4 +489,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_gateway(args)
     if args.command == "policy":
         return run_policy(args)
+    if args.command == "admin":
+        return admin_cli.run(args)
     return run_up(args)

@@ -28,8 +28,9 @@ class ClientGone(Exception):
     """The client disconnected before its response was ready."""
 
 
-async def read_json(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:
-    """The request body as a JSON object: 413 past `limit` bytes (declared or read), 400 otherwise."""
+async def read_json(request: Request, limit: int = MAX_BODY_BYTES, *, optional: bool = False) -> dict[str, Any]:
+    """The request body as a JSON object: 413 past `limit` bytes (declared or read), 400 otherwise.
+    `optional`: an empty body is `{}`."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
@@ -41,6 +42,8 @@ async def read_json(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, 
                 raise too_large(limit)
     except ClientDisconnect:  # it left, or the server closed it (body timeout): nobody reads the answer
         raise ApiError(499, "client_gone", "the client disconnected before sending the whole body") from None
+    if optional and not body.strip():
+        return {}
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError

@@ -490,7 +490,8 @@ def test_engine_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 def test_up_banner_names_the_adapters() -> None:
     from loragate.cli import _banner
 
-    banner = _banner("http://127.0.0.1:8000", ["french", "mine", "pirate"])
+    banner = _banner("http://127.0.0.1:8000", ["french", "mine", "pirate"], "dev-k", "admin-k")
+    assert "ops page: http://127.0.0.1:8000/admin/ui   admin key (new every run): admin-k" in banner
     assert "pirate       answers like a pirate" in banner and "\n  mine\n" in banner
     assert "-H 'X-Adapter-ID: pirate'" in banner and "http://127.0.0.1:8000/v1/chat/completions" in banner
     assert "X-Adapter-ID" not in _banner("http://127.0.0.1:8000", [])

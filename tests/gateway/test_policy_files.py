@@ -43,7 +43,7 @@ def validator() -> jsonschema.Draft202012Validator:
 def test_the_examples_exist() -> None:
     names = {p.relative_to(POLICIES).as_posix() for p in POLICY_FILES}
     assert {"default.yaml", "examples/multi-tenant.yaml", "examples/canary.yaml",
-            "examples/ab-by-tenant.yaml"} <= names
+            "examples/ab-by-tenant.yaml", "examples/progressive.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", POLICY_FILES, ids=lambda p: p.relative_to(POLICIES).as_posix())
@@ -67,6 +67,12 @@ def test_canary_example_is_the_documented_rollout() -> None:
     assert (rollout.sticky_key, rollout.override_header) == ("header:X-User-ID", "X-Variant")
     assert rollout.rollback.model_dump() == {"max_error_rate": 0.05, "max_ttft_p99_ms": 2000,
                                              "min_requests": 100, "window_s": 60}
+
+
+def test_progressive_example_steps_to_100_with_a_gate() -> None:
+    rollout = load_policy(POLICIES / "examples" / "progressive.yaml").rollout("support")
+    assert rollout is not None and rollout.rollback is not None and rollout.hold_s is not None
+    assert rollout.steps == (5, 25, 50, 100) and rollout.hold_s >= rollout.rollback.window_s
 
 
 def test_ab_example_splits_by_tenant_half_and_half() -> None:

@@ -72,6 +72,8 @@ def test_pip_install_without_extras_is_a_working_gateway_and_cli(tmp_path: Path)
     assert done.stdout.strip() == "[]"
     for name in ("torch", "transformers", "peft"):
         assert _python(f"import {name}", python, outside).returncode != 0, f"{name} was installed"
+    page = _python("from gateway.admin import OpsPage; print(len(OpsPage().html))", python, outside)
+    assert page.returncode == 0 and int(page.stdout) > 1000, page.stderr  # the ops page ships in the package
     cli = str(env_dir / "bin" / "loragate")
     check = subprocess.run([cli, "policy", "check", str(REPO / "policies" / "default.yaml")], capture_output=True,
                            text=True, cwd=outside, timeout=120)

@@ -1,0 +1,109 @@
+"""`loragate admin ...`: the operator actions of a running gateway's admin API (gateway/admin.py), from a shell.
+
+  loragate admin status                               the state: rollouts, upstreams, queues, tenants, overrides
+  loragate admin rollout NAME pause|resume|promote|rollback|reset
+  loragate admin upstream drain|undrain|reset-breaker URL
+  loragate admin tenant ID suspend [--reason TEXT] | resume
+  loragate admin overrides clear
+  loragate admin reload
+
+The gateway is `--url` (default $LORAGATE_URL, else http://127.0.0.1:8000); the admin key is read from the
+environment variable `--key-env` names (default LORAGATE_ADMIN_KEY), never from the command line, where
+other users could read it in the process list. The answer's JSON goes to stdout; an error's message goes
+to stderr with exit status 1 (2 for a usage error, such as no key). `X-Loragate-Actor` carries the login
+name, so the gateway's action log says who it was as well as which key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+ROLLOUT_ACTIONS = ("pause", "resume", "promote", "rollback", "reset")
+UPSTREAM_ACTIONS = ("drain", "undrain", "reset-breaker")
+DEFAULT_URL = "http://127.0.0.1:8000"
+TIMEOUT_S = 30.0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("admin", help="operator actions on a running gateway (admin key from the environment)",
+                       description="Steer a running gateway through its admin API: rollouts, upstreams, "
+                                   "tenants. The admin key is read from the environment (--key-env).")
+    p.add_argument("--url", default=os.environ.get("LORAGATE_URL", DEFAULT_URL),
+                   help="the gateway's base URL (default: $LORAGATE_URL, else %(default)s)")
+    p.add_argument("--key-env", default="LORAGATE_ADMIN_KEY", metavar="NAME",
+                   help="the environment variable holding the admin key (default: %(default)s)")
+    actions = p.add_subparsers(dest="admin_command", required=True,
+                               metavar="{status,rollout,upstream,tenant,overrides,reload}")
+    actions.add_parser("status", help="print GET /admin/policy")
+    rollout = actions.add_parser("rollout", help="pause, resume, promote, roll back or reset a rollout")
+    rollout.add_argument("name")
+    rollout.add_argument("action", choices=ROLLOUT_ACTIONS)
+    upstream = actions.add_parser("upstream", help="drain or undrain an engine, or reset its breaker")
+    upstream.add_argument("action", choices=UPSTREAM_ACTIONS)
+    upstream.add_argument("upstream_url", metavar="URL", help="the upstream's URL, as GET /admin/policy lists it")
+    tenant = actions.add_parser("tenant", help="suspend or resume a tenant")
+    tenant.add_argument("id")
+    tenant.add_argument("action", choices=("suspend", "resume"))
+    tenant.add_argument("--reason", help="why (shown to the tenant in its 403 answers)")
+    overrides = actions.add_parser("overrides", help="lift every suspension and drain")
+    overrides.add_argument("action", choices=("clear",))
+    actions.add_parser("reload", help="reload the policy file (starts rollouts afresh, lifts overrides)")
+
+
+def _request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
+    """(method, path, JSON body) for the parsed command."""
+    command = args.admin_command
+    if command == "status":
+        return "GET", "/admin/policy", None
+    if command == "rollout":
+        return "POST", f"/admin/rollouts/{urllib.parse.quote(args.name, safe='')}/{args.action}", None
+    if command == "upstream":
+        return "POST", f"/admin/upstreams/{args.action}", {"url": args.upstream_url}
+    if command == "tenant":
+        body = {"reason": args.reason} if args.action == "suspend" and args.reason else None
+        return "POST", f"/admin/tenants/{urllib.parse.quote(args.id, safe='')}/{args.action}", body
+    if command == "overrides":
+        return "POST", "/admin/overrides/clear", None
+    return "POST", "/admin/reload", None
+
+
+def run(args: argparse.Namespace) -> int:
+    key = os.environ.get(args.key_env, "").strip()
+    if not key:
+        print(f"loragate admin: error: set {args.key_env} to the gateway's admin key", file=sys.stderr)
+        return 2
+    method, path, body = _request(args)
+    headers = {"Authorization": f"Bearer {key}", "Accept": "application/json"}
+    try:
+        headers["X-Loragate-Actor"] = getpass.getuser()
+    except (KeyError, OSError):  # no login name (a container with an unnamed uid): the key's fingerprint only
+        pass
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(args.url.rstrip("/") + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            answer = json.load(response)
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.load(exc)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        print(f"loragate admin: {method} {path}: {exc.code} {message}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"loragate admin: cannot reach the gateway at {args.url}: {exc}", file=sys.stderr)
+        return 1
+    json.dump(answer, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
