@@ -104,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, OSError, ValueError) as exc:
         print(f"loragate admin: cannot reach the gateway at {args.url}: {exc}", file=sys.stderr)
         return 1
-    json.dump(answer, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    try:
+        json.dump(answer, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `loragate admin status | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

@@ -342,6 +342,10 @@ def test_every_action_through_the_cli(tmp_path: Path, mock: MockUpstream, mock_b
             assert json.loads(loragate_admin(url, "overrides", "clear").stdout)["changed"] is True
             status = loragate_admin(url, "status")
             assert status.returncode == 0 and json.loads(status.stdout)["overrides"]["suspended_tenants"] == []
+            piped = subprocess.run(f"{sys.executable} -m loragate admin --url {url} status | head -c 1",
+                                   shell=True, env={**os.environ, "LORAGATE_ADMIN_KEY": ADMIN_KEY},
+                                   capture_output=True, text=True, timeout=60)
+            assert piped.stdout == "{" and "Traceback" not in piped.stderr  # a reader that stops early
             assert loragate_admin(url, "reload").returncode == 0
 
             log = state()["actions"]
