@@ -2,6 +2,11 @@
 
 The HTTP event loop never blocks on a forward pass: requests and aborts cross into the engine thread
 through a thread-safe inbox, and each step's outputs come back with one `call_soon_threadsafe`.
+
+`AsyncEngine.load(config)` builds the LLMEngine in the engine thread itself, so that the thread that
+steps the model is the only one in the process that ever ran torch: loading the model in the main
+thread and stepping it in another costs W1 a quarter of its throughput (engine/worker/threads.py says
+why). Adapter files are read and checked on a `TransientWorker` for the same reason.
 """
 
 from __future__ import annotations
@@ -14,10 +19,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config import EngineConfig
 from engine.core.llm_engine import AdapterUnusable, LLMEngine
 from engine.core.outputs import AdapterStatus, RequestError, RequestOutput
 from engine.core.request import SamplingParams
 from engine.lora.peft_config import AdapterSpec
+from engine.worker.threads import TransientWorker
 from loragate.priority import Priority
 
 logger = logging.getLogger(__name__)
@@ -71,22 +78,55 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
+        self._go = threading.Event()  # start() gave the loop: a thread made by load() may run
+        self._adapter_io = TransientWorker("adapter-load")
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> AsyncEngine:
+        """Start the engine thread and build the LLMEngine in it (blocks until the model is loaded; the
+        constructor's exception is raised here). The thread then waits for `start()`."""
+        built: list[AsyncEngine | BaseException] = []
+        ready = threading.Event()
+
+        def main() -> None:
+            try:
+                async_engine = cls(LLMEngine(config))
+            except BaseException as exc:
+                built.append(exc)
+                ready.set()
+                return
+            async_engine._thread = threading.current_thread()
+            built.append(async_engine)
+            ready.set()
+            async_engine._go.wait()
+            if not async_engine._stopping.is_set():
+                async_engine._run()
+
+        threading.Thread(target=main, name="loragate-engine", daemon=True).start()
+        ready.wait()
+        if isinstance(built[0], BaseException):
+            raise built[0]
+        return built[0]
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+        return (self._thread is not None and self._thread.is_alive() and self._go.is_set()
+                and not self._stopping.is_set())
 
     async def start(self) -> None:
-        if self._thread is not None:
+        if self._go.is_set():
             return
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="loragate-engine", daemon=True)
-        self._thread.start()
+        if self._thread is None:  # built by the caller: step it in a thread of our own
+            self._thread = threading.Thread(target=self._run, name="loragate-engine", daemon=True)
+            self._thread.start()
+        self._go.set()
 
     async def shutdown(self) -> None:
         if self._thread is None:
             return
         self._stopping.set()
+        self._go.set()  # a thread waiting for start() ends at once
         self._inbox.put(None)
         await asyncio.to_thread(self._thread.join)
         self._thread = None
@@ -123,8 +163,8 @@ class AsyncEngine:
         adapter is refused here rather than failing its first requests; requests already running keep the
         version they started with.
         """
-        spec = await asyncio.to_thread(self.engine.adapters.register, adapter_id, path,
-                                       self.engine.verify_adapter)
+        spec = await asyncio.wrap_future(self._adapter_io.submit(self.engine.adapters.register, adapter_id, path,
+                                                                 self.engine.verify_adapter))
         self._inbox.put(_RetireAdapter(adapter_id))
         return spec
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -36,7 +36,7 @@ from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
 from engine.worker.runner import ModelRunner
 from engine.worker.sampler import Sampler
-from engine.worker.threads import ThreadTuner, usable_cpus
+from engine.worker.threads import ThreadTuner, TransientWorker, usable_cpus
 from kernels import lora_backend
 from loragate.priority import Priority
 
@@ -101,7 +101,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_cache, config.block_size,
                                   Sampler(self.eos_token_ids), device, self.device_adapters)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-prefetch")
+        self._prefetcher = TransientWorker("adapter-prefetch")  # engine/worker/threads.py: why not a pool
         logger.info("engine ready: model=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
                     self.model_name, dtype, num_blocks, config.block_size, self.max_model_len)
 

@@ -6,7 +6,6 @@ import logging
 
 from engine.config import EngineConfig
 from engine.core.async_engine import AsyncEngine
-from engine.core.llm_engine import LLMEngine
 from engine.entrypoints.server import build_app
 from loragate.http_server import ConnectionLimits, serve_app
 from loragate.tracing import setup_tracing
@@ -24,8 +23,9 @@ def serve(config: EngineConfig, host: str, port: int, log_level: str = "info",
     no request (or after DRAIN_TIMEOUT_S) the server shuts down.
     """
     setup_tracing("loragate-engine")
-    engine = LLMEngine(config)
-    app = build_app(AsyncEngine(engine))
+    async_engine = AsyncEngine.load(config)  # the model is loaded in the engine thread
+    engine = async_engine.engine
+    app = build_app(async_engine)
     api = app.state.api
 
     def begin_drain() -> None:

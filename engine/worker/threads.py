@@ -14,6 +14,16 @@ where one thread alone keeps ~0.55x (bench/interference.py).
   gets, at once. Now and then (after 15 s of engine work, doubling to 120 s while the answer stays no)
   it tries one thread more for a step and keeps it when that thread got its CPU. A probe is not free
   (a team spinning beside a busy CPU runs several times slower), hence the long and growing intervals.
+
+One thread computes. The OpenMP runtime (libgomp) keeps a pool of worker threads for every thread that
+ever ran a parallel torch operator, for as long as that thread lives, and once the pools hold more
+threads than there are CPUs it stops spinning between parallel regions: each operator of the engine's
+thread then waits for its workers to wake from a futex. Measured here: a small op 87 us instead of 14 us,
+W1 25% slower when the model was loaded by another (still living) thread than the one that steps it, and
+mixed-LoRA W1 10% slower while the adapter prefetcher's thread lived. So an engine process runs torch in
+one long-lived thread (engine/core/async_engine.py loads the model in the engine thread itself), and
+helper work that touches torch (reading an adapter's weights) runs on a `TransientWorker`, whose thread
+ends, taking its pool with it, as soon as its queue is empty.
 """
 
 from __future__ import annotations
@@ -22,15 +32,20 @@ import logging
 import math
 import os
 import resource
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 _CGROUP = Path("/sys/fs/cgroup")
+T = TypeVar("T")
 
 
 def _quota_in(directory: Path) -> float | None:
@@ -169,3 +184,45 @@ class ThreadTuner:
         self.threads = threads
         self._set(threads)
         self.changes += 1
+
+
+class TransientWorker:
+    """Runs submitted calls one at a time, in order, on a thread that exists only while there is work.
+
+    Like a one-thread ThreadPoolExecutor whose thread ends when its queue is empty (and a new one starts
+    with the next call), so no idle thread keeps an OpenMP pool alive beside the engine's (see above).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        future: Future[T] = Future()
+        with self._lock:
+            self._queue.append((future, fn, args))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+                self._thread.start()
+        return future
+
+    @property
+    def alive(self) -> bool:
+        with self._lock:
+            return self._thread is not None
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._thread = None  # a submit from now on starts a new thread
+                    return
+                future, fn, args = self._queue.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)

@@ -1,12 +1,16 @@
 """Compute threads (engine/worker/threads.py): the CPUs a process may use (affinity mask and cgroup quota,
 v1 and v2, read from fake cgroup trees), the tuner's decisions on scripted CPU and wall clocks, and, on a
-two-CPU machine, the tuner shrinking a real engine's team beside a real CPU hog."""
+two-CPU machine, the tuner shrinking a real engine's team beside a real CPU hog; the helper thread that
+ends when idle, and an engine loaded in its own thread (AsyncEngine.load) computing what a synchronous
+engine computes."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,10 +18,13 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.core.async_engine import AsyncEngine
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import SamplingParams
-from engine.worker.threads import ThreadTuner, quota_cpus, usable_cpus
+from engine.worker.threads import ThreadTuner, TransientWorker, quota_cpus, usable_cpus
 from loragate.cli import build_parser
+
+from polling import poll
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:
@@ -134,3 +141,78 @@ def test_a_real_engine_beside_a_cpu_hog_computes_with_one_thread() -> None:
         hog.kill()
         hog.wait()
         torch.set_num_threads(threads)
+
+
+# ---- one thread computes: the transient helper thread, and the engine built in its own thread -----------
+
+
+def test_transient_worker_runs_in_order_and_its_thread_ends_when_idle() -> None:
+    worker = TransientWorker("helper")
+    gate = threading.Event()
+    seen: list[tuple[int, str]] = []
+
+    def job(i: int) -> int:
+        gate.wait(10)
+        seen.append((i, threading.current_thread().name))
+        return i * i
+
+    futures = [worker.submit(job, i) for i in range(5)]
+    assert worker.alive  # one thread while there is work
+    gate.set()
+    assert [f.result(10) for f in futures] == [0, 1, 4, 9, 16]
+    assert [i for i, _ in seen] == [0, 1, 2, 3, 4] and {name for _, name in seen} == {"helper"}
+    poll(lambda: not worker.alive, timeout_s=10, what="the helper thread's end")
+    assert not any(t.name == "helper" for t in threading.enumerate())
+    failed = worker.submit(lambda: 1 / 0)  # a new thread for new work; an exception goes to the caller
+    with pytest.raises(ZeroDivisionError):
+        failed.result(10)
+    poll(lambda: not worker.alive, timeout_s=10, what="the second helper thread's end")
+
+
+def test_an_engine_loaded_in_its_own_thread_serves_what_a_synchronous_one_computes() -> None:
+    config = EngineConfig(model="tiny-random", max_model_len=256, num_threads=2)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(5, 5 + n)) for n in (3, 9, 17)]
+    reference = LLMEngine(config)
+    for i, prompt in enumerate(prompts):
+        reference.add_request(f"r{i}", prompt, params)
+    expected: dict[str, list[int]] = {}
+    while reference.has_unfinished_requests():
+        for out in reference.step():
+            expected.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    async_engine = AsyncEngine.load(config)
+    built_in = async_engine._thread
+    assert built_in is not None and built_in is not threading.current_thread() and built_in.name == "loragate-engine"
+    assert not async_engine.running  # loaded, waiting for start()
+
+    async def scenario() -> dict[str, list[int]]:
+        await async_engine.start()
+
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            return [t for out in [o async for o in async_engine.generate(f"r{i}", prompt, params)]
+                    for t in out.new_token_ids]
+
+        try:
+            got = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+        finally:
+            await async_engine.shutdown()
+        return {f"r{i}": tokens for i, tokens in enumerate(got)}
+
+    assert asyncio.run(scenario()) == expected
+    assert not built_in.is_alive()
+
+
+def test_a_failed_load_raises_in_the_caller_and_leaves_no_thread(tmp_path: Path) -> None:
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(Exception, match="not-a-model"):
+        AsyncEngine.load(EngineConfig(model=str(tmp_path / "not-a-model")))
+    poll(lambda: {t.ident for t in threading.enumerate() if t.name == "loragate-engine"} <= before,
+         timeout_s=10, what="the engine thread's end")
+
+
+def test_shutdown_before_start_ends_the_loaded_engine_thread() -> None:
+    async_engine = AsyncEngine.load(EngineConfig(model="tiny-random", max_model_len=128))
+    thread = async_engine._thread
+    asyncio.run(async_engine.shutdown())
+    assert thread is not None and not thread.is_alive()
