@@ -39,6 +39,7 @@ soak: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/serving.py
 	$(BIN)/python bench/priority.py
 	$(BIN)/python bench/gateway_overhead.py
 	$(BIN)/python bench/affinity.py

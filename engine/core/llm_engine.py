@@ -64,6 +64,8 @@ class LLMEngine:
             self.threads = ThreadTuner(usable_cpus())
         elif config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        # torch's thread count is per thread: whichever thread steps this engine computes with these.
+        self._fixed_threads = torch.get_num_threads()
         self.config = config
         resolved = resolve_model(config.model)
         self.model_name = config.served_model_name or resolved.name
@@ -230,6 +232,9 @@ class LLMEngine:
         if batch.is_empty():
             return outputs
         t0 = time.perf_counter()
+        wanted = self.threads.threads if self.threads is not None else self._fixed_threads
+        if torch.get_num_threads() != wanted:  # stepped by another thread than the one that built it
+            torch.set_num_threads(wanted)
         if self.threads is not None:
             self.threads.step_started()
         result = self._execute(batch)

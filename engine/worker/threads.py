@@ -23,7 +23,10 @@ W1 25% slower when the model was loaded by another (still living) thread than th
 mixed-LoRA W1 10% slower while the adapter prefetcher's thread lived. So an engine process runs torch in
 one long-lived thread (engine/core/async_engine.py loads the model in the engine thread itself), and
 helper work that touches torch (reading an adapter's weights) runs on a `TransientWorker`, whose thread
-ends, taking its pool with it, as soon as its queue is empty.
+computes with one torch thread (so it never starts a pool: measured, an adapter prefetch thread that did
+slowed mixed-LoRA W1 by 5-8% while it read) and ends as soon as its queue is empty. The engine sets its
+own thread count at every step, since `torch.set_num_threads` also changes the default that new threads
+start with.
 """
 
 from __future__ import annotations
@@ -214,6 +217,7 @@ class TransientWorker:
             return self._thread is not None
 
     def _work(self) -> None:
+        torch.set_num_threads(1)  # run torch inline: no OpenMP pool beside the engine's
         while True:
             with self._lock:
                 if not self._queue:

@@ -163,6 +163,7 @@ def test_transient_worker_runs_in_order_and_its_thread_ends_when_idle() -> None:
     assert [i for i, _ in seen] == [0, 1, 2, 3, 4] and {name for _, name in seen} == {"helper"}
     poll(lambda: not worker.alive, timeout_s=10, what="the helper thread's end")
     assert not any(t.name == "helper" for t in threading.enumerate())
+    assert worker.submit(torch.get_num_threads).result(10) == 1  # helpers never start an OpenMP pool
     failed = worker.submit(lambda: 1 / 0)  # a new thread for new work; an exception goes to the caller
     with pytest.raises(ZeroDivisionError):
         failed.result(10)
@@ -201,6 +202,25 @@ def test_an_engine_loaded_in_its_own_thread_serves_what_a_synchronous_one_comput
 
     assert asyncio.run(scenario()) == expected
     assert not built_in.is_alive()
+
+
+def test_whichever_thread_steps_an_engine_computes_with_its_thread_count() -> None:
+    main_threads = torch.get_num_threads()
+    engine = LLMEngine(EngineConfig(model="tiny-random", max_model_len=128, num_threads=1))
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0))
+    seen: list[int] = []
+
+    def step_elsewhere() -> None:
+        torch.set_num_threads(2)  # what another thread (or the new-thread default) may hold
+        while engine.has_unfinished_requests():
+            engine.step()
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=step_elsewhere)
+    thread.start()
+    thread.join()
+    torch.set_num_threads(main_threads)
+    assert seen == [1]
 
 
 def test_a_failed_load_raises_in_the_caller_and_leaves_no_thread(tmp_path: Path) -> None:
