@@ -26,8 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-import torch
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as `loragate engine` runs: the same setting both ways
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
