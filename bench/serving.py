@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,18 +33,12 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway_overhead import BENCH_TENANT, KEY  # noqa: E402
+from gateway_overhead import BENCH_TENANT, KEY, free_port  # noqa: E402
 from throughput import bench_engine, make_w1_adapters, w1_prompts  # noqa: E402
 
 from engine.model.sources import cache_root, load_tokenizer, resolve_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(args: list[str], url: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
