@@ -166,28 +166,48 @@ EXPECTED = [(True, None), (True, None), (True, None), (False, "rate_limited"), (
 
 
 def test_memory_and_redis_agree(redis_url: str) -> None:
-    """The same script through both limiters; every refusal waits >= 0.2 s, so Redis' few ms of real-time drift
-    cannot flip a decision."""
-    async def play(kind: str) -> list[Decision]:
-        async with open_rig(kind, redis_url) as r:
-            lim = limits(rps=4, burst=3, tpm=600)
-            decisions, reservations = [], []
-            for delay, tokens, used in SCRIPT:
-                if delay:
-                    await r.advance(delay)
-                if used is not None:
-                    await r.limiter.reconcile(reservations[0], used)
-                decision, reservation = await r.limiter.acquire("t", lim, tokens)
-                decisions.append(decision)
-                reservations += [reservation] if reservation else []
-            return decisions
+    """The same script through both limiters. Redis runs on real time, so its run records when each step really
+    happened (a slow machine oversleeps) and the in-memory limiter replays the script at those instants on a fake
+    clock. Every refusal waits >= 0.2 s, so the few ms a Redis round trip takes cannot flip a decision."""
+    async def play(limiter: RateLimiter, at: Callable[[int], Awaitable[None]]) -> list[Decision]:
+        lim = limits(rps=4, burst=3, tpm=600)
+        decisions, reservations = [], []
+        for i, (_, tokens, used) in enumerate(SCRIPT):
+            await at(i)
+            if used is not None:
+                await limiter.reconcile(reservations[0], used)
+            decision, reservation = await limiter.acquire("t", lim, tokens)
+            decisions.append(decision)
+            reservations += [reservation] if reservation else []
+        return decisions
 
-    memory, shared = asyncio.run(play("memory")), asyncio.run(play("redis"))
+    async def play_redis() -> tuple[list[Decision], list[float]]:
+        limiter = RedisRateLimiter(redis_url, on_error="closed", prefix=f"test:{uuid.uuid4().hex}:")
+        instants: list[float] = []
+
+        async def at(i: int) -> None:
+            if SCRIPT[i][0]:
+                await asyncio.sleep(SCRIPT[i][0] + 0.01)   # + slack: the event loop may wake a hair early
+            instants.append(time.monotonic())
+
+        try:
+            return await play(limiter, at), [t - instants[0] for t in instants]
+        finally:
+            await limiter.aclose()
+
+    shared, instants = asyncio.run(play_redis())
+    clock = FakeClock()
+    start = clock.now
+
+    async def replay(i: int) -> None:
+        clock.now = start + instants[i]
+
+    memory = asyncio.run(play(MemoryRateLimiter(clock), replay))
     assert [(d.allowed, d.reason) for d in memory] == EXPECTED
     for m, s in zip(memory, shared, strict=True):
         assert (s.allowed, s.reason, s.remaining, s.limit) == (m.allowed, m.reason, m.remaining, m.limit)
-        assert s.retry_after_s == pytest.approx(m.retry_after_s, abs=0.1)
-        assert s.reset_s == pytest.approx(m.reset_s, abs=0.1)
+        assert s.retry_after_s == pytest.approx(m.retry_after_s, abs=0.05)
+        assert s.reset_s == pytest.approx(m.reset_s, abs=0.05)
 
 
 def test_concurrent_acquires_cannot_overrun(rig: Callable[[], contextlib.AbstractAsyncContextManager[Rig]]) -> None:
