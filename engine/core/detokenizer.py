@@ -11,6 +11,10 @@ right, and decoding a window instead of everything keeps each step O(1) in the o
 window's text ends in U+FFFD, its last token holds only part of a UTF-8 sequence: nothing is shown and
 the offsets stay put, so the character is shown whole once its remaining bytes arrive.
 
+A fast tokenizer without clean-up of tokenization spaces is decoded by its Rust backend directly: that is
+exactly what `tokenizer.decode` computes, without its per-call Python conversions (about half of a decode
+step's cost here).
+
 Stop strings are matched on the shown text. The longest tail that could still begin a stop string is
 held back, so a stop string split over several tokens is cut exactly and never shown.
 """
@@ -31,6 +35,9 @@ class IncrementalDetokenizer:
                  params: SamplingParams) -> None:
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._backend_decode = (backend.decode if backend is not None and hasattr(backend, "decode")
+                                and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None)
         self._stops = tuple(params.stop)
         self._max_hold = max((len(s) for s in self._stops), default=1) - 1
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -76,6 +83,8 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(token_ids, skip_special_tokens=self._skip_special)
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special)
 
     def _decode_new(self) -> str:

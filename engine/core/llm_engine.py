@@ -100,8 +100,8 @@ class LLMEngine:
                             config.preemption, config.aging_s,
                             config.max_adapters_per_step or config.max_device_adapters),
             kv, self.eos_token_ids, self.device_adapters, KVSwapper(kv_cache))
-        self.runner = ModelRunner(self.model, kv_cache, config.block_size,
-                                  Sampler(self.eos_token_ids), device, self.device_adapters)
+        self.runner = ModelRunner(self.model, kv_cache, config.block_size, Sampler(self.eos_token_ids), device,
+                                  self.device_adapters, config.max_num_seqs, self.max_model_len)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._prefetcher = TransientWorker("adapter-prefetch")  # engine/worker/threads.py: why not a pool
         logger.info("engine ready: model=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",

@@ -114,7 +114,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        order = self.waiting.ordered(self.clock())
+        order = self.waiting.ordered(self.clock()) if self._may_start_waiting() else []
         if order:
             self._make_room_for(order[0], out)
         made_room = len(out.preempted)
@@ -124,6 +124,14 @@ class Scheduler:
                 order = self.waiting.ordered(self.clock())
             self._schedule_waiting(out, budget, order)
         return out
+
+    def _may_start_waiting(self) -> bool:
+        """Whether a waiting request could start this step: a sequence slot is free, or a running request
+        ranks below the best waiting one (it may give way). Otherwise the queue need not be ordered."""
+        best = self.waiting.best_priority(self.clock())
+        if best is None:
+            return False
+        return len(self.running) < self.config.max_num_seqs or any(int(r.priority) > best for r in self.running)
 
     def _make_room_for(self, head: Request, out: SchedulerOutput) -> None:
         """Preempt running requests the head of the queue outranks until it fits (it then starts now)."""

@@ -9,10 +9,15 @@
   starve a cold one. An adapter that starts waiting again catches up to the least-served waiting one,
   so idling earns no burst.
 - Arrival (FCFS) breaks the remaining ties; a preempted request keeps its arrival time.
+
+The requests are kept in arrival order as they come (a preempted one is inserted at its place), so ordering
+them is one pass for the turns and one sort; the scheduler orders them only in a step that could admit or
+preempt for one (`best_priority` tells it cheaply when no running request could give way).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 
 from engine.core.request import Request
@@ -21,7 +26,7 @@ from engine.core.request import Request
 class WaitingQueue:
     def __init__(self, aging_s: float | None) -> None:
         self.aging_s = aging_s  # None: no aging
-        self._requests: list[Request] = []
+        self._requests: list[Request] = []  # in arrival order
         self._served: dict[str | None, int] = {}  # adapter id (None: base) -> admissions
 
     def __len__(self) -> int:
@@ -38,7 +43,10 @@ class WaitingQueue:
         if self._requests and all(r.adapter_id != key for r in self._requests):
             floor = min(self._served.get(r.adapter_id, 0) for r in self._requests)
             self._served[key] = max(self._served.get(key, 0), floor)
-        self._requests.append(request)
+        if not self._requests or self._requests[-1].arrival_time <= request.arrival_time:
+            self._requests.append(request)
+        else:  # preempted: back at its place in arrival order
+            bisect.insort_right(self._requests, request, key=lambda r: r.arrival_time)
 
     def remove(self, request: Request) -> None:
         """Take a request out without serving it (abort)."""
@@ -55,12 +63,18 @@ class WaitingQueue:
         waited = max(0.0, now - request.arrival_time)
         return max(0, int(request.priority) - int(waited / self.aging_s))
 
+    def best_priority(self, now: float) -> int | None:
+        """The best (lowest) effective priority waiting at time `now`; None when nothing waits."""
+        if self.aging_s is None:
+            return min((int(r.priority) for r in self._requests), default=None)
+        return min((self.effective_priority(r, now) for r in self._requests), default=None)
+
     def ordered(self, now: float) -> list[Request]:
         """The waiting requests in the order they should be admitted at time `now`."""
         prio = {id(r): self.effective_priority(r, now) for r in self._requests}
         turn: dict[int, int] = {}  # adapter's admissions + place among its (class, adapter) peers
         seen: dict[tuple[int, str | None], int] = {}
-        for r in sorted(self._requests, key=lambda r: r.arrival_time):
+        for r in self._requests:  # in arrival order
             peers = (prio[id(r)], r.adapter_id)
             place = seen.get(peers, 0)
             seen[peers] = place + 1

@@ -1,4 +1,10 @@
-"""The model runner: turns a scheduled step into one flat forward pass and samples the next tokens."""
+"""The model runner: turns a scheduled step into one flat forward pass and samples the next tokens.
+
+What lives across steps (block tables, penalty counts) is kept in the persistent batch
+(engine/worker/input_batch.py), so building a step's inputs costs a few list operations per request and a
+handful of tensor copies, not padded matrices rebuilt from every request's lists. On CUDA, the step's
+integer inputs go through one pinned host buffer and non-blocking copies (`HostStaging`).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from engine.lora.batch import LoraBatch
 from engine.lora.device_tier import DeviceAdapterTier
 from engine.model.attention import AttentionMetadata, PrefillSeq
 from engine.model.llama import LlamaForCausalLM
+from engine.worker.input_batch import InputBatch
 from engine.worker.sampler import Sampler
 from kernels import lora_backend
 
@@ -22,8 +29,8 @@ NO_TOKEN_LEFT = ("no token had a finite, non-zero probability after min_tokens, 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 sampler: Sampler, device: torch.device, adapters: DeviceAdapterTier | None = None
-                 ) -> None:
+                 sampler: Sampler, device: torch.device, adapters: DeviceAdapterTier | None = None,
+                 max_num_seqs: int = 128, max_model_len: int | None = None) -> None:
         self.model = model
         self.adapters = adapters
         self.kv_cache = kv_cache  # [num_layers, num_pages, 2, block_size, num_kv_heads, head_dim]
@@ -31,6 +38,9 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.lora_backend = lora_backend(device)  # "torch" (CPU) or "triton" (CUDA), kernels/__init__.py
+        max_len = max_model_len or model.config.max_position_embeddings
+        self.batch = InputBatch(max_num_seqs, -(-max_len // block_size), model.config.vocab_size, device)
+        self.staging = HostStaging(device) if device.type == "cuda" else None
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
@@ -40,11 +50,14 @@ class ModelRunner:
         `RunnerOutput.errors` instead of sampling a garbage token; the other rows are unaffected (rows
         never mix: attention stays within a sequence, LoRA within a segment).
         """
+        if self.staging is not None:
+            self.staging.begin_step()
         slots = [self._slot(r) for r in batch.requests]
         order = self._batch_order(batch, slots)
         requests = [batch.requests[i] for i in order]
         num_tokens = [batch.num_tokens[i] for i in order]
-        input_ids, positions, attn, last_rows, sample_idx = self._prepare(requests, num_tokens)
+        rows = self.batch.sync(requests)
+        input_ids, positions, attn, last_rows, sample_idx = self._prepare(requests, num_tokens, rows)
         lora = self._lora_segments([slots[i] for i in order], num_tokens)
         hidden = self.model(input_ids, positions, self.kv_cache, attn, lora)  # [T, hidden]
         sampled: list[int | None] = [None] * len(order)
@@ -60,7 +73,9 @@ class ModelRunner:
             if len(good) < len(finite):
                 logits = logits[good]
             if good:
-                out = self.sampler(logits.float(), [requests[sample_idx[j]] for j in good])
+                chosen = [sample_idx[j] for j in good]
+                out = self.sampler(logits.float(), [requests[i] for i in chosen],
+                                   BatchTables(self.batch, [rows[i] for i in chosen]))
                 vocab = logits.shape[1]
                 for j, token, logprob in zip(good, out.token_ids, out.logprobs):
                     i = order[sample_idx[j]]
@@ -110,7 +125,7 @@ class ModelRunner:
             plan = plan_segments(starts, seg_slots, self.device, skip_slot=null)
         return LoraBatch(starts, seg_slots, self.adapters.weights, plan)
 
-    def _prepare(self, requests: list[Request], num_tokens: list[int]
+    def _prepare(self, requests: list[Request], num_tokens: list[int], rows: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
         bs = self.block_size
         token_ids: list[int] = []
@@ -118,37 +133,96 @@ class ModelRunner:
         slots: list[int] = []
         last_rows: list[int] = []  # the row whose logits give each sampling request its next token
         sample_idx: list[int] = []  # which requests sample this step
-        decode_tables: list[list[int]] = []
+        decode_rows: list[int] = []  # persistent-batch rows of the decodes
         decode_lens: list[int] = []
         prefills: list[PrefillSeq] = []
         for i, (request, n) in enumerate(zip(requests, num_tokens)):
             start = request.num_computed_tokens
             end = start + n
+            blocks = request.block_ids
+            if n == 1:  # a decode (batch order puts them first): one token, one slot
+                if end == request.num_tokens:
+                    last_rows.append(len(token_ids))
+                    sample_idx.append(i)
+                token_ids.append(_token_at(request, start))
+                pos_list.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+                decode_rows.append(rows[i])
+                decode_lens.append(end)
+                continue
             row = len(token_ids)
             token_ids.extend(request.token_ids(start, end))
             pos_list.extend(range(start, end))
-            blocks = request.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             if end == request.num_tokens:
                 last_rows.append(row + n - 1)
                 sample_idx.append(i)
-            if n == 1:
-                decode_tables.append(blocks[: -(-end // bs)])
-                decode_lens.append(end)
-            else:
-                table = torch.tensor(blocks[: -(-end // bs)], dtype=torch.long, device=self.device)
-                prefills.append(PrefillSeq(row, n, end, table))
-        width = max((len(t) for t in decode_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            table = self._tensor(blocks[: -(-end // bs)])
+            prefills.append(PrefillSeq(row, n, end, table))
+        width = -(-max(decode_lens, default=0) // bs)
         attn = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decode_tokens=len(decode_lens),
-            decode_block_tables=self._tensor(padded).reshape(len(padded), width),
+            decode_block_tables=self.batch.decode_tables(decode_rows, width),
             decode_context_lens=self._tensor(decode_lens),
             prefills=tuple(prefills),
         )
-        return (self._tensor(token_ids), self._tensor(pos_list), attn,
-                self._tensor(last_rows), sample_idx)
+        inputs = (self._tensor(token_ids), self._tensor(pos_list), attn, self._tensor(last_rows), sample_idx)
+        if self.staging is not None:
+            self.staging.end_step()
+        return inputs
 
-    def _tensor(self, values: list) -> torch.Tensor:
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        if self.staging is not None:
+            return self.staging.stage(values)
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _token_at(request: Request, position: int) -> int:
+    """The token at `position` of prompt + outputs."""
+    n = len(request.prompt_token_ids)
+    return request.prompt_token_ids[position] if position < n else request.output_token_ids[position - n]
+
+
+class BatchTables:
+    """The sampler's TokenTables (engine/worker/sampler.py) for rows of the persistent batch."""
+
+    def __init__(self, batch: InputBatch, rows: list[int]) -> None:
+        self.batch, self.rows = batch, rows
+
+    def output_counts(self, index: list[int]) -> torch.Tensor:
+        return self.batch.output_counts([self.rows[i] for i in index])
+
+    def seen(self, index: list[int]) -> torch.Tensor:
+        return self.batch.seen([self.rows[i] for i in index])
+
+
+class HostStaging:
+    """CUDA only: a step's integer inputs are written into one pinned host buffer and copied to the device
+    without blocking the host. Regions are handed out in order within a step and reused from the start at the
+    next one, once the copies of the step before are done (an event recorded after them)."""
+
+    def __init__(self, device: torch.device, size: int = 1 << 16) -> None:
+        self.device = device
+        self._buffer = torch.empty(size, dtype=torch.long, pin_memory=True)
+        self._used = 0
+        self._copied: torch.cuda.Event | None = None
+
+    def begin_step(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._used = 0
+
+    def end_step(self) -> None:
+        self._copied = torch.cuda.Event()
+        self._copied.record(torch.cuda.current_stream(self.device))
+
+    def stage(self, values: list[int]) -> torch.Tensor:
+        n = len(values)
+        if self._used + n > self._buffer.numel():  # grow for the rest of this step: the old buffer may still
+            self._buffer = torch.empty(2 * (self._used + n), dtype=torch.long, pin_memory=True)  # be copying
+            self._used = 0
+        host = self._buffer[self._used:self._used + n]
+        self._used += n
+        host.copy_(torch.tensor(values, dtype=torch.long))
+        return host.to(self.device, non_blocking=True)

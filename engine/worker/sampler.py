@@ -5,6 +5,10 @@ ids; then the repetition penalty (HF: over prompt + output tokens), then presenc
 (OpenAI: over output tokens); greedy rows take the argmax, the others are divided by the temperature,
 filtered by top-k then top-p and drawn from the softmax.
 
+Penalties read token tables (`TokenTables`: per row, how often each token occurs in the output and which
+tokens were seen at all) instead of the requests' token lists: the engine keeps them up to date across steps
+in its persistent batch (engine/worker/input_batch.py); without one they are built from the lists.
+
 A seeded request draws its own uniform from `request.generator`, so it samples the same tokens whatever
 else shares the batch; every other row draws from the sampler's shared generator. The draw itself is an
 inverse-CDF lookup batched over rows, so the per-row Python loop only produces one float per row.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -31,12 +36,49 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]  # per row; None where the request asked for none
 
 
+class TokenTables(Protocol):
+    """Per-row token statistics for penalties; `index` picks rows of the batch being sampled."""
+
+    def output_counts(self, index: list[int]) -> torch.Tensor: ...  # [R, V] float32: occurrences in the output
+
+    def seen(self, index: list[int]) -> torch.Tensor: ...  # [R, V] bool: in the prompt or the output
+
+
+class ListTables:
+    """TokenTables built from the requests' token lists (for a batch with no persistent state)."""
+
+    def __init__(self, requests: Sequence[Request], vocab: int, device: torch.device) -> None:
+        self.requests, self.vocab, self.device = requests, vocab, device
+
+    def output_counts(self, index: list[int]) -> torch.Tensor:
+        counts = torch.zeros(len(index), self.vocab, device=self.device)
+        for j, i in enumerate(index):
+            ids = self.requests[i].output_token_ids
+            if ids:
+                counts[j].index_put_((torch.tensor(ids, device=self.device),),
+                                     torch.ones(len(ids), device=self.device), accumulate=True)
+        return counts
+
+    def seen(self, index: list[int]) -> torch.Tensor:
+        seen = torch.zeros(len(index), self.vocab, dtype=torch.bool, device=self.device)
+        for j, i in enumerate(index):
+            seen[j, torch.tensor(self.requests[i].all_token_ids, dtype=torch.int64, device=self.device)] = True
+        return seen
+
+
 def _is_plain_greedy(request: Request) -> bool:
     """True when the row's token is just the argmax of its raw logits."""
     p = request.sampling_params
     return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and request.num_output_tokens >= p.min_tokens)
+
+
+def _is_greedy_below_min_tokens(request: Request) -> bool:
+    """True when the row's token is the argmax of its raw logits with EOS and stop ids masked (min_tokens)."""
+    p = request.sampling_params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
 
 class Sampler:
@@ -50,14 +92,19 @@ class Sampler:
         else:
             self._generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        """Sample one token per row. logits: [B, V], row i belongs to requests[i]."""
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
+                 tables: TokenTables | None = None) -> SamplerOutput:
+        """Sample one token per row. logits: [B, V], row i belongs to requests[i]; `tables` (row i of the batch
+        is index i) give the penalties their token statistics (default: built from the token lists)."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), (logits.shape, len(requests))
         if all(_is_plain_greedy(r) for r in requests):
             # Hot path: one batched argmax, no copies.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+        if all(_is_greedy_below_min_tokens(r) for r in requests):
+            # Greedy rows that only need EOS and stop ids masked (min_tokens): the same, after one masked write.
+            return SamplerOutput(self._greedy_masked(logits, requests), [None] * len(requests))
         raw = logits.float()
-        processed = self.process(raw, requests)  # [B, V]
+        processed = self.process(raw, requests, tables)  # [B, V]
         token_ids = self._draw(processed, requests)  # [B]
         # A row left with no finite logit (min_tokens and stop_token_ids masking everything) has no
         # token to give: it answers NO_TOKEN (the runner fails that request) instead of a made-up one.
@@ -67,7 +114,8 @@ class Sampler:
         logprobs = _logprobs(raw, token_ids.clamp(min=0), requests)
         return SamplerOutput(token_ids.tolist(), logprobs)
 
-    def process(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, requests: Sequence[Request],
+                tables: TokenTables | None = None) -> torch.Tensor:
         """The logits each row is drawn from; does not modify its input.
 
         Shapes: logits [B, V] -> [B, V] float32. Greedy rows are masked and penalised but not scaled or
@@ -76,8 +124,10 @@ class Sampler:
         """
         out = logits.float().clone()  # [B, V]
         self._mask_below_min_tokens(out, requests)
-        _apply_repetition_penalty(out, requests)
-        _apply_presence_frequency_penalties(out, requests)
+        if tables is None:
+            tables = ListTables(requests, out.shape[1], out.device)
+        _apply_repetition_penalty(out, requests, tables)
+        _apply_presence_frequency_penalties(out, requests, tables)
         rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if not rows:
             return out
@@ -94,14 +144,37 @@ class Sampler:
         out[index] = apply_top_k_top_p(scaled, top_k, top_p)
         return out
 
-    def _mask_below_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
-        vocab = logits.shape[1]
+    def _banned(self, requests: Sequence[Request], vocab: int) -> tuple[list[int], list[int]]:
+        """(rows, token ids) masked by min_tokens: EOS and the stop token ids of rows below their min_tokens."""
+        rows: list[int] = []
+        cols: list[int] = []
         for i, r in enumerate(requests):
             p = r.sampling_params
             if r.num_output_tokens < p.min_tokens:
                 banned = [t for t in self.eos_token_ids + p.stop_token_ids if 0 <= t < vocab]
-                if banned:
-                    logits[i, banned] = _NEG_INF
+                rows += [i] * len(banned)
+                cols += banned
+        return rows, cols
+
+    def _mask_below_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        """EOS and the stop token ids get -inf in rows that have not reached min_tokens (one write for all)."""
+        rows, cols = self._banned(requests, logits.shape[1])
+        if rows:
+            logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
+
+    def _greedy_masked(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        """Argmax per row after the min_tokens mask; NO_TOKEN for a row whose every token is masked (the
+        runner only samples rows whose logits are all finite, so only the mask can empty a row)."""
+        vocab = logits.shape[1]
+        rows, cols = self._banned(requests, vocab)
+        masked = logits.clone()
+        masked[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
+        token_ids = masked.argmax(dim=-1).tolist()
+        if len(set(cols)) >= vocab:  # a row may have lost every token
+            for i in set(rows):
+                if len({c for r, c in zip(rows, cols) if r == i}) >= vocab:
+                    token_ids[i] = NO_TOKEN
+        return token_ids
 
     def _draw(self, processed: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """processed: [B, V] from `process`. Returns [B] int64 token ids."""
@@ -196,49 +269,33 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)  # [S]
 
 
-def _token_matrix(lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged non-empty token lists as ([R, L] int64 ids, [R, L] float32 weights).
-
-    Short rows repeat their first id with weight 0, so gathers and scatters over the matrix touch only
-    the row's own tokens (a repeated id reads and writes the same value).
-    """
-    width = max(len(ids) for ids in lists)
-    ids = [row + [row[0]] * (width - len(row)) for row in lists]
-    weights = [[1.0] * len(row) + [0.0] * (width - len(row)) for row in lists]
-    return (torch.tensor(ids, dtype=torch.int64, device=device),
-            torch.tensor(weights, dtype=torch.float32, device=device))
-
-
-def _apply_repetition_penalty(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+def _apply_repetition_penalty(logits: torch.Tensor, requests: Sequence[Request], tables: TokenTables) -> None:
     """HF semantics, in place: for tokens seen in prompt or output, logit > 0 -> logit / p, else * p."""
-    rows = [i for i, r in enumerate(requests)
-            if r.sampling_params.repetition_penalty != 1.0 and r.num_tokens > 0]
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.repetition_penalty != 1.0]
     if not rows:
         return
-    ids, _ = _token_matrix([requests[i].all_token_ids for i in rows], logits.device)  # [R, L]
-    row_index = torch.tensor(rows, device=logits.device)[:, None].expand_as(ids)  # [R, L]
+    index = torch.tensor(rows, device=logits.device)
     penalty = torch.tensor([requests[i].sampling_params.repetition_penalty for i in rows],
                            device=logits.device)[:, None]  # [R, 1]
-    seen = logits[row_index, ids]  # [R, L]
-    logits[row_index, ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    x = logits.index_select(0, index)  # [R, V]
+    penalised = torch.where(x > 0, x / penalty, x * penalty)
+    logits[index] = torch.where(tables.seen(rows), penalised, x)
 
 
-def _apply_presence_frequency_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+def _apply_presence_frequency_penalties(logits: torch.Tensor, requests: Sequence[Request],
+                                        tables: TokenTables) -> None:
     """OpenAI semantics, in place, over output tokens: logit -= presence * (n > 0) + frequency * n."""
     rows = [i for i, r in enumerate(requests)
             if r.output_token_ids and (r.sampling_params.presence_penalty != 0.0
                                        or r.sampling_params.frequency_penalty != 0.0)]
     if not rows:
         return
-    ids, weights = _token_matrix([requests[i].output_token_ids for i in rows], logits.device)  # [R, L]
-    counts = torch.zeros(len(rows), logits.shape[1], device=logits.device)
-    counts = counts.scatter_add_(1, ids, weights).gather(1, ids)  # [R, L]: n of each listed token
+    counts = tables.output_counts(rows)  # [R, V]
     params = [requests[i].sampling_params for i in rows]
     presence = torch.tensor([p.presence_penalty for p in params], device=logits.device)[:, None]
     frequency = torch.tensor([p.frequency_penalty for p in params], device=logits.device)[:, None]
-    row_index = torch.tensor(rows, device=logits.device)[:, None].expand_as(ids)  # [R, L]
-    # Every listed token occurs (n > 0), so the presence term applies to all of them.
-    logits[row_index, ids] = logits[row_index, ids] - (presence + frequency * counts)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits.index_select(0, index) - (presence * (counts > 0) + frequency * counts)
 
 
 def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor,

@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from engine.core.request import Request, SamplingParams
-from engine.worker.sampler import Sampler
+from engine.worker.sampler import NO_TOKEN, Sampler
 
 EOS = 3
 
@@ -133,6 +133,24 @@ def test_min_tokens_masks_eos_and_stop_token_ids(ignore_eos: bool) -> None:
     processed = sampler.process(raw, below + reached)
     assert torch.isinf(processed[:2, [EOS, 11]]).all() and torch.isfinite(processed[2:]).all()
     assert sampler(raw, below + reached).token_ids == [12, 12, EOS, EOS]
+
+
+@pytest.mark.parametrize("with_sampled_row", [False, True])  # all greedy: the masked-argmax path; else the full one
+def test_greedy_min_tokens_rows_take_the_masked_argmax_or_no_token(with_sampled_row: bool) -> None:
+    vocab = 6
+    raw = torch.randn(3, vocab, generator=torch.Generator().manual_seed(5))
+    raw[:, EOS] = 50.0
+    every_token = tuple(t for t in range(vocab) if t != EOS)
+    reqs = [_request(SamplingParams(temperature=0.0, min_tokens=2), output=[1]),  # below: EOS masked
+            _request(SamplingParams(temperature=0.0, min_tokens=2), output=[1, 1]),  # reached: EOS wins
+            _request(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=every_token), output=[1])]
+    if with_sampled_row:
+        reqs.append(_request(SamplingParams(temperature=1.0, seed=3), output=[1]))
+        raw = torch.cat([raw, torch.randn(1, vocab)])
+    out = Sampler((EOS,), seed=0)(raw, reqs).token_ids
+    masked = raw[0].clone()
+    masked[EOS] = float("-inf")
+    assert out[:3] == [int(masked.argmax()), EOS, NO_TOKEN]
 
 
 def test_logprobs_come_from_raw_logits_with_sorted_top() -> None:

@@ -1,0 +1,170 @@
+"""The engine's step overhead: µs per running request per step on the tiny random model, where the forward
+pass costs little and what is left is the step loop itself (scheduling, building inputs, sampling,
+applying results, making outputs).
+
+For 1, 8, 32 and 128 running requests (all decoding: their prompts are computed before timing starts),
+four workloads, each timed over `--steps` steps on one thread:
+- greedy:    plain greedy decoding, the engine's hot path;
+- penalties: sampled (temperature 0.8, top-p 0.9) with repetition, presence and frequency penalties;
+- lora:      greedy, request i served by adapter i % 8 (the 8 W1 adapters built on the tiny model);
+- queued:    greedy with three times as many requests waiting (max_num_seqs caps the running ones), so
+             the waiting queue is ordered every step.
+Printed per phase, median of `--rounds` rounds: schedule, execute (building the step's inputs, sampling: the
+runner's work besides the model), forward (the model itself, which is not step overhead), update (applying the
+sampled tokens), outputs (detokenizing, making the outputs); `overhead` is the total without the forward pass.
+
+    python bench/step_overhead.py [--sizes 1,8,32,128] [--steps 40] [--rounds 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from throughput import make_w1_adapters  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.core.llm_engine import LLMEngine  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
+from engine.model.sources import cache_root, resolve_model  # noqa: E402
+
+PHASES = ("schedule", "execute", "forward", "update", "outputs")
+WORKLOADS = ("greedy", "penalties", "lora", "queued")
+
+
+class PhaseTimer:
+    """Wraps an engine's phase methods (instance attributes shadow the class's) and sums their time."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.on = False
+        self._wrap(engine.scheduler, "schedule", "schedule")
+        self._wrap(engine, "_execute", "execute")
+        self._wrap(engine.scheduler, "update_from_output", "update")
+        self._wrap(engine, "_make_outputs", "outputs")
+        engine.runner.model = _TimedModel(engine.runner.model, self)
+
+    def _wrap(self, owner: Any, name: str, phase: str) -> None:
+        inner: Callable[..., Any] = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return inner(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+
+class _TimedModel:
+    """The runner's model, its forward pass and logits timed as "forward" (and taken out of "execute")."""
+
+    def __init__(self, model: Any, timer: PhaseTimer) -> None:
+        self._model, self._timer = model, timer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if not self._timer.on:
+            return fn(*args)
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            spent = time.perf_counter() - start
+            self._timer.seconds["forward"] += spent
+            self._timer.seconds["execute"] -= spent
+
+    def __call__(self, *args: Any) -> Any:
+        return self._timed(self._model, *args)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._timed(self._model.compute_logits, hidden)
+
+
+def measure(model: str, workload: str, running: int, steps: int, adapters: Path | None) -> dict[str, float]:
+    """µs per running request per step, per phase and in total."""
+    waiting = 3 * running if workload == "queued" else 0
+    engine = LLMEngine(EngineConfig(model=model, num_threads=1, pool_mb=256, max_num_seqs=running,
+                                    max_batch_tokens=max(2048, 16 * (running + waiting)),
+                                    adapter_dir=str(adapters) if workload == "lora" else None,
+                                    max_device_adapters=8, aging_s=None))
+    warmup = 3
+    if workload == "penalties":
+        params = SamplingParams(max_tokens=steps + warmup + 8, min_tokens=steps + warmup + 8, temperature=0.8,
+                                top_p=0.9, seed=None, repetition_penalty=1.1, presence_penalty=0.5,
+                                frequency_penalty=0.2, ignore_eos=True)
+    else:
+        params = SamplingParams(max_tokens=steps + warmup + 8, min_tokens=steps + warmup + 8, temperature=0.0,
+                                ignore_eos=True)
+    names = sorted(p.name for p in adapters.iterdir()) if workload == "lora" and adapters else []
+    for i in range(running + waiting):
+        prompt = [(7 * i + j) % 200 + 10 for j in range(16)]
+        engine.add_request(f"r{i}", prompt, params, adapter_id=names[i % len(names)] if names else None)
+    for _ in range(warmup):  # every running request has its prompt computed and decodes from here on
+        engine.step()
+    assert len(engine.scheduler.running) == running, (len(engine.scheduler.running), running)
+    timer = PhaseTimer(engine)
+    timer.on = True
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total = time.perf_counter() - start
+    scale = 1e6 / (steps * running)
+    out = {**{phase: s * scale for phase, s in timer.seconds.items()}, "total": total * scale}
+    out["overhead"] = out["total"] - out["forward"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny-random")
+    parser.add_argument("--sizes", default="1,8,32,128")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write the medians here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    workloads = args.workloads.split(",")
+    adapters = None
+    if "lora" in workloads:
+        root = cache_root() / "bench-adapters" / "tiny-random"
+        make_w1_adapters(resolve_model(args.model).path, root)
+        adapters = root
+    samples: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for _ in range(args.rounds):  # rounds interleave the configurations, so drift hits all alike
+        for workload in workloads:
+            for n in sizes:
+                samples.setdefault((workload, n), []).append(measure(args.model, workload, n, args.steps, adapters))
+    print(f"µs per running request per step, {args.model}, 1 thread, median of {args.rounds} rounds x "
+          f"{args.steps} steps")
+    print(f"{'workload':<10} {'running':>7} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'total':>9} {'overhead':>9}")
+    results = []
+    for (workload, n), runs in samples.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in (*PHASES, "total", "overhead")}
+        results.append({"workload": workload, "running": n, **{k: round(v, 2) for k, v in med.items()}})
+        figures = " ".join(f"{med[p]:>9.1f}" for p in (*PHASES, "total", "overhead"))
+        print(f"{workload:<10} {n:>7} {figures}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
