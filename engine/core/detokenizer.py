@@ -100,6 +100,10 @@ class IncrementalDetokenizer:
 
     def _scan(self, new_text: str, final: bool) -> tuple[str, bool]:
         """Match stop strings over pending + new_text; return (text to show, stop_string_hit)."""
+        if not self._stops:  # nothing to match or hold back
+            if new_text:
+                self._parts.append(new_text)
+            return new_text, False
         buffer = self._pending + new_text
         cut = min((i for i in (buffer.find(s) for s in self._stops) if i >= 0), default=None)
         if cut is not None:

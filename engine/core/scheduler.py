@@ -162,18 +162,20 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            preempted = False
             while not self.kv.allocate_slots(request, n):
                 if self.adapters is not None and self.adapters.evict_idle():
                     continue  # idle adapter pages become KV pages
                 victim = pick_victim(self.running)
                 budget += self._preempt(victim, out)
+                preempted = True
                 if victim is request:
                     break
             if request.status is RequestStatus.RUNNING:
                 out.requests.append(request)
                 out.num_tokens.append(n)
                 budget -= n
-                i = self.running.index(request) + 1  # victims before i shifted the list
+                i = self.running.index(request) + 1 if preempted else i + 1  # victims before i shifted the list
             # else `request` itself was preempted and running[i] is now the next one.
         return budget
 

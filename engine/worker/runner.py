@@ -198,15 +198,20 @@ class BatchTables:
 
 
 class HostStaging:
-    """CUDA only: a step's integer inputs are written into one pinned host buffer and copied to the device
-    without blocking the host. Regions are handed out in order within a step and reused from the start at the
-    next one, once the copies of the step before are done (an event recorded after them)."""
+    """CUDA: a step's integer inputs are written into one pinned host buffer and copied to the device without
+    blocking the host. Regions are handed out in order within a step and reused from the start at the next one,
+    once the copies of the step before are done (an event recorded after them). (On a CPU device it only
+    hands out regions, which is how its bookkeeping is tested without a GPU.)"""
 
     def __init__(self, device: torch.device, size: int = 1 << 16) -> None:
         self.device = device
-        self._buffer = torch.empty(size, dtype=torch.long, pin_memory=True)
+        self._cuda = device.type == "cuda"
+        self._buffer = self._new_buffer(size)
         self._used = 0
         self._copied: torch.cuda.Event | None = None
+
+    def _new_buffer(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.long, pin_memory=self._cuda)
 
     def begin_step(self) -> None:
         if self._copied is not None:
@@ -214,13 +219,14 @@ class HostStaging:
         self._used = 0
 
     def end_step(self) -> None:
-        self._copied = torch.cuda.Event()
-        self._copied.record(torch.cuda.current_stream(self.device))
+        if self._cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(self.device))
 
     def stage(self, values: list[int]) -> torch.Tensor:
         n = len(values)
-        if self._used + n > self._buffer.numel():  # grow for the rest of this step: the old buffer may still
-            self._buffer = torch.empty(2 * (self._used + n), dtype=torch.long, pin_memory=True)  # be copying
+        if self._used + n > self._buffer.numel():  # a bigger buffer for the rest of this step; the old one
+            self._buffer = self._new_buffer(2 * (self._used + n))  # lives on while its copies are in flight
             self._used = 0
         host = self._buffer[self._used:self._used + n]
         self._used += n

@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request, RequestStatus, SamplingParams
 from engine.worker.input_batch import InputBatch
+from engine.worker.runner import HostStaging
 
 NEW_TOKENS = 16
 CONFIGS = [  # max_batch_tokens, block_size, num_kv_blocks, preemption
@@ -146,3 +147,15 @@ def test_presence_and_frequency_penalties_match_the_openai_formula(hf_model, pro
     ours, _ = run_engine(config, prompts, params)
     for i, prompt in enumerate(prompts):
         assert ours[i] == openai_penalised_greedy(hf_model, prompt, NEW_TOKENS, 0.8, 0.6), f"prompt {i} diverged"
+
+
+def test_host_staging_hands_out_disjoint_regions_and_grows_within_a_step() -> None:
+    staging = HostStaging(torch.device("cpu"), size=8)
+    rng = random.Random(5)
+    for _ in range(3):  # steps: regions are reused from the start of the buffer
+        staging.begin_step()
+        lists = [[rng.randrange(1000) for _ in range(rng.randrange(0, 7))] for _ in range(6)]
+        tensors = [staging.stage(values) for values in lists]  # 0..36 values: grows past 8 at least once
+        staging.end_step()
+        assert [t.tolist() for t in tensors] == lists  # no region overwrote an earlier one
+        assert all(t.dtype == torch.long for t in tensors)
