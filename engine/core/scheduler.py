@@ -13,8 +13,11 @@ version. A request whose adapter cannot be brought in this step is skipped, not 
 behind it; a request whose KV blocks do not fit stops admission, so big requests are not starved.
 
 Preemption (engine/preemption.py): when the pool runs dry while running requests grow, or when the head
-of the queue outranks running requests and finds no room, the lowest-priority, most recently admitted
-running request gives way, by recompute or swap.
+of the queue outranks running requests by class and finds no room, the lowest-priority, most recently
+admitted running request gives way, by recompute or swap.
+
+A step that starts a critical request starts no lower-class request beside it: their prompts would make
+that step, and so the critical request's first token, as long as all their prefills together.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.waiting_queue import WaitingQueue
 from engine.lora.device_tier import DeviceAdapterTier
 from engine.lora.peft_config import AdapterKey
+from loragate.priority import Priority
 
 
 @dataclass(slots=True)
@@ -134,8 +138,11 @@ class Scheduler:
         return len(self.running) < self.config.max_num_seqs or any(int(r.priority) > best for r in self.running)
 
     def _make_room_for(self, head: Request, out: SchedulerOutput) -> None:
-        """Preempt running requests the head of the queue outranks until it fits (it then starts now)."""
-        prio = self.waiting.effective_priority(head, self.clock())
+        """Preempt running requests the head of the queue outranks until it fits (it then starts now).
+
+        Outranks by class: aging orders the queue but never preempts (an aged sheddable request preempting
+        running sheddable ones would only trade places with them, step after step)."""
+        prio = int(head.priority)
         while not self._fits(head):
             lower = [r for r in self.running if int(r.priority) > prio]
             if not lower:
@@ -183,9 +190,12 @@ class Scheduler:
         step_adapters = {r.adapter.key for r in out.requests if r.adapter is not None}
         broken: dict[AdapterKey, Exception] = {}  # adapters whose load failed this step
         bound = self.config.max_adapters_per_step
+        critical_started = False
         for request in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
+            if critical_started and request.priority is not Priority.CRITICAL:
+                continue  # no lower-class prompt lengthens the step that starts a critical one
             if request.adapter is not None and request.adapter.key not in step_adapters:
                 if bound is not None and len(step_adapters) >= bound:
                     continue  # no more distinct adapters this step; later requests may share one
@@ -214,6 +224,7 @@ class Scheduler:
             out.requests.append(request)
             out.num_tokens.append(n)
             budget -= n
+            critical_started |= request.priority is Priority.CRITICAL
 
     def _bring_adapter(self, request: Request) -> bool:
         loads = self.adapters.counters.loads

@@ -215,3 +215,27 @@ def _check(s: Scheduler) -> None:
     for r in s.running:  # a running request's adapter is on the device: pinned, never evicted
         assert r.swapped_kv is None
         assert r.adapter is None or s.adapters.is_resident(r.adapter)
+
+
+def test_aged_requests_reorder_the_queue_but_never_preempt() -> None:
+    s, clock, _ = make(num_pages=64, max_num_seqs=2, aging_s=1.0)
+    for i in range(6):  # two run, four wait and age past every class
+        s.add_request(req(f"shed{i}", 3, max_tokens=12, priority=Priority.SHEDDABLE, arrival=0.0))
+    for t in range(20):
+        clock.now = float(t)
+        step(s)
+    assert s.num_preemptions == 0  # aged sheddable work does not trade places with running sheddable work
+
+
+def test_a_step_that_starts_a_critical_request_starts_no_lower_class_prompt() -> None:
+    s, clock, _ = make(max_num_seqs=8, max_batch_tokens=256)
+    s.add_request(req("run", 3, max_tokens=20, priority=Priority.SHEDDABLE))
+    step(s)
+    clock.now = 1.0
+    for i in range(4):
+        s.add_request(req(f"shed{i}", 10, priority=Priority.SHEDDABLE, arrival=1.0))
+    s.add_request(req("crit", 10, priority=Priority.CRITICAL, arrival=1.0))
+    ids = [r.request_id for r in step(s).requests]
+    assert ids == ["run", "crit"]  # the running decode goes on; the waiting prompts wait one step
+    ids = [r.request_id for r in step(s).requests]
+    assert ids == ["run", "crit", "shed0", "shed1", "shed2", "shed3"]
