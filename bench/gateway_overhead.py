@@ -7,7 +7,10 @@ gateway adds, then what routing through a canary rollout (split, windows, rollba
 a plain base-model request, then the most requests/s one gateway process holds at concurrency 32.
 Everything is on 127.0.0.1, bounded in count and time.
 
-    python bench/gateway_overhead.py [--requests 400]
+    python bench/gateway_overhead.py [--requests 400] [--json PATH]
+
+`--json PATH` also writes the figures (milliseconds, requests/s) as one JSON object: `concurrency` (per c:
+direct and gateway p50/p99 and what the gateway added), `rollout` and `throughput_c32_rps`.
 
 Reference (docs/benchmarks.md, same machine kind): LiteLLM added 32 ms p50 at c=1 and ~300 ms at c=10, ~30 req/s.
 Targets: <= 1 ms p50 added at c=1, <= 5 ms at c=10.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -24,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -102,7 +107,9 @@ def pct(values: list[float], q: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--json", type=Path, help="also write the figures here as one JSON object")
     args = ap.parse_args()
+    figures: dict[str, Any] = {"requests": args.requests, "concurrency": []}
     env = {**os.environ, "LORAGATE_BENCH_KEY": KEY, "PYTHONPATH": str(REPO)}
     procs: list[subprocess.Popen] = []
     try:
@@ -129,15 +136,26 @@ def main() -> None:
                   f"   gateway p50 {1e3 * pct(through, .5):6.2f} ms p99 {1e3 * pct(through, .99):6.2f} ms"
                   f"   added p50 {1e3 * (pct(through, .5) - pct(direct, .5)):6.2f} ms"
                   f" p99 {1e3 * (pct(through, .99) - pct(direct, .99)):6.2f} ms")
+            figures["concurrency"].append({
+                "c": c, "direct_p50_ms": 1e3 * pct(direct, .5), "direct_p99_ms": 1e3 * pct(direct, .99),
+                "gateway_p50_ms": 1e3 * pct(through, .5), "gateway_p99_ms": 1e3 * pct(through, .99),
+                "added_p50_ms": 1e3 * (pct(through, .5) - pct(direct, .5)),
+                "added_p99_ms": 1e3 * (pct(through, .99) - pct(direct, .99))})
         rollout = {**auth, "X-Adapter-ID": "canary", "X-User-ID": "user-42"}
         base = asyncio.run(latencies(gateway_url, 1, args.requests, auth))
         split = asyncio.run(latencies(gateway_url, 1, args.requests, rollout))
         print(f"c= 1  base p50 {1e3 * pct(base, .5):6.2f} ms   canary rollout p50 {1e3 * pct(split, .5):6.2f} ms"
               f"   rollout routing added p50 {1e3 * (pct(split, .5) - pct(base, .5)):6.2f} ms")
+        figures["rollout"] = {"base_p50_ms": 1e3 * pct(base, .5), "canary_p50_ms": 1e3 * pct(split, .5),
+                              "added_p50_ms": 1e3 * (pct(split, .5) - pct(base, .5))}
         t0 = time.perf_counter()
         done = asyncio.run(latencies(gateway_url, 32, 4 * args.requests, auth))
-        print(f"throughput through one gateway process at c=32: {len(done) / (time.perf_counter() - t0):.0f} req/s")
+        rps = len(done) / (time.perf_counter() - t0)
+        print(f"throughput through one gateway process at c=32: {rps:.0f} req/s")
+        figures["throughput_c32_rps"] = rps
         print("targets: added p50 <= 1 ms at c=1, <= 5 ms at c=10; LiteLLM: 32 ms / ~300 ms, ~30 req/s")
+        if args.json:
+            args.json.write_text(json.dumps(figures, indent=2))
     finally:
         for p in procs:
             p.terminate()

@@ -8,6 +8,11 @@ request sent to the last answer received; the ratio is to the in-process figure 
 Only one of the three runs at a time (the servers idle while the in-process engine runs).
 
     python bench/serving.py [--model smollm2] [--rounds 3] [--requests 32] [--new-tokens 64] [--threads 2]
+                            [--json PATH]
+
+`--json PATH` also writes the figures as one JSON object: `config`, `rounds` (each round's tok/s per
+workload and path) and `median` (per workload: `in_process_tok_s`, then for each of `http`, `http_stream`,
+`gateway`, `gateway_stream` the median tok/s `<path>_tok_s` and the median ratio to in-process `<path>_ratio`).
 
 Targets (issue 14): HTTP >= 0.95x in-process, through the gateway >= 0.93x.
 """
@@ -24,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as `loragate engine` runs: the same setting both ways
 
@@ -98,6 +104,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, help="also write the figures here as one JSON object")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     resolved = resolve_model(args.model)
@@ -123,7 +130,9 @@ def main() -> None:
         print(f"W1: {args.requests} requests, {args.new_tokens} new tokens each, {args.model}, {args.threads} "
               f"threads, {args.rounds} interleaved rounds; tok/s (ratio to in-process, same round)")
         figures: dict[tuple[str, str], list[float]] = {}
+        rounds: list[dict[str, dict[str, float]]] = []
         for r in range(args.rounds):
+            rounds.append({})
             for workload, adapters in workloads.items():
                 [(_, inproc)] = bench_engine(args.model, prompts, args.new_tokens, adapters,
                                              adapter_dir=str(weight_dirs[0].parent))
@@ -133,6 +142,7 @@ def main() -> None:
                         ("gateway", gateway_url, {"Authorization": f"Bearer {KEY}"}, False),
                         ("gateway stream", gateway_url, {"Authorization": f"Bearer {KEY}"}, True)):
                     row[label] = asyncio.run(over_http(url, prompts, adapters, args.new_tokens, stream, auth))
+                rounds[-1][workload] = row
                 for label, value in row.items():
                     figures.setdefault((workload, label), []).append(value / inproc if label != "in-process"
                                                                      else value)
@@ -148,6 +158,23 @@ def main() -> None:
                              else f"{label} {statistics.median(values):.3f}x")
             print(f"{workload:5s} " + "  ".join(cells))
         print("targets: http >= 0.95x, gateway >= 0.93x")
+        if args.json:
+            def key(label: str) -> str:
+                return label.replace(" ", "_").replace("-", "_")
+
+            median: dict[str, dict[str, float]] = {}
+            for workload in workloads:
+                med = median[workload] = {"in_process_tok_s": statistics.median(figures[(workload, "in-process")])}
+                for label in ("http", "http stream", "gateway", "gateway stream"):
+                    med[f"{key(label)}_tok_s"] = statistics.median(r[workload][label] for r in rounds)
+                    med[f"{key(label)}_ratio"] = statistics.median(figures[(workload, label)])
+            out: dict[str, Any] = {
+                "config": {"model": args.model, "requests": args.requests, "new_tokens": args.new_tokens,
+                           "threads": args.threads, "rounds": args.rounds},
+                "rounds": [{w: {f"{key(label)}_tok_s": v for label, v in row.items()} for w, row in r.items()}
+                           for r in rounds],
+                "median": median}
+            args.json.write_text(json.dumps(out, indent=2))
     finally:
         for proc in procs:
             proc.terminate()

@@ -4,20 +4,28 @@ tokens each, greedy, all submitted at once, 2 threads.
 - base: our engine vs HF transformers' batched `generate` on the same prompts, in the same run;
 - mixed LoRA: 8 PEFT adapters (r = 4/8/16, alpha = 2r, all 7 modules, lora_B ~ N(0, 0.02^2) seeded by
   adapter index), request i served by adapter i % 8; LoRA/base ratio, and HF + PEFT batched per adapter;
-- scale: 512 registered adapters (ids over the 8 weight sets), a device tier of 64, Zipf popularity.
+- scale: 512 registered adapters (ids over the 8 weight sets), a device tier of 64, Zipf popularity; with
+  `--scale-counts 8,64,512,2048` the same pass for each count, one after another (the adapter-scale curve).
 
     python bench/throughput.py [--requests 32] [--new-tokens 64] [--threads 2] [--skip-hf] [--skip-lora]
+                               [--scale-counts 512] [--json PATH]
+
+`--json PATH` also writes every figure as one JSON object (bench/report.py reads it): `config`, `base`
+(`loragate_tok_s`, `hf_tok_s`), `mixed` (`loragate_tok_s`, `lora_base_ratio`, `hf_peft_tok_s`) and `scale`
+(one entry per count: `adapters`, `device_tier`, `distinct_in_batch`, `cold_tok_s`, `warm_tok_s`).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,6 +37,7 @@ from engine.core.request import SamplingParams  # noqa: E402
 from engine.model.sources import cache_root, load_tokenizer, resolve_model  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while serving many adapters at once".split()
+SCALE_TIER = 64  # the scale passes' device tier (--max-device-adapters)
 
 
 def w1_prompts(n: int) -> list[str]:
@@ -161,7 +170,8 @@ def zipf_choices(count: int, n: int, s: float = 1.1, seed: int = 0) -> list[int]
 
 
 def bench_lora(args: argparse.Namespace, resolved, prompts: list[list[int]], texts: list[str],
-               base_tps: float) -> None:
+               base_tps: float) -> dict[str, Any]:
+    """Mixed LoRA, the scale passes and HF + PEFT; returns their figures (`mixed` and `scale`)."""
     root = cache_root() / "bench-adapters"
     weight_dirs = make_w1_adapters(resolved.path, root / "w1")
     names = [d.name for d in weight_dirs]
@@ -170,18 +180,25 @@ def bench_lora(args: argparse.Namespace, resolved, prompts: list[list[int]], tex
                                   adapter_dir=str(weight_dirs[0].parent))
     print(f"loragate mixed LoRA    {lora:7.1f} tok/s  ({secs:.2f} s)  LoRA/base {lora / base_tps:.2f}"
           "  (target >= 80 tok/s, >= 0.85)")
-    scale_dir = scale_adapter_dir(weight_dirs, root, 512)
-    ids = [f"a{k:04d}" for k in zipf_choices(512, len(prompts))]
-    cold, warm = bench_engine(args.model, prompts, args.new_tokens, ids, passes=2,
-                              adapter_dir=str(scale_dir), max_device_adapters=64, pool_mb=1024)
-    for label, (secs, scale) in (("cold", cold), ("warm", warm)):
-        print(f"loragate 512 adapters  {scale:7.1f} tok/s  ({secs:.2f} s)  {label}: {len(set(ids))} "
-              f"distinct in the batch, device tier 64, Zipf  drop vs 8 adapters "
-              f"{100 * (1 - scale / lora):.1f}%  (target <= 10%)")
+    figures: dict[str, Any] = {"mixed": {"loragate_tok_s": lora, "loragate_s": secs,
+                                         "lora_base_ratio": lora / base_tps}, "scale": []}
+    for count in args.scale_counts:
+        scale_dir = scale_adapter_dir(weight_dirs, root, count)
+        ids = [f"a{k:04d}" for k in zipf_choices(count, len(prompts))]
+        cold, warm = bench_engine(args.model, prompts, args.new_tokens, ids, passes=2,
+                                  adapter_dir=str(scale_dir), max_device_adapters=SCALE_TIER, pool_mb=1024)
+        for label, (secs, scale) in (("cold", cold), ("warm", warm)):
+            print(f"loragate {count} adapters  {scale:7.1f} tok/s  ({secs:.2f} s)  {label}: {len(set(ids))} "
+                  f"distinct in the batch, device tier {SCALE_TIER}, Zipf  drop vs 8 adapters "
+                  f"{100 * (1 - scale / lora):.1f}%  (target <= 10%)", flush=True)
+        figures["scale"].append({"adapters": count, "device_tier": SCALE_TIER, "distinct_in_batch": len(set(ids)),
+                                 "cold_tok_s": cold[1], "warm_tok_s": warm[1]})
     if not args.skip_hf:
         secs, hf = bench_hf_peft(resolved.path, weight_dirs, texts, args.new_tokens)
         print(f"HF + PEFT per adapter  {hf:7.1f} tok/s  ({secs:.2f} s)  loragate/HF+PEFT {lora / hf:.2f}x")
+        figures["mixed"].update(hf_peft_tok_s=hf, hf_peft_s=secs)
     print("reference (docs/benchmarks.md): vLLM-CPU mixed LoRA 26.4 tok/s; HF+PEFT batched per adapter 17.0")
+    return figures
 
 
 def main() -> None:
@@ -192,6 +209,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-lora", action="store_true")
+    ap.add_argument("--scale-counts", type=lambda v: [int(c) for c in v.split(",") if c], default=[512],
+                    help="registered-adapter counts of the scale passes, comma-separated (empty: none)")
+    ap.add_argument("--json", type=Path, help="also write the figures here as one JSON object")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -200,17 +220,24 @@ def main() -> None:
     texts = w1_prompts(args.requests)
     prompts = [tok(t)["input_ids"] for t in texts]
     mean_len = sum(map(len, prompts)) / len(prompts)
+    figures: dict[str, Any] = {"config": {"model": args.model, "requests": args.requests,
+                                          "new_tokens": args.new_tokens, "threads": args.threads,
+                                          "mean_prompt_tokens": mean_len}}
     print(f"W1 base: {args.requests} requests, {mean_len:.1f} prompt tokens on average, "
           f"{args.new_tokens} new tokens each, fp32, {args.threads} threads")
     [(secs, ours)] = bench_engine(args.model, prompts, args.new_tokens)
     print(f"loragate engine        {ours:7.1f} tok/s  ({secs:.2f} s)")
+    figures["base"] = {"loragate_tok_s": ours, "loragate_s": secs}
     if not args.skip_hf:
         secs, hf = bench_hf(resolved.path, texts, args.new_tokens)
         print(f"HF transformers batch  {hf:7.1f} tok/s  ({secs:.2f} s)")
         print(f"ratio loragate / HF    {ours / hf:7.2f}x")
-    print("reference (docs/benchmarks.md): vLLM-CPU base-only 53.6 tok/s; target >= 107 tok/s")
+        figures["base"].update(hf_tok_s=hf, hf_s=secs)
+    print("reference (docs/benchmarks.md): vLLM-CPU base-only 53.6 tok/s; target >= 107 tok/s", flush=True)
     if not args.skip_lora:
-        bench_lora(args, resolved, prompts, texts, ours)
+        figures.update(bench_lora(args, resolved, prompts, texts, ours))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":
