@@ -68,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gateway_overhead import free_port  # noqa: E402
+from serving import launch, stop  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.core.llm_engine import LLMEngine  # noqa: E402
@@ -412,36 +413,6 @@ async def idle_phase(url: str, tok: Tokenizer, crit: list[list[int]], shed: dict
 
 def first_difference(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def launch(args: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:
-    """Start `python -m loragate ARGS` and wait (at most 600 s) until GET /healthz answers; killed if it does not."""
-    proc = subprocess.Popen([sys.executable, "-m", "loragate", *args], stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            cwd=Path(__file__).resolve().parent.parent)
-    deadline = time.monotonic() + 600
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the engine exited with {proc.returncode}; see {log}")
-            try:
-                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                    return proc
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the engine did not start in 600 s; see {log}")
-    except BaseException:
-        stop(proc)
-        raise
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
 
 
 def over_http(model: str, threads: int, knobs: Knobs, rounds: int, ref_batch: int, stream_load: bool

@@ -48,19 +48,33 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def launch(args: list[str], url: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start `python -m loragate ARGS` and wait (at most 600 s) until GET /healthz answers; stopped if it does not."""
     proc = subprocess.Popen([sys.executable, "-m", "loragate", *args], stdout=log.open("wb"),
                             stderr=subprocess.STDOUT, env=env, cwd=REPO)
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{args[0]} exited; see {log}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{args[0]} did not start; see {log}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{args[0]} exited with {proc.returncode}; see {log}")
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{args[0]} did not start in 600 s; see {log}")
+    except BaseException:
+        stop(proc)
+        raise
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 async def one(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str], stream: bool) -> int:
@@ -177,8 +191,7 @@ def main() -> None:
             args.json.write_text(json.dumps(out, indent=2))
     finally:
         for proc in procs:
-            proc.terminate()
-            proc.wait(timeout=30)
+            stop(proc)
 
 
 if __name__ == "__main__":
