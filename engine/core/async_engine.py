@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,7 @@ class _Add:
     params: SamplingParams
     priority: Priority
     adapter_id: str | None
+    arrival_time: float  # time.monotonic() when generate() accepted it: queue time includes the inbox wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +154,8 @@ class AsyncEngine:
                 raise RequestFailed(RequestError("adapter_error", str(exc))) from None
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        return self._stream(_Add(request_id, list(prompt_token_ids), params, priority, adapter_id))
+        return self._stream(_Add(request_id, list(prompt_token_ids), params, priority, adapter_id,
+                                 time.monotonic()))
 
     # ---- adapters -------------------------------------------------------------------------------------
 
@@ -235,7 +238,7 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(item.request_id, item.prompt_token_ids, item.params,
-                                        item.priority, item.adapter_id)
+                                        item.priority, item.adapter_id, item.arrival_time)
             except AdapterUnusable as exc:  # its adapter broke since generate() checked it
                 failed = RequestFailed(RequestError("adapter_error", str(exc)))
                 self._loop.call_soon_threadsafe(self._fail, item.request_id, failed)

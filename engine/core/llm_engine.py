@@ -149,13 +149,17 @@ class LLMEngine:
         load_weights(spec, self.model.config, self.dtype)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: Priority = Priority.STANDARD, adapter_id: str | None = None) -> Request:
+                    priority: Priority = Priority.STANDARD, adapter_id: str | None = None,
+                    arrival_time: float | None = None) -> Request:
+        """Queue a request; `arrival_time` (time.monotonic()) when it arrived before this call (it waited in
+        the async engine's inbox): queue time, aging and arrival order count from then."""
         params.validate()
         adapter = None if adapter_id is None else self.adapters.get(adapter_id)  # KeyError: unknown
         self.check_request(prompt_token_ids, params, adapter)
         if adapter is not None:
             self.check_adapter(adapter)
-        request = Request(request_id, list(prompt_token_ids), params, priority, adapter)
+        request = Request(request_id, list(prompt_token_ids), params, priority, adapter,
+                          **({} if arrival_time is None else {"arrival_time": arrival_time}))
         self.scheduler.add_request(request)
         if adapter is not None:
             self._prefetch(adapter)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from engine.config import EngineConfig
+from engine.core.async_engine import AsyncEngine
 from engine.core.llm_engine import LLMEngine
+from engine.core.outputs import RequestOutput
 from engine.core.request import Request, SamplingParams
 
 PROMPT_LENGTHS = (1, 3, 7, 16, 17, 33, 50, 90)
@@ -173,3 +177,29 @@ def test_request_that_can_never_fit_is_rejected() -> None:
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("empty", [], SamplingParams(max_tokens=16))
     assert not engine.has_unfinished_requests()
+
+
+def test_queue_time_counts_from_the_arrival_the_caller_gives(prompts) -> None:
+    engine = LLMEngine(EngineConfig(model="tiny-random"))
+    arrived = time.monotonic() - 5.0  # it waited 5 s before reaching the engine (an inbox, a step in progress)
+    request = engine.add_request("late", prompts[0], greedy_params(2), arrival_time=arrived)
+    assert request.arrival_time == arrived
+    first = next(o for o in engine.step() if o.request_id == "late")
+    assert first.queue_time_s is not None and first.queue_time_s >= 5.0
+
+
+def test_async_engine_stamps_arrival_when_it_accepts_a_request(prompts) -> None:
+    engine = AsyncEngine(LLMEngine(EngineConfig(model="tiny-random")))
+
+    async def scenario() -> list[RequestOutput]:
+        await engine.start()
+        try:
+            stream = engine.generate("r", prompts[0], greedy_params(2))
+            await asyncio.sleep(0.3)  # accepted, not yet handed to the engine thread
+            return [out async for out in stream]
+        finally:
+            await engine.shutdown()
+
+    outputs = asyncio.run(scenario())
+    assert outputs[0].queue_time_s is not None and outputs[0].queue_time_s >= 0.3
+    assert "".join(o.new_text for o in outputs) and outputs[-1].finished
