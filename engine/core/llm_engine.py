@@ -159,7 +159,7 @@ class LLMEngine:
         if adapter is not None:
             self.check_adapter(adapter)
         request = Request(request_id, list(prompt_token_ids), params, priority, adapter,
-                          **({} if arrival_time is None else {"arrival_time": arrival_time}))
+                          time.monotonic() if arrival_time is None else arrival_time)
         self.scheduler.add_request(request)
         if adapter is not None:
             self._prefetch(adapter)

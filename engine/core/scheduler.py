@@ -131,8 +131,9 @@ class Scheduler:
 
     def _may_start_waiting(self) -> bool:
         """Whether a waiting request could start this step: a sequence slot is free, or a running request
-        ranks below the best waiting one (it may give way). Otherwise the queue need not be ordered."""
-        best = self.waiting.best_priority(self.clock())
+        is of a lower class than some waiting one (preemption goes by class, see `_make_room_for`).
+        Otherwise the queue need not be ordered."""
+        best = self.waiting.best_class()
         if best is None:
             return False
         return len(self.running) < self.config.max_num_seqs or any(int(r.priority) > best for r in self.running)

@@ -12,12 +12,13 @@
 
 The requests are kept in arrival order as they come (a preempted one is inserted at its place), so ordering
 them is one pass for the turns and one sort; the scheduler orders them only in a step that could admit or
-preempt for one (`best_priority` tells it cheaply when no running request could give way).
+preempt for one (`best_class`, kept by counting, tells it when no running request could give way).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Iterator
 
 from engine.core.request import Request
@@ -28,6 +29,7 @@ class WaitingQueue:
         self.aging_s = aging_s  # None: no aging
         self._requests: list[Request] = []  # in arrival order
         self._served: dict[str | None, int] = {}  # adapter id (None: base) -> admissions
+        self._classes: Counter[int] = Counter()  # priority class -> requests waiting
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -47,14 +49,16 @@ class WaitingQueue:
             self._requests.append(request)
         else:  # preempted: back at its place in arrival order
             bisect.insort_right(self._requests, request, key=lambda r: r.arrival_time)
+        self._classes[int(request.priority)] += 1
 
     def remove(self, request: Request) -> None:
         """Take a request out without serving it (abort)."""
         self._requests.remove(request)
+        self._classes[int(request.priority)] -= 1
 
     def admit(self, request: Request) -> None:
         """Take a request out because it is being served: its adapter's turn count moves on."""
-        self._requests.remove(request)
+        self.remove(request)
         self._served[request.adapter_id] = self._served.get(request.adapter_id, 0) + 1
 
     def effective_priority(self, request: Request, now: float) -> int:
@@ -63,11 +67,9 @@ class WaitingQueue:
         waited = max(0.0, now - request.arrival_time)
         return max(0, int(request.priority) - int(waited / self.aging_s))
 
-    def best_priority(self, now: float) -> int | None:
-        """The best (lowest) effective priority waiting at time `now`; None when nothing waits."""
-        if self.aging_s is None:
-            return min((int(r.priority) for r in self._requests), default=None)
-        return min((self.effective_priority(r, now) for r in self._requests), default=None)
+    def best_class(self) -> int | None:
+        """The best (lowest) priority class waiting, before aging; None when nothing waits."""
+        return min((c for c, n in self._classes.items() if n), default=None)
 
     def ordered(self, now: float) -> list[Request]:
         """The waiting requests in the order they should be admitted at time `now`."""
