@@ -141,8 +141,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the medians here")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        parser.error(f"--sizes {args.sizes!r}: comma-separated positive integers")
     workloads = args.workloads.split(",")
+    if min(sizes) < 1 or args.steps < 1 or args.rounds < 1:
+        parser.error("--sizes, --steps and --rounds must be positive")
+    if unknown := sorted(set(workloads) - set(WORKLOADS)):
+        parser.error(f"unknown workload(s) {unknown}; workloads: {', '.join(WORKLOADS)}")
     adapters = None
     if "lora" in workloads:
         root = cache_root() / "bench-adapters" / "tiny-random"
