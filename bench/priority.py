@@ -494,6 +494,13 @@ def main() -> None:
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--skip-prefix", action="store_true")
     args = ap.parse_args()
+    for name in ("threads", "max_num_seqs", "max_batch_tokens", "aging_s", "rounds", "ref_batch"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    try:
+        resolve_model(args.model)
+    except ValueError as exc:
+        ap.error(str(exc))
     torch.set_num_threads(args.threads)
     knobs = Knobs(args.max_num_seqs, args.max_batch_tokens, args.aging_s, args.preemption)
     result: dict[str, Any] = {"config": {"model": args.model, "threads": args.threads,
