@@ -110,8 +110,7 @@ def measure(model: str, workload: str, running: int, steps: int, adapters: Path 
                                 top_p=0.9, seed=None, repetition_penalty=1.1, presence_penalty=0.5,
                                 frequency_penalty=0.2, ignore_eos=True)
     else:
-        params = SamplingParams(max_tokens=steps + warmup + 8, min_tokens=steps + warmup + 8, temperature=0.0,
-                                ignore_eos=True)
+        params = SamplingParams(max_tokens=steps + warmup + 8, temperature=0.0, ignore_eos=True)
     names = sorted(p.name for p in adapters.iterdir()) if workload == "lora" and adapters else []
     for i in range(running + waiting):
         prompt = [(7 * i + j) % 200 + 10 for j in range(16)]
@@ -121,10 +120,11 @@ def measure(model: str, workload: str, running: int, steps: int, adapters: Path 
     assert len(engine.scheduler.running) == running, (len(engine.scheduler.running), running)
     timer = PhaseTimer(engine)
     timer.on = True
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    total = time.perf_counter() - start
+    with torch.inference_mode():  # as the server's engine thread steps (engine/core/async_engine.py)
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        total = time.perf_counter() - start
     scale = 1e6 / (steps * running)
     out = {**{phase: s * scale for phase, s in timer.seconds.items()}, "total": total * scale}
     out["overhead"] = out["total"] - out["forward"]

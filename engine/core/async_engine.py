@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from engine.config import EngineConfig
 from engine.core.llm_engine import AdapterUnusable, LLMEngine
 from engine.core.outputs import AdapterStatus, RequestError, RequestOutput
@@ -204,6 +206,10 @@ class AsyncEngine:
     # ---- the engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        with torch.inference_mode():  # once for the thread's life, not per step (see ModelRunner.execute)
+            self._step_until_stopped()
+
+    def _step_until_stopped(self) -> None:
         engine = self.engine
         while not self._stopping.is_set():
             block = not engine.has_unfinished_requests()

@@ -314,26 +314,29 @@ class LLMEngine:
             if token is None:
                 continue
             detok = self._detokenizers[request.request_id]
-            ends_on_token = (request.status is RequestStatus.FINISHED_STOPPED)
-            text, stop_hit = detok.update([] if ends_on_token else [token])
-            if stop_hit and not request.is_finished:
+            status = request.status
+            # A stop token (EOS, a stop id) ends the request without being shown.
+            text, stop_hit = detok.update([] if status is RequestStatus.FINISHED_STOPPED else [token])
+            if stop_hit and not status.finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            if request.is_finished:
+                status = request.status
+            finished = status.finished
+            if finished:
                 if not stop_hit:
                     text += detok.flush()
                 del self._detokenizers[request.request_id]
+            num_output_tokens = len(request.output_token_ids)
             outputs.append(RequestOutput(
                 request_id=request.request_id,
                 new_token_ids=[token],
                 new_text=text,
-                finished=request.is_finished,
-                finish_reason=(("stop" if stop_hit else request.status.value)
-                               if request.is_finished else None),
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_output_tokens=request.num_output_tokens,
+                finished=finished,
+                finish_reason=("stop" if stop_hit else status.value) if finished else None,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_output_tokens=num_output_tokens,
                 new_logprobs=[logprob] if logprob is not None else [],
                 queue_time_s=(request.first_scheduled_time - request.arrival_time
-                              if request.num_output_tokens == 1 else None),
+                              if num_output_tokens == 1 else None),
             ))
         return outputs
 

@@ -86,7 +86,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self is not RequestStatus.RUNNING and self is not RequestStatus.WAITING
 
 
 @dataclass(frozen=True, slots=True)

@@ -286,8 +286,11 @@ class Scheduler:
         finished: list[Request] = []
         for request, n, token, logprob in zip(out.requests, out.num_tokens, result.sampled,
                                                result.logprobs):
-            request.num_computed_tokens += n
-            self.kv.cache_full_blocks(request)
+            if request.num_computed_tokens < len(request.prompt_token_ids):  # prompt blocks may have filled up
+                request.num_computed_tokens += n
+                self.kv.cache_full_blocks(request)
+            else:
+                request.num_computed_tokens += n
             if token is None:
                 continue
             request.output_token_ids.append(token)

@@ -78,10 +78,10 @@ class InputBatch:
                                    torch.ones(len(count_rows), device=self.device), accumulate=True)
         return rows
 
-    def decode_tables(self, rows: list[int], width: int) -> torch.Tensor:
-        """[len(rows), width] int64: the rows' block tables (entries past a row's blocks are stale, never read:
-        attention masks positions past each context length)."""
-        table = torch.from_numpy(self._blocks[rows, :width])
+    def decode_tables(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """[len(rows), width] int64 on the device: the block tables of `rows` ([R] int64 on the host), entries past
+        a row's blocks are stale, never read (attention masks positions past each context length)."""
+        table = self.block_table[:, :width].index_select(0, rows)
         return table if self.device.type == "cpu" else table.to(self.device)
 
     def output_counts(self, rows: list[int]) -> torch.Tensor:

@@ -1,12 +1,15 @@
 """The model runner: turns a scheduled step into one flat forward pass and samples the next tokens.
 
 What lives across steps (block tables, penalty counts) is kept in the persistent batch
-(engine/worker/input_batch.py), so building a step's inputs costs a few list operations per request and a
-handful of tensor copies, not padded matrices rebuilt from every request's lists. On CUDA, the step's
-integer inputs go through one pinned host buffer and non-blocking copies (`HostStaging`).
+(engine/worker/input_batch.py), so building a step's inputs costs a few list operations per request, not padded
+matrices rebuilt from every request's lists. A step's integer inputs are packed into one tensor (on CUDA through
+a pinned host buffer and one non-blocking copy, `HostStaging`): at a few running requests, each small tensor
+built costs about as much as the rest of the step's bookkeeping.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -18,13 +21,22 @@ from engine.lora.device_tier import DeviceAdapterTier
 from engine.model.attention import AttentionMetadata, PrefillSeq
 from engine.model.llama import LlamaForCausalLM
 from engine.worker.input_batch import InputBatch
-from engine.worker.sampler import Sampler
+from engine.worker.sampler import NON_FINITE, Sampler
 from kernels import lora_backend
 
 NON_FINITE_LOGITS = ("the model computed non-finite logits (NaN or inf) for this request; its adapter's "
                      "weights are the usual cause")
 NO_TOKEN_LEFT = ("no token had a finite, non-zero probability after min_tokens, stop_token_ids and the "
                  "penalties were applied")
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor | None  # [S] int64: the rows whose logits are sampled; None: every row, in order
+    sample_idx: list[int]  # [S]: the requests (in batch order) that sample this step
 
 
 class ModelRunner:
@@ -42,48 +54,44 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, -(-max_len // block_size), model.config.vocab_size, device)
         self.staging = HostStaging(device) if device.type == "cuda" else None
 
-    @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         """Compute one step and sample a token for every request whose known tokens are all computed.
 
         A row whose logits are not finite (a broken adapter, an overflow) fails its own request in
         `RunnerOutput.errors` instead of sampling a garbage token; the other rows are unaffected (rows
         never mix: attention stays within a sequence, LoRA within a segment).
+
+        Runs in inference mode. The engine thread stays in it for its whole loop (engine/core/async_engine.py):
+        entering it costs about as much as building the step's inputs at one running request.
         """
-        if self.staging is not None:
-            self.staging.begin_step()
+        if torch.is_inference_mode_enabled():
+            return self._execute(batch)
+        with torch.inference_mode():
+            return self._execute(batch)
+
+    def _execute(self, batch: SchedulerOutput) -> RunnerOutput:
         slots = [self._slot(r) for r in batch.requests]
         order = self._batch_order(batch, slots)
         requests = [batch.requests[i] for i in order]
         num_tokens = [batch.num_tokens[i] for i in order]
         rows = self.batch.sync(requests)
-        input_ids, positions, attn, last_rows, sample_idx = self._prepare(requests, num_tokens, rows)
+        step = self._prepare(requests, num_tokens, rows)
         lora = self._lora_segments([slots[i] for i in order], num_tokens)
-        hidden = self.model(input_ids, positions, self.kv_cache, attn, lora)  # [T, hidden]
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.attn, lora)  # [T, hidden]
         sampled: list[int | None] = [None] * len(order)
         logprobs: list[TokenLogprob | None] = [None] * len(order)
         errors: dict[int, str] = {}
-        if sample_idx:
-            logits = self.model.compute_logits(hidden[last_rows])  # [S, vocab]
-            # A row's sum is finite exactly when all its logits are (they are far below overflow).
-            finite = torch.isfinite(logits.sum(dim=-1)).tolist()  # [S]
-            for j in (j for j, ok in enumerate(finite) if not ok):
-                errors[order[sample_idx[j]]] = NON_FINITE_LOGITS
-            good = [j for j, ok in enumerate(finite) if ok]
-            if len(good) < len(finite):
-                logits = logits[good]
-            if good:
-                chosen = [sample_idx[j] for j in good]
-                out = self.sampler(logits.float(), [requests[i] for i in chosen],
-                                   BatchTables(self.batch, [rows[i] for i in chosen]))
-                vocab = logits.shape[1]
-                for j, token, logprob in zip(good, out.token_ids, out.logprobs):
-                    i = order[sample_idx[j]]
-                    if not 0 <= token < vocab:  # every token had probability 0 (or NaN) after masking
-                        errors[i] = NO_TOKEN_LEFT
-                        continue
-                    sampled[i] = token
-                    logprobs[i] = logprob
+        if step.sample_idx:
+            if step.sample_rows is not None:
+                hidden = hidden[step.sample_rows]
+            logits = self.model.compute_logits(hidden)  # [S, vocab]
+            out = self.sampler(logits, [requests[i] for i in step.sample_idx],
+                               BatchTables(self.batch, [rows[i] for i in step.sample_idx]))
+            for i, token, logprob in zip(step.sample_idx, out.token_ids, out.logprobs):
+                if token >= 0:
+                    sampled[order[i]], logprobs[order[i]] = token, logprob
+                else:
+                    errors[order[i]] = NON_FINITE_LOGITS if token == NON_FINITE else NO_TOKEN_LEFT
         return RunnerOutput(sampled, logprobs, errors)
 
     def _slot(self, request: Request) -> int | None:
@@ -97,6 +105,8 @@ class ModelRunner:
     def _batch_order(batch: SchedulerOutput, slots: list[int | None]) -> list[int]:
         """Decodes (one token) first, then prefill chunks, as AttentionMetadata requires; within each,
         rows grouped by adapter slot so every adapter forms as few segments as possible."""
+        if all(n == 1 for n in batch.num_tokens) and all(slot is None for slot in slots):
+            return list(range(len(slots)))  # decodes of the base model: any order is that order
         def key(i: int) -> int:
             return -1 if slots[i] is None else slots[i]
         decodes = sorted((i for i, n in enumerate(batch.num_tokens) if n == 1), key=key)
@@ -125,8 +135,9 @@ class ModelRunner:
             plan = plan_segments(starts, seg_slots, self.device, skip_slot=null)
         return LoraBatch(starts, seg_slots, self.adapters.weights, plan)
 
-    def _prepare(self, requests: list[Request], num_tokens: list[int], rows: list[int]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
+    def _prepare(self, requests: list[Request], num_tokens: list[int], rows: list[int]) -> StepInputs:
+        """The step's inputs. Every integer input is written into one list and becomes one tensor (one copy
+        to the device on CUDA); the tensors the model reads are views of it."""
         bs = self.block_size
         token_ids: list[int] = []
         pos_list: list[int] = []
@@ -135,7 +146,7 @@ class ModelRunner:
         sample_idx: list[int] = []  # which requests sample this step
         decode_rows: list[int] = []  # persistent-batch rows of the decodes
         decode_lens: list[int] = []
-        prefills: list[PrefillSeq] = []
+        prefills: list[tuple[int, int, int, list[int]]] = []  # token_start, query_len, context_len, blocks
         for i, (request, n) in enumerate(zip(requests, num_tokens)):
             start = request.num_computed_tokens
             end = start + n
@@ -157,20 +168,30 @@ class ModelRunner:
             if end == request.num_tokens:
                 last_rows.append(row + n - 1)
                 sample_idx.append(i)
-            table = self._tensor(blocks[: -(-end // bs)])
-            prefills.append(PrefillSeq(row, n, end, table))
+            prefills.append((row, n, end, blocks[: -(-end // bs)]))
+        num = len(token_ids)
+        packed = token_ids + pos_list + slots + decode_lens + decode_rows + last_rows
+        for *_, table in prefills:
+            packed += table
+        flat = self._tensor(packed)
+        num_decodes = len(decode_lens)
+        views = iter(flat.split([num, num, num, num_decodes, num_decodes, len(last_rows),
+                                 *(len(p[3]) for p in prefills)]))
+        input_ids, positions, slot_mapping, context_lens, table_rows, last = (
+            next(views), next(views), next(views), next(views), next(views), next(views))
+        if flat.device.type != "cpu":  # the block tables are kept on the host
+            table_rows = torch.tensor(decode_rows, dtype=torch.long)
         width = -(-max(decode_lens, default=0) // bs)
         attn = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decode_tokens=len(decode_lens),
-            decode_block_tables=self.batch.decode_tables(decode_rows, width),
-            decode_context_lens=self._tensor(decode_lens),
-            prefills=tuple(prefills),
+            slot_mapping=slot_mapping,
+            num_decode_tokens=num_decodes,
+            decode_block_tables=self.batch.decode_tables(table_rows, width),
+            decode_context_lens=context_lens,
+            prefills=tuple(PrefillSeq(row, n, end, next(views)) for row, n, end, _ in prefills),
         )
-        inputs = (self._tensor(token_ids), self._tensor(pos_list), attn, self._tensor(last_rows), sample_idx)
-        if self.staging is not None:
-            self.staging.end_step()
-        return inputs
+        # In a step of decodes only, every row is sampled, in order: the logits need no gather.
+        sample_rows = None if len(last_rows) == num else last
+        return StepInputs(input_ids, positions, attn, sample_rows, sample_idx)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         if self.staging is not None:
@@ -198,37 +219,30 @@ class BatchTables:
 
 
 class HostStaging:
-    """CUDA: a step's integer inputs are written into one pinned host buffer and copied to the device without
-    blocking the host. Regions are handed out in order within a step and reused from the start at the next one,
-    once the copies of the step before are done (an event recorded after them). (On a CPU device it only
-    hands out regions, which is how its bookkeeping is tested without a GPU.)"""
+    """CUDA: a step's integer inputs (one list, see `ModelRunner._prepare`) are written into a pinned host buffer
+    and copied to the device without blocking the host. The buffer is written again at the next step once the
+    copy of the step before is done (an event recorded after it). (On a CPU device it only copies through the
+    buffer, which is how its bookkeeping is tested without a GPU.)"""
 
     def __init__(self, device: torch.device, size: int = 1 << 16) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
         self._buffer = self._new_buffer(size)
-        self._used = 0
         self._copied: torch.cuda.Event | None = None
 
     def _new_buffer(self, size: int) -> torch.Tensor:
         return torch.empty(size, dtype=torch.long, pin_memory=self._cuda)
 
-    def begin_step(self) -> None:
-        if self._copied is not None:
+    def stage(self, values: list[int]) -> torch.Tensor:
+        n = len(values)
+        if n > self._buffer.numel():  # a bigger buffer; the old one lives on while its copy is in flight
+            self._buffer = self._new_buffer(2 * n)
+        elif self._copied is not None:
             self._copied.synchronize()
-        self._used = 0
-
-    def end_step(self) -> None:
+        host = self._buffer[:n]
+        host.copy_(torch.tensor(values, dtype=torch.long))
+        device = host.to(self.device, non_blocking=True) if self._cuda else host.clone()
         if self._cuda:
             self._copied = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(self.device))
-
-    def stage(self, values: list[int]) -> torch.Tensor:
-        n = len(values)
-        if self._used + n > self._buffer.numel():  # a bigger buffer for the rest of this step; the old one
-            self._buffer = self._new_buffer(2 * (self._used + n))  # lives on while its copies are in flight
-            self._used = 0
-        host = self._buffer[self._used:self._used + n]
-        self._used += n
-        host.copy_(torch.tensor(values, dtype=torch.long))
-        return host.to(self.device, non_blocking=True)
+        return device

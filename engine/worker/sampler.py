@@ -16,6 +16,7 @@ inverse-CDF lookup batched over rows, so the per-row Python loop only produces o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,6 +29,7 @@ _NEG_INF = float("-inf")
 # Top-p looks for the nucleus among this many most likely tokens before falling back to a full sort.
 _CANDIDATES = 1024
 NO_TOKEN = -1  # the token id of a row that has none to sample
+NON_FINITE = -2  # the token id of a row whose logits are not all finite (it is not sampled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,20 +97,40 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
                  tables: TokenTables | None = None) -> SamplerOutput:
         """Sample one token per row. logits: [B, V], row i belongs to requests[i]; `tables` (row i of the batch
-        is index i) give the penalties their token statistics (default: built from the token lists)."""
+        is index i) give the penalties their token statistics (default: built from the token lists).
+
+        A row whose logits are not all finite (a broken adapter, an overflow) is not sampled: its token is
+        NON_FINITE. A row left with no finite logit after masking (min_tokens and stop_token_ids masking
+        everything) has no token to give: NO_TOKEN. The caller fails those requests instead of inventing a token.
+        """
         assert logits.dim() == 2 and logits.shape[0] == len(requests), (logits.shape, len(requests))
+        # A row's sum is finite exactly when all its logits are (they are far below overflow). Checked in Python:
+        # at a few rows, every tensor op costs more than the check itself.
+        ok = [math.isfinite(x) for x in logits.sum(dim=-1).tolist()]  # [B]
         if all(_is_plain_greedy(r) for r in requests):
             # Hot path: one batched argmax, no copies.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+            return SamplerOutput(_unless_finite(ok, argmax(logits).tolist()), [None] * len(requests))
         if all(_is_greedy_below_min_tokens(r) for r in requests):
             # Greedy rows that only need EOS and stop ids masked (min_tokens): the same, after one masked write.
-            return SamplerOutput(self._greedy_masked(logits, requests), [None] * len(requests))
+            return SamplerOutput(self._greedy_masked(logits, requests, ok), [None] * len(requests))
+        if all(ok):
+            return self._sample(logits, requests, tables)
+        token_ids: list[int] = [NON_FINITE] * len(requests)
+        logprobs: list[TokenLogprob | None] = [None] * len(requests)
+        good = [i for i, row_ok in enumerate(ok) if row_ok]
+        if good:
+            part = self._sample(logits[good], [requests[i] for i in good],
+                                None if tables is None else _SubsetTables(tables, good))
+            for j, i in enumerate(good):
+                token_ids[i], logprobs[i] = part.token_ids[j], part.logprobs[j]
+        return SamplerOutput(token_ids, logprobs)
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request], tables: TokenTables | None) -> SamplerOutput:
+        """The full path (penalties, temperature, top-k/top-p, logprobs) for rows whose logits are finite."""
         raw = logits.float()
         processed = self.process(raw, requests, tables)  # [B, V]
         token_ids = self._draw(processed, requests)  # [B]
-        # A row left with no finite logit (min_tokens and stop_token_ids masking everything) has no
-        # token to give: it answers NO_TOKEN (the runner fails that request) instead of a made-up one.
-        empty = ~torch.isfinite(processed.amax(dim=-1))  # [B]
+        empty = ~torch.isfinite(processed.amax(dim=-1))  # [B]: every token masked
         if bool(empty.any()):
             token_ids = token_ids.clamp(0, processed.shape[1] - 1).masked_fill(empty, NO_TOKEN)
         logprobs = _logprobs(raw, token_ids.clamp(min=0), requests)
@@ -162,23 +184,23 @@ class Sampler:
         if rows:
             logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
 
-    def _greedy_masked(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        """Argmax per row after the min_tokens mask; NO_TOKEN for a row whose every token is masked (the
-        runner only samples rows whose logits are all finite, so only the mask can empty a row)."""
+    def _greedy_masked(self, logits: torch.Tensor, requests: Sequence[Request], finite: list[bool]) -> list[int]:
+        """Argmax per row after the min_tokens mask; NON_FINITE for a row whose logits are not all finite, NO_TOKEN
+        for a row whose every token is masked."""
         vocab = logits.shape[1]
         rows, cols = self._banned(requests, vocab)
         masked = logits.clone()
         masked[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
-        token_ids = masked.argmax(dim=-1).tolist()
+        token_ids = _unless_finite(finite, argmax(masked).tolist())
         if len(set(cols)) >= vocab:  # a row may have lost every token
             for i in set(rows):
-                if len({c for r, c in zip(rows, cols) if r == i}) >= vocab:
+                if token_ids[i] != NON_FINITE and len({c for r, c in zip(rows, cols) if r == i}) >= vocab:
                     token_ids[i] = NO_TOKEN
         return token_ids
 
     def _draw(self, processed: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """processed: [B, V] from `process`. Returns [B] int64 token ids."""
-        token_ids = processed.argmax(dim=-1)  # [B]; the answer for greedy rows
+        token_ids = argmax(processed)  # [B]; the answer for greedy rows
         rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if not rows:
             return token_ids
@@ -198,6 +220,31 @@ class Sampler:
             if r.generator is not None:
                 u[i] = torch.rand((), generator=r.generator, dtype=torch.float64)
         return u
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] int64: the first index of each row's maximum, as `argmax(dim=-1)`, which it is (both return
+    the first maximal index). `max(dim).indices` is vectorised on CPU where argmax is not: about 3x faster for
+    a 49,152-token vocabulary (SmolLM2's), 2.2 -> 0.7 ms for 32 rows, measured with torch 2.13 on one thread."""
+    return logits.max(dim=-1).indices
+
+
+def _unless_finite(finite: list[bool], token_ids: list[int]) -> list[int]:
+    """The token ids, NON_FINITE where the row's logits were not all finite."""
+    return token_ids if all(finite) else [t if ok else NON_FINITE for t, ok in zip(token_ids, finite)]
+
+
+class _SubsetTables:
+    """`tables` restricted to some rows of its batch (index i here is row `rows[i]` there)."""
+
+    def __init__(self, tables: TokenTables, rows: list[int]) -> None:
+        self.tables, self.rows = tables, rows
+
+    def output_counts(self, index: list[int]) -> torch.Tensor:
+        return self.tables.output_counts([self.rows[i] for i in index])
+
+    def seen(self, index: list[int]) -> torch.Tensor:
+        return self.tables.seen([self.rows[i] for i in index])
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,

@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from engine.core.request import Request, SamplingParams
-from engine.worker.sampler import NO_TOKEN, Sampler
+from engine.worker.sampler import NO_TOKEN, NON_FINITE, Sampler, argmax
 
 EOS = 3
 
@@ -89,6 +89,40 @@ def test_fast_path_greedy_is_argmax_and_returns_python_ints() -> None:
     assert out.token_ids == raw.argmax(-1).tolist()
     assert all(type(t) is int for t in out.token_ids)
     assert out.logprobs == [None] * 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torch_argmax_with_ties_and_specials(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    raw = torch.randn(12, 49152, generator=gen).mul(3).round().to(dtype)  # rounded: many ties for the maximum
+    raw[1, 100] = raw[1, 40000] = raw[1].max() + 1  # a tie at the top, far apart
+    raw[2, :] = float("-inf")
+    raw[3, 7] = float("inf")
+    raw[4, 9000] = float("nan")
+    raw[5, :] = raw[5, 0]  # a constant row
+    assert argmax(raw).tolist() == raw.argmax(dim=-1).tolist()
+    assert argmax(raw)[1] == 100
+
+
+_PATHS = {  # every row of the batch takes this path of the sampler
+    "plain greedy": dict(temperature=0.0),
+    "greedy below min_tokens": dict(temperature=0.0, min_tokens=5),
+    "full": dict(temperature=0.8, top_p=0.9, repetition_penalty=1.2, frequency_penalty=0.3, logprobs=2, seed=11),
+}
+
+
+@pytest.mark.parametrize("path", _PATHS)
+def test_rows_with_non_finite_logits_are_not_sampled_and_do_not_change_the_others(path: str) -> None:
+    raw = torch.randn(5, 300, generator=torch.Generator().manual_seed(3))
+    bad = raw.clone()
+    bad[1, 17], bad[3, 0], bad[4, 299] = float("nan"), float("inf"), float("-inf")
+    params = SamplingParams(**_PATHS[path])
+    out = Sampler((EOS,), seed=0)(bad, [_request(params, output=[1, 2]) for _ in range(5)])
+    assert [out.token_ids[i] for i in (1, 3, 4)] == [NON_FINITE] * 3
+    assert [out.logprobs[i] for i in (1, 3, 4)] == [None] * 3
+    alone = Sampler((EOS,), seed=0)(raw[[0, 2]], [_request(params, output=[1, 2]) for _ in range(2)])
+    assert [out.token_ids[0], out.token_ids[2]] == alone.token_ids
+    assert [out.logprobs[0], out.logprobs[2]] == alone.logprobs
 
 
 def test_greedy_with_penalties_is_argmax_of_penalised_logits() -> None:
