@@ -200,10 +200,11 @@ def run_part(part: str, commands: list[list[str]], out: Path, log: Path, timeout
 
 def cpu_info(cpuinfo: str) -> dict[str, Any]:
     """CPU model and the flags of interest from /proc/cpuinfo's text (the first processor's)."""
-    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
-    flags = re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
+    model = re.search(r"^model name[ \t]*:[ \t]*(.*)$", cpuinfo, re.MULTILINE)  # a field may be empty
+    flags = re.search(r"^flags[ \t]*:[ \t]*(.*)$", cpuinfo, re.MULTILINE)
     present = set(flags.group(1).split()) if flags else set()
-    return {"cpu_model": model.group(1).strip() if model else platform.processor() or NA,
+    name = model.group(1).strip() if model else ""
+    return {"cpu_model": name or platform.processor() or NA,
             "flags": [f for f in FLAGS if f in present]}
 
 
