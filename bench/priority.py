@@ -3,7 +3,7 @@
 The load, both ways: 3x oversubscription, i.e. 48 requests in flight (64 prompt words, 96 new tokens,
 greedy, fixed length) on an engine that runs 16 at once (max_num_seqs); every load request that ends is
 replaced by a new one (at most --rounds per slot) until the critical requests are done. Once the first 16
-decode (so the load's opening prefill burst is over), 8 critical requests (40 words, 8 new tokens) arrive
+decode (so the load's opening prefill burst is over), --critical (8) critical requests (40 words, 8 new tokens) arrive
 about 0.4 s apart. TTFT counts from a request's arrival, so it includes the wait for the engine step in
 progress. Target: critical TTFT p50 and p99 within 2x of the same requests on an idle engine.
 
@@ -30,7 +30,8 @@ Everything is bounded: request counts, per-request and per-phase timeouts; all t
 
     python bench/priority.py [--model smollm2|tiny-random] [--threads 2] [--json PATH]
                              [--skip-in-process] [--skip-http] [--skip-prefix]
-                             [--max-num-seqs 16] [--max-batch-tokens 2048] [--aging-s 10] [--preemption auto]
+                             [--max-num-seqs 16] [--max-batch-tokens 2048] [--max-prefill-tokens 512]
+                             [--aging-s 10] [--preemption auto] [--critical 8]
                              [--rounds 16] [--ref-batch 8] [--stream-load]
 
 `--json PATH` writes {"config", "in_process", "http", "prefix_cache"}: TTFT figures are
@@ -78,7 +79,7 @@ from loragate.priority import Priority  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while serving many adapters at once".split()
 POOL_MB = 256
-CRIT_WORDS, CRIT_NEW, NUM_CRIT = 40, 8, 8
+CRIT_WORDS, CRIT_NEW = 40, 8
 BG_WORDS, BG_NEW = 64, 96
 PROBE_DELAY_S, PROBE_INTERVAL_S = 1.0, 0.4  # first critical arrival after the load is in, then spacing
 REQUEST_TIMEOUT_S = 900.0  # one HTTP request (a sheddable one may wait out the whole load)
@@ -94,14 +95,19 @@ class Knobs:
     max_batch_tokens: int = 2048
     aging_s: float = 10.0
     preemption: str = "auto"
+    max_prefill_tokens: int | None = None  # None: the engine's default
+    critical: int = 8  # critical requests sent (the probes)
 
     def config(self, model: str) -> EngineConfig:
+        cap = {} if self.max_prefill_tokens is None else {"max_prefill_tokens": self.max_prefill_tokens}
         return EngineConfig(model=model, pool_mb=POOL_MB, max_num_seqs=self.max_num_seqs,
-                            max_batch_tokens=self.max_batch_tokens, aging_s=self.aging_s, preemption=self.preemption)
+                            max_batch_tokens=self.max_batch_tokens, aging_s=self.aging_s, preemption=self.preemption,
+                            **cap)
 
     def flags(self) -> list[str]:
+        cap = [] if self.max_prefill_tokens is None else ["--max-prefill-tokens", str(self.max_prefill_tokens)]
         return ["--pool-mb", str(POOL_MB), "--max-num-seqs", str(self.max_num_seqs), "--max-batch-tokens",
-                str(self.max_batch_tokens), "--aging-s", str(self.aging_s), "--preemption", self.preemption]
+                str(self.max_batch_tokens), "--aging-s", str(self.aging_s), "--preemption", self.preemption, *cap]
 
 
 def words(n: int, seed: int | str) -> str:
@@ -109,8 +115,8 @@ def words(n: int, seed: int | str) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def crit_prompts(tok: Tokenizer) -> list[list[int]]:
-    return [tok(words(CRIT_WORDS, f"critical-{k}"))["input_ids"] for k in range(NUM_CRIT)]
+def crit_prompts(tok: Tokenizer, n: int) -> list[list[int]]:
+    return [tok(words(CRIT_WORDS, f"critical-{k}"))["input_ids"] for k in range(n)]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -189,7 +195,7 @@ def in_process(model: str, knobs: Knobs, rounds: int) -> dict[str, Any]:
     warm(engine, tok)
     background = SamplingParams(max_tokens=BG_NEW, min_tokens=BG_NEW, temperature=0.0, ignore_eos=True)
     critical = SamplingParams(max_tokens=CRIT_NEW, min_tokens=CRIT_NEW, temperature=0.0, ignore_eos=True)
-    crit = crit_prompts(tok)
+    crit = crit_prompts(tok, knobs.critical)
     n_bg = 3 * max_num_seqs
 
     def load(i: int) -> Arrival:
@@ -419,7 +425,7 @@ def over_http(model: str, threads: int, knobs: Knobs, rounds: int, ref_batch: in
               ) -> dict[str, Any]:
     max_num_seqs = knobs.max_num_seqs
     tok = load_tokenizer(resolve_model(model).path)
-    crit = crit_prompts(tok)
+    crit = crit_prompts(tok, knobs.critical)
     n_shed = 3 * max_num_seqs
     shed = [[tok(words(BG_WORDS, f"load-{w}-{r}"))["input_ids"] for r in range(rounds)] for w in range(n_shed)]
     work = Path(tempfile.mkdtemp(prefix="loragate-priority-"))
@@ -482,7 +488,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=16, help="requests the engine runs at once (load: 3x)")
     ap.add_argument("--max-batch-tokens", type=int, default=2048, help="the engine's step token budget")
+    ap.add_argument("--max-prefill-tokens", type=int,
+                    help="the engine's prompt tokens per step below critical (default: the engine's)")
     ap.add_argument("--aging-s", type=float, default=10.0, help="the engine's --aging-s (1e9: no aging)")
+    ap.add_argument("--critical", type=int, default=8, help="critical requests sent, one after another")
     ap.add_argument("--preemption", default="auto", choices=("recompute", "swap", "auto"))
     ap.add_argument("--rounds", type=int, default=16, help="most load requests per closed-loop client (each "
                     "load request that ends is replaced until the critical ones are done)")
@@ -494,23 +503,27 @@ def main() -> None:
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--skip-prefix", action="store_true")
     args = ap.parse_args()
-    for name in ("threads", "max_num_seqs", "max_batch_tokens", "aging_s", "rounds", "ref_batch"):
-        if getattr(args, name) <= 0:
+    for name in ("threads", "max_num_seqs", "max_batch_tokens", "max_prefill_tokens", "aging_s", "critical", "rounds",
+                 "ref_batch"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     try:
         resolve_model(args.model)
     except ValueError as exc:
         ap.error(str(exc))
     torch.set_num_threads(args.threads)
-    knobs = Knobs(args.max_num_seqs, args.max_batch_tokens, args.aging_s, args.preemption)
+    knobs = Knobs(args.max_num_seqs, args.max_batch_tokens, args.aging_s, args.preemption, args.max_prefill_tokens,
+                  args.critical)
     result: dict[str, Any] = {"config": {"model": args.model, "threads": args.threads,
                                          "max_num_seqs": args.max_num_seqs, "max_batch_tokens": args.max_batch_tokens,
+                                         "max_prefill_tokens": args.max_prefill_tokens,
                                          "aging_s": args.aging_s, "preemption": args.preemption,
                                          "load_requests_in_flight": 3 * args.max_num_seqs,
-                                         "critical_requests": NUM_CRIT, "probe_interval_s": PROBE_INTERVAL_S}}
+                                         "critical_requests": args.critical, "probe_interval_s": PROBE_INTERVAL_S}}
     print(f"{args.model}, {args.threads} threads, max_num_seqs {args.max_num_seqs} "
           f"(load: {3 * args.max_num_seqs} requests of {BG_WORDS} words + {BG_NEW} new tokens), "
-          f"{NUM_CRIT} critical requests ({CRIT_WORDS} words + {CRIT_NEW} new tokens) {PROBE_INTERVAL_S} s apart",
+          f"{args.critical} critical requests ({CRIT_WORDS} words + {CRIT_NEW} new tokens) {PROBE_INTERVAL_S} s apart, "
+          f"--max-prefill-tokens {args.max_prefill_tokens or 'default'}",
           flush=True)
     if not args.skip_in_process:
         result["in_process"] = in_process(args.model, knobs, args.rounds)

@@ -14,6 +14,9 @@ class EngineConfig:
     pool_mb: int = 512  # memory budget of the KV block pool
     num_kv_blocks: int | None = None  # overrides the count derived from pool_mb (tests, tuning)
     max_batch_tokens: int = 2048  # tokens computed per engine step (chunked prefill budget)
+    # prompt tokens per step for requests below critical (None: max_batch_tokens); bounds how long a critical
+    # request arriving mid-step waits for that step (engine/core/scheduler.py)
+    max_prefill_tokens: int | None = 512
     max_num_seqs: int = 128  # requests running at once
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     served_model_name: str | None = None  # None: derived from `model`
@@ -37,6 +40,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_device_adapters < 1:

@@ -129,6 +129,9 @@ def _add_engine_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--max-batch-tokens", type=_positive, default=2048,
                    help="tokens computed per engine step")
+    p.add_argument("--max-prefill-tokens", type=_positive, default=512,
+                   help="prompt tokens per step for requests below critical: bounds how long a critical request "
+                        "arriving mid-step waits for that step")
     p.add_argument("--pool-mb", type=_positive, default=512, help="KV cache pool size in MiB")
     p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV cache block")
     p.add_argument("--max-num-seqs", type=_positive, default=128, help="requests running at once")
@@ -242,7 +245,7 @@ def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
     config = EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        pool_mb=args.pool_mb, max_batch_tokens=args.max_batch_tokens,
+        pool_mb=args.pool_mb, max_batch_tokens=args.max_batch_tokens, max_prefill_tokens=args.max_prefill_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         served_model_name=args.served_model_name, num_threads=args.threads,
         adapter_dir=args.adapter_dir, max_device_adapters=args.max_device_adapters,

@@ -98,7 +98,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_batch_tokens, config.max_num_seqs, self.max_model_len,
                             config.preemption, config.aging_s,
-                            config.max_adapters_per_step or config.max_device_adapters),
+                            config.max_adapters_per_step or config.max_device_adapters, config.max_prefill_tokens),
             kv, self.eos_token_ids, self.device_adapters, KVSwapper(kv_cache))
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, Sampler(self.eos_token_ids), device,
                                   self.device_adapters, config.max_num_seqs, self.max_model_len)

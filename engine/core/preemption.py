@@ -22,8 +22,8 @@ _EMA = 0.2  # weight of the newest measurement
 
 
 def pick_victim(running: Sequence[Request]) -> Request:
-    """The lowest-priority running request; the most recently admitted among equals."""
-    return max(reversed(running), key=lambda r: int(r.priority))
+    """The running request of the lowest class it runs at; the most recently admitted among equals."""
+    return max(reversed(running), key=lambda r: r.run_class)
 
 
 class KVSwapper:

@@ -120,8 +120,12 @@ class Request:
     # Host copy of the KV blocks of a request preempted by swapping; restored on re-admission.
     swapped_kv: torch.Tensor | None = None
     first_scheduled_time: float | None = None  # when it first got tokens computed (queue time)
+    # The class it runs at, for preemption: its own, or the one aging lifted it to by its admission.
+    run_class: int = -1
 
     def __post_init__(self) -> None:
+        if self.run_class < 0:
+            self.run_class = int(self.priority)
         if self.sampling_params.seed is not None and not self.sampling_params.greedy:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 

@@ -12,12 +12,16 @@ same pool as KV blocks) and attaches any cached KV blocks of its prompt prefix f
 version. A request whose adapter cannot be brought in this step is skipped, not allowed to block those
 behind it; a request whose KV blocks do not fit stops admission, so big requests are not starved.
 
-Preemption (engine/preemption.py): when the pool runs dry while running requests grow, or when the head
-of the queue outranks running requests by class and finds no room, the lowest-priority, most recently
-admitted running request gives way, by recompute or swap.
+Preemption (engine/preemption.py): when the pool runs dry while running requests grow, or when a waiting
+request of the best class waiting outranks running requests by class and finds no room, the running request
+of the lowest class, most recently admitted, gives way, by recompute or swap. That waiting request starts in
+this step even if aging put other requests ahead of it in the queue: under sustained overload, requests that
+aged into the critical class must not hold a critical arrival back (they take the slots that free up).
 
-A step that starts a critical request starts no lower-class request beside it: their prompts would make
-that step, and so the critical request's first token, as long as all their prefills together.
+A step computes at most `max_prefill_tokens` prompt tokens of requests below critical (chunking their prompts
+over more steps), which bounds the step in progress that a critical request arriving mid-step waits for. The
+step that starts a critical request computes no lower-class prompt tokens at all (running requests' decodes go
+on): they would make that step, and so the critical request's first token, longer.
 """
 
 from __future__ import annotations
@@ -67,6 +71,33 @@ class SchedulerConfig:
     preemption: str = "recompute"  # recompute | swap | auto
     aging_s: float | None = 10.0  # a waiting request gains one priority class per aging_s waited
     max_adapters_per_step: int | None = None  # distinct adapters computed in one step
+    # Prompt tokens one step computes for requests below critical (None: up to max_batch_tokens). It bounds the
+    # step a critical request arriving mid-step waits for; critical prompts may fill max_batch_tokens.
+    max_prefill_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """What is left of one step: tokens, and prompt tokens for requests below critical."""
+
+    tokens: int
+    prefill: int
+
+    def chunk(self, request: Request) -> int:
+        """How many tokens `request` computes this step (0: none, its prompt waits for a later step)."""
+        n = min(request.num_tokens - request.num_computed_tokens, self.tokens)
+        return min(n, self.prefill) if _capped(request, n) else n
+
+    def spend(self, request: Request, n: int) -> None:
+        self.tokens -= n
+        if _capped(request, n):
+            self.prefill -= n
+
+
+def _capped(request: Request, n: int) -> bool:
+    """Whether a chunk of `n` tokens is a prompt chunk under the prefill cap (a decode is one token; classes are
+    the ones requests arrived with: aging orders the queue, it grants no critical privileges)."""
+    return n > 1 and request.priority is not Priority.CRITICAL
 
 
 class Scheduler:
@@ -118,34 +149,46 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        order = self.waiting.ordered(self.clock()) if self._may_start_waiting() else []
-        if order:
-            self._make_room_for(order[0], out)
+        budget = StepBudget(self.config.max_batch_tokens,
+                            self.config.max_prefill_tokens or self.config.max_batch_tokens)
+        order, contender = self._admission_order()
+        if contender is not None:
+            self._make_room_for(contender, out)
+            if contender.priority is Priority.CRITICAL:
+                budget.prefill = 0  # the step that starts a critical request computes no lower-class prompt beside it
         made_room = len(out.preempted)
-        budget = self._schedule_running(out, self.config.max_batch_tokens)
+        self._schedule_running(out, budget)
         if len(out.preempted) == made_room:  # no running request ran out of pages: admit more
             if made_room:  # the victims went back into the queue: order it again
-                order = self.waiting.ordered(self.clock())
+                order, _ = self._admission_order()
             self._schedule_waiting(out, budget, order)
         return out
 
-    def _may_start_waiting(self) -> bool:
-        """Whether a waiting request could start this step: a sequence slot is free, or a running request
-        is of a lower class than some waiting one (preemption goes by class, see `_make_room_for`).
-        Otherwise the queue need not be ordered."""
+    def _admission_order(self) -> tuple[list[Request], Request | None]:
+        """The waiting requests in the order they may start this step, and the contender: the first request of
+        the best class waiting, when it outranks a running request (by its own class: aging orders the queue
+        but never preempts). The contender starts first, by preemption if need be, whatever aging put ahead of
+        it; aging decides who takes the sequence slots that free up by themselves."""
         best = self.waiting.best_class()
         if best is None:
-            return False
-        return len(self.running) < self.config.max_num_seqs or any(int(r.priority) > best for r in self.running)
+            return [], None
+        outranks = any(r.run_class > best for r in self.running)
+        if len(self.running) >= self.config.max_num_seqs and not outranks:
+            return [], None  # nothing could start: no need to order the queue
+        order = self.waiting.ordered(self.clock())
+        if not outranks:
+            return order, None
+        contender = next(r for r in order if int(r.priority) == best)
+        order.remove(contender)
+        return [contender, *order], contender
 
-    def _make_room_for(self, head: Request, out: SchedulerOutput) -> None:
-        """Preempt running requests the head of the queue outranks until it fits (it then starts now).
-
-        Outranks by class: aging orders the queue but never preempts (an aged sheddable request preempting
-        running sheddable ones would only trade places with them, step after step)."""
-        prio = int(head.priority)
-        while not self._fits(head):
-            lower = [r for r in self.running if int(r.priority) > prio]
+    def _make_room_for(self, contender: Request, out: SchedulerOutput) -> None:
+        """Preempt running requests `contender` outranks until it fits (it then starts now). Running requests
+        rank by the class they were admitted at: one that aged into a class is not preempted for a request of
+        that class (under a stream of critical requests it would never finish)."""
+        prio = int(contender.priority)
+        while not self._fits(contender):
+            lower = [r for r in self.running if r.run_class > prio]
             if not lower:
                 return
             self._preempt(pick_victim(lower), out)
@@ -165,38 +208,43 @@ class Scheduler:
             free += self.adapters.idle_pages()
         return need <= free
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.tokens > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = budget.chunk(request)
+            if n == 0:  # a prompt chunk over the prefill cap: next step
+                i += 1
+                continue
             preempted = False
             while not self.kv.allocate_slots(request, n):
                 if self.adapters is not None and self.adapters.evict_idle():
                     continue  # idle adapter pages become KV pages
                 victim = pick_victim(self.running)
-                budget += self._preempt(victim, out)
+                budget.tokens += self._preempt(victim, out)
                 preempted = True
                 if victim is request:
                     break
             if request.status is RequestStatus.RUNNING:
                 out.requests.append(request)
                 out.num_tokens.append(n)
-                budget -= n
+                budget.spend(request, n)
                 i = self.running.index(request) + 1 if preempted else i + 1  # victims before i shifted the list
             # else `request` itself was preempted and running[i] is now the next one.
-        return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, order: list[Request]) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: StepBudget, order: list[Request]) -> None:
         step_adapters = {r.adapter.key for r in out.requests if r.adapter is not None}
         broken: dict[AdapterKey, Exception] = {}  # adapters whose load failed this step
         bound = self.config.max_adapters_per_step
         critical_started = False
+        now = self.clock()
         for request in order:
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget.tokens <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             if critical_started and request.priority is not Priority.CRITICAL:
                 continue  # no lower-class prompt lengthens the step that starts a critical one
+            if budget.prefill <= 0 and _capped(request, request.num_tokens - request.num_computed_tokens):
+                continue  # the step's prefill cap is spent; a critical request behind may still start
             if request.adapter is not None and request.adapter.key not in step_adapters:
                 if bound is not None and len(step_adapters) >= bound:
                     continue  # no more distinct adapters this step; later requests may share one
@@ -214,17 +262,18 @@ class Scheduler:
             n = self._admit_chunk(request, budget)
             if n is None:
                 return  # the pool is short: stop here so large requests are not starved
+            request.run_class = self.waiting.effective_priority(request, now)
             self.waiting.admit(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
-                request.first_scheduled_time = self.clock()
+                request.first_scheduled_time = now
             if request.adapter is not None:
                 self.adapters.pin(request.adapter)
                 step_adapters.add(request.adapter.key)
             self.running.append(request)
             out.requests.append(request)
             out.num_tokens.append(n)
-            budget -= n
+            budget.spend(request, n)
             critical_started |= request.priority is Priority.CRITICAL
 
     def _bring_adapter(self, request: Request) -> bool:
@@ -233,13 +282,13 @@ class Scheduler:
         self.adapter_loads_by_admission += self.adapters.counters.loads - loads
         return ok
 
-    def _admit_chunk(self, request: Request, budget: int) -> int | None:
+    def _admit_chunk(self, request: Request, budget: StepBudget) -> int | None:
         """Give a waiting request its blocks (cached prefix, swapped-in copy, new ones) for its next
         chunk; the chunk's token count, or None (nothing held) if the pool is short."""
         counters = (self.kv.prefix_queries, self.kv.prefix_hits)
         if request.swapped_kv is None and request.num_computed_tokens == 0:
             self.kv.attach_cached_prefix(request)
-        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        n = budget.chunk(request)  # >= 1: the prefill cap was checked before the prefix made the prompt shorter
         if not self.kv.allocate_slots(request, n):
             self.kv.free(request)  # the attached prefix goes back to the cache
             if request.swapped_kv is None:

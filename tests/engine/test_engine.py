@@ -88,6 +88,22 @@ def test_greedy_matches_hf_generate(prompts, hf_outputs, max_batch_tokens, block
     assert sum(counts.values()) == counts[preemption]
 
 
+def test_prefill_cap_chunks_prompts_and_leaves_outputs_unchanged(prompts, hf_outputs) -> None:
+    engine = LLMEngine(EngineConfig(model="tiny-random", max_prefill_tokens=6))
+    prompt_tokens_per_step = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        prompt_tokens_per_step.append(sum(n for n in out.num_tokens if n > 1))
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    assert engine_outputs(engine, prompts) == hf_outputs
+    assert max(prompt_tokens_per_step) == 6  # every step within the cap, and the cap was reached
+    assert sum(prompt_tokens_per_step) >= sum(len(p) for p in prompts) - len(prompts)
+
+
 def test_staggered_arrivals_match_hf(prompts, hf_outputs) -> None:
     engine = LLMEngine(EngineConfig(model="tiny-random", max_batch_tokens=32, block_size=8))
     ours = engine_outputs(engine, prompts, join_after={i: 3 * i for i in range(len(prompts))})

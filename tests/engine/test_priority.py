@@ -26,11 +26,12 @@ class Clock:
 
 def make(num_pages: int = 64, block_size: int = 4, max_adapters: int = 4, max_num_seqs: int = 16,
          max_batch_tokens: int = 64, preemption: str = "recompute", aging_s: float | None = 10.0,
-         max_adapters_per_step: int | None = None) -> tuple[Scheduler, Clock, torch.Tensor]:
+         max_adapters_per_step: int | None = None, max_prefill_tokens: int | None = None,
+         ) -> tuple[Scheduler, Clock, torch.Tensor]:
     kv, tier, cache = make_tier(num_pages, block_size, max_adapters)
     clock = Clock()
     config = SchedulerConfig(max_batch_tokens, max_num_seqs, 512, preemption, aging_s,
-                             max_adapters_per_step)
+                             max_adapters_per_step, max_prefill_tokens)
     return Scheduler(config, kv, (0,), tier, KVSwapper(cache), clock), clock, cache
 
 
@@ -239,3 +240,76 @@ def test_a_step_that_starts_a_critical_request_starts_no_lower_class_prompt() ->
     assert ids == ["run", "crit"]  # the running decode goes on; the waiting prompts wait one step
     ids = [r.request_id for r in step(s).requests]
     assert ids == ["run", "crit", "shed0", "shed1", "shed2", "shed3"]
+
+
+def test_prefill_cap_chunks_lower_class_prompts_but_not_critical_ones() -> None:
+    s, clock, _ = make(num_pages=128, max_num_seqs=8, max_batch_tokens=256, max_prefill_tokens=10)
+    s.add_request(req("run", 3, max_tokens=30, priority=Priority.SHEDDABLE))
+    step(s)
+    for i in range(3):
+        s.add_request(req(f"shed{i}", 20, priority=Priority.SHEDDABLE))
+    s.add_request(req("std", 25, priority=Priority.STANDARD))
+    steps = [step(s) for _ in range(4)]
+    for out in steps:
+        assert out.requests[0].request_id == "run" and out.num_tokens[0] == 1  # the decode goes on beside
+        assert sum(n for n in out.num_tokens if n > 1) <= 10
+    assert [(r.request_id, n) for r, n in zip(steps[0].requests, steps[0].num_tokens)] == [("run", 1), ("std", 10)]
+    assert [(r.request_id, n) for r, n in zip(steps[2].requests, steps[2].num_tokens)] == [
+        ("run", 1), ("std", 5), ("shed0", 5)]  # the standard prompt's last chunk, then the queue's next
+    assert [(r.request_id, n) for r, n in zip(steps[3].requests, steps[3].num_tokens)] == [
+        ("run", 1), ("std", 1), ("shed0", 10)]
+    clock.now = 1.0
+    s.add_request(req("crit", 40, priority=Priority.CRITICAL, arrival=1.0))
+    out = step(s)  # the critical prompt whole; the sheddable prompt half done waits a step, decodes go on
+    assert [(r.request_id, n) for r, n in zip(out.requests, out.num_tokens)] == [("run", 1), ("std", 1), ("crit", 40)]
+    out = step(s)
+    assert [(r.request_id, n) for r, n in zip(out.requests, out.num_tokens)] == [
+        ("run", 1), ("std", 1), ("shed0", 5), ("crit", 1), ("shed1", 5)]
+
+
+def test_randomized_invariants_with_a_prefill_cap() -> None:
+    rng = random.Random(7)
+    s, clock, _ = make(num_pages=48, block_size=4, max_num_seqs=6, max_batch_tokens=24, preemption="auto",
+                       aging_s=3.0, max_prefill_tokens=5)
+    submitted, ended = 0, set()
+    for n in range(3000):
+        clock.now = n * 0.01
+        if rng.random() < 0.3:
+            s.add_request(req(f"q{submitted}", rng.randint(1, 30), rng.randint(1, 10), Priority(rng.randint(0, 2)),
+                              clock.now))
+            submitted += 1
+        if s.has_unfinished():
+            out = s.schedule()
+            capped = sum(k for r, k in zip(out.requests, out.num_tokens) if k > 1 and r.priority is not Priority.CRITICAL)
+            assert capped <= 5
+            ended |= {r.request_id for r in s.update_from_output(out, fake_run(out))}
+        _check(s)
+    while s.has_unfinished():
+        out = s.schedule()
+        ended |= {r.request_id for r in s.update_from_output(out, fake_run(out))}
+    assert ended == {f"q{i}" for i in range(submitted)}  # nothing starves under the cap
+
+
+def test_a_critical_arrival_starts_at_once_behind_requests_aged_into_critical() -> None:
+    s, clock, _ = make(num_pages=64, max_num_seqs=2, aging_s=1.0)
+    for i in range(6):  # two run, four wait
+        s.add_request(req(f"shed{i}", 3, max_tokens=30, priority=Priority.SHEDDABLE, arrival=0.0))
+    step(s)
+    clock.now = 5.0  # the waiting four have aged into the critical class
+    s.add_request(req("crit", 3, priority=Priority.CRITICAL, arrival=5.0))
+    out = step(s)
+    assert "crit" in [r.request_id for r in out.requests] and [r.request_id for r in out.preempted] == ["shed1"]
+    def aged_running() -> list:
+        return [r for r in s.running if r.priority is Priority.SHEDDABLE and r.run_class == int(Priority.CRITICAL)]
+
+    for _ in range(40):  # once the critical request is done, an aged request takes its slot, at critical class
+        step(s)
+        if aged_running():
+            break
+    aged = aged_running()
+    assert aged
+    clock.now = 6.0
+    s.add_request(req("crit2", 3, priority=Priority.CRITICAL, arrival=6.0))
+    out = step(s)  # it preempts a request running at sheddable class, never one that aged into critical
+    assert all(r.run_class == int(Priority.SHEDDABLE) for r in out.preempted)
+    assert aged[0] in s.running

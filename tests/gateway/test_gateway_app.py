@@ -30,9 +30,11 @@ from starlette.applications import Starlette
 from gateway.app import build_app
 from gateway.auth import hash_key
 from gateway.policy import Policy, parse_policy
+from gateway.proxy import Call, Exchange, Proxy
 from gateway.ratelimit import MemoryRateLimiter, RateLimiter
 from gateway.redis_limiter import RedisRateLimiter
 from gateway.telemetry import GatewayMetrics
+from loragate.priority import Priority
 
 import policies
 from gateway_testing import asgi, assert_error, run
@@ -572,6 +574,31 @@ def test_failure_before_the_first_byte_is_retried_on_the_other_upstream(
                 assert resp.json()["choices"][0]["text"] == "".join(f"t{i} " for i in range(8))
     assert mock.count == 1  # the failing upstream saw the request once ...
     assert mock_b.count == sent  # ... and the other served every request exactly once
+
+
+_CHUNKS = [  # stream chunks with the usage the gateway asked for: text that looks like the JSON around it
+    {"id": "c1", "object": "text_completion", "created": 1, "model": "m",
+     "choices": [{"index": 0, "text": 'é "q" , "usage": null}', "logprobs": None, "finish_reason": None}],
+     "usage": None},
+    {"id": "c2", "object": "chat.completion.chunk", "created": 1, "model": "m",
+     "choices": [{"index": 0, "delta": {"content": "\n\n}"}, "finish_reason": "stop"}], "usage": None},
+]
+
+
+@pytest.mark.parametrize("include_usage", [False, True], ids=["usage not asked", "usage asked"])
+def test_stream_chunks_are_relayed_alike_in_the_engines_format_and_any_other(include_usage: bool) -> None:
+    proxy = Proxy(None, None, None)  # type: ignore[arg-type]  # _event uses none of them
+    call = Call("/v1/completions", {}, "t", None, "m", Priority.STANDARD, True, include_usage, time.monotonic())
+    for chunk in _CHUNKS:
+        expected = {k: v for k, v in chunk.items() if include_usage or k != "usage"}
+        engine_format = b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+        compact = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+        for event in (engine_format, compact):
+            exchange = Exchange()
+            out, done = proxy._event(call, event, exchange)
+            assert not done and out.startswith(b"data: ") and out.endswith(b"\n\n")
+            assert json.loads(out[len(b"data: "):]) == expected
+            assert exchange.ttft_s is not None  # a token reached the client
 
 
 def test_upstream_dying_mid_stream_ends_with_an_error_event_and_no_duplicates(
