@@ -20,8 +20,8 @@ aged into the critical class must not hold a critical arrival back (they take th
 
 A step computes at most `max_prefill_tokens` prompt tokens of requests below critical (chunking their prompts
 over more steps), which bounds the step in progress that a critical request arriving mid-step waits for. The
-step that starts a critical request computes no lower-class prompt tokens at all (running requests' decodes go
-on): they would make that step, and so the critical request's first token, longer.
+step that starts a critical request computes nothing of lower classes, neither prompts nor decodes (they wait
+that one step): they would make that step, and so the critical request's first token, longer.
 """
 
 from __future__ import annotations
@@ -78,10 +78,12 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class StepBudget:
-    """What is left of one step: tokens, and prompt tokens for requests below critical."""
+    """What is left of one step: tokens, and prompt tokens for requests below critical; and the lowest class
+    of running request the step computes."""
 
     tokens: int
     prefill: int
+    worst_class: int = int(Priority.SHEDDABLE)
 
     def chunk(self, request: Request) -> int:
         """How many tokens `request` computes this step (0: none, its prompt waits for a later step)."""
@@ -155,13 +157,21 @@ class Scheduler:
         if contender is not None:
             self._make_room_for(contender, out)
             if contender.priority is Priority.CRITICAL:
-                budget.prefill = 0  # the step that starts a critical request computes no lower-class prompt beside it
+                # The step that starts a critical request computes nothing of lower classes beside it: their
+                # prompts and decodes would make that step, and so its first token, longer. They wait one step.
+                budget.prefill = 0
+                budget.worst_class = int(Priority.CRITICAL)
         made_room = len(out.preempted)
         self._schedule_running(out, budget)
         if len(out.preempted) == made_room:  # no running request ran out of pages: admit more
             if made_room:  # the victims went back into the queue: order it again
                 order, _ = self._admission_order()
             self._schedule_waiting(out, budget, order)
+        if budget.worst_class < Priority.SHEDDABLE and contender.status is not RequestStatus.RUNNING:
+            # The critical request could not start after all (its pages): the lower classes go on this step.
+            budget.worst_class = int(Priority.SHEDDABLE)
+            budget.prefill = self.config.max_prefill_tokens or self.config.max_batch_tokens
+            self._schedule_running(out, budget)
         return out
 
     def _admission_order(self) -> tuple[list[Request], Request | None]:
@@ -209,11 +219,13 @@ class Scheduler:
         return need <= free
 
     def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        """Give running requests their tokens, in admission order (those already in `out` keep theirs)."""
+        scheduled = set(out.requests)
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             request = self.running[i]
-            n = budget.chunk(request)
-            if n == 0:  # a prompt chunk over the prefill cap: next step
+            n = budget.chunk(request) if request.run_class <= budget.worst_class and request not in scheduled else 0
+            if n == 0:  # a prompt chunk over the prefill cap, or a lower class than a critical start: next step
                 i += 1
                 continue
             preempted = False

@@ -228,7 +228,7 @@ def test_aged_requests_reorder_the_queue_but_never_preempt() -> None:
     assert s.num_preemptions == 0  # aged sheddable work does not trade places with running sheddable work
 
 
-def test_a_step_that_starts_a_critical_request_starts_no_lower_class_prompt() -> None:
+def test_a_step_that_starts_a_critical_request_computes_nothing_of_lower_classes() -> None:
     s, clock, _ = make(max_num_seqs=8, max_batch_tokens=256)
     s.add_request(req("run", 3, max_tokens=20, priority=Priority.SHEDDABLE))
     step(s)
@@ -237,7 +237,7 @@ def test_a_step_that_starts_a_critical_request_starts_no_lower_class_prompt() ->
         s.add_request(req(f"shed{i}", 10, priority=Priority.SHEDDABLE, arrival=1.0))
     s.add_request(req("crit", 10, priority=Priority.CRITICAL, arrival=1.0))
     ids = [r.request_id for r in step(s).requests]
-    assert ids == ["run", "crit"]  # the running decode goes on; the waiting prompts wait one step
+    assert ids == ["crit"]  # the running sheddable decode and the waiting prompts wait one step
     ids = [r.request_id for r in step(s).requests]
     assert ids == ["run", "crit", "shed0", "shed1", "shed2", "shed3"]
 
@@ -260,8 +260,8 @@ def test_prefill_cap_chunks_lower_class_prompts_but_not_critical_ones() -> None:
         ("run", 1), ("std", 1), ("shed0", 10)]
     clock.now = 1.0
     s.add_request(req("crit", 40, priority=Priority.CRITICAL, arrival=1.0))
-    out = step(s)  # the critical prompt whole; the sheddable prompt half done waits a step, decodes go on
-    assert [(r.request_id, n) for r, n in zip(out.requests, out.num_tokens)] == [("run", 1), ("std", 1), ("crit", 40)]
+    out = step(s)  # the critical prompt whole, alone: lower classes' decodes and prompt chunks wait this step
+    assert [(r.request_id, n) for r, n in zip(out.requests, out.num_tokens)] == [("crit", 40)]
     out = step(s)
     assert [(r.request_id, n) for r, n in zip(out.requests, out.num_tokens)] == [
         ("run", 1), ("std", 1), ("shed0", 5), ("crit", 1), ("shed1", 5)]
