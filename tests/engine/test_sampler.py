@@ -74,13 +74,18 @@ def test_filtered_distribution_matches_hf_processors(scale: float, vocab: int) -
     assert torch.isfinite(processed[4]).sum() == 1  # top_k=1
 
 
-def test_does_not_modify_its_input() -> None:
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.8, top_p=0.5, presence_penalty=1.0, repetition_penalty=1.5, logprobs=3, min_tokens=5),
+    dict(temperature=0.0, min_tokens=5, stop_token_ids=(7, 7, 9)),  # the masked greedy path, a repeated id
+], ids=["full path", "greedy below min_tokens"])
+def test_does_not_modify_its_input(params: dict) -> None:
     raw = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
+    raw[:, EOS] = 50.0  # masked, and would win otherwise
     before = raw.clone()
-    reqs = [_request(SamplingParams(temperature=0.8, top_p=0.5, presence_penalty=1.0, repetition_penalty=1.5,
-                                    logprobs=3, min_tokens=5), output=[1, 2, EOS]) for _ in range(3)]
-    Sampler((EOS,), seed=0)(raw, reqs)
+    reqs = [_request(SamplingParams(**params), output=[1, 2, EOS]) for _ in range(3)]
+    out = Sampler((EOS,), seed=0)(raw, reqs)
     assert torch.equal(raw, before)
+    assert EOS not in out.token_ids
 
 
 def test_fast_path_greedy_is_argmax_and_returns_python_ints() -> None:
