@@ -5,6 +5,7 @@ applying results, making outputs).
 For 1, 8, 32 and 128 running requests (all decoding: their prompts are computed before timing starts),
 four workloads, each timed over `--steps` steps on one thread:
 - greedy:    plain greedy decoding, the engine's hot path;
+- min_tokens: greedy with min_tokens = max_tokens, as workload W1 runs (EOS is masked every step);
 - penalties: sampled (temperature 0.8, top-p 0.9) with repetition, presence and frequency penalties;
 - lora:      greedy, request i served by adapter i % 8 (the 8 W1 adapters built on the tiny model);
 - queued:    greedy with three times as many requests waiting (max_num_seqs caps the running ones), so
@@ -40,7 +41,7 @@ from engine.core.request import SamplingParams  # noqa: E402
 from engine.model.sources import cache_root, resolve_model  # noqa: E402
 
 PHASES = ("schedule", "execute", "forward", "update", "outputs")
-WORKLOADS = ("greedy", "penalties", "lora", "queued")
+WORKLOADS = ("greedy", "min_tokens", "penalties", "lora", "queued")
 
 
 class PhaseTimer:
@@ -104,19 +105,25 @@ def measure(model: str, workload: str, running: int, steps: int, adapters: Path 
                                     max_batch_tokens=max(2048, 16 * (running + waiting)),
                                     adapter_dir=str(adapters) if workload == "lora" else None,
                                     max_device_adapters=8, aging_s=None))
-    warmup = 3
+    warmup = 16  # steps before timing, at most; prompts go 512 tokens a step (--max-prefill-tokens)
     if workload == "penalties":
         params = SamplingParams(max_tokens=steps + warmup + 8, min_tokens=steps + warmup + 8, temperature=0.8,
                                 top_p=0.9, seed=None, repetition_penalty=1.1, presence_penalty=0.5,
                                 frequency_penalty=0.2, ignore_eos=True)
     else:
-        params = SamplingParams(max_tokens=steps + warmup + 8, temperature=0.0, ignore_eos=True)
+        n = steps + warmup + 8
+        params = SamplingParams(max_tokens=n, min_tokens=n if workload == "min_tokens" else 0, temperature=0.0,
+                                ignore_eos=True)
     names = sorted(p.name for p in adapters.iterdir()) if workload == "lora" and adapters else []
     for i in range(running + waiting):
         prompt = [(7 * i + j) % 200 + 10 for j in range(16)]
         engine.add_request(f"r{i}", prompt, params, adapter_id=names[i % len(names)] if names else None)
-    for _ in range(warmup):  # every running request has its prompt computed and decodes from here on
+    for _ in range(warmup):  # until every running request has its prompt computed and decodes
         engine.step()
+        running_ones = engine.scheduler.running
+        if len(running_ones) == running and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running_ones):
+            break
+    engine.step()
     assert len(engine.scheduler.running) == running, (len(engine.scheduler.running), running)
     timer = PhaseTimer(engine)
     timer.on = True

@@ -220,7 +220,7 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
         """Give running requests their tokens, in admission order (those already in `out` keep theirs)."""
-        scheduled = set(out.requests)
+        scheduled = set(out.requests) if out.requests else ()
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             request = self.running[i]
