@@ -79,7 +79,14 @@ def test_kill_9_of_an_engine_mid_stream(tmp_path: Path, suite_adapters: Path) ->
         answers = [httpx.post(f"{stack.url}/v1/completions", json={**LONG, "max_tokens": 4},
                               headers=auth("globex"), timeout=60) for _ in range(6)]
         assert [a.status_code for a in answers] == [200] * 6
-        poll(lambda: stack.breakers()[victim.url] == "open", 30, what="the victim's breaker open")
+        def tripped() -> bool:
+            # Traffic, so that the state is read while requests meet it: an open breaker turns half_open on its
+            # own after open_seconds (2 s here, less than six answers may take on a slow machine), and only a
+            # request routed to the dead engine (a failing probe) opens it again.
+            httpx.post(f"{stack.url}/v1/completions", json={**LONG, "max_tokens": 2}, headers=auth("globex"),
+                       timeout=60).raise_for_status()
+            return stack.breakers()[victim.url] != "closed"  # open, or half_open: only reached through open
+        poll(tripped, 30, what="the victim's breaker open")
 
         victim.start()  # back on the same port: the breaker's half-open probe finds it
         def closed() -> bool:
