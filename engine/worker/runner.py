@@ -21,7 +21,7 @@ from engine.lora.device_tier import DeviceAdapterTier
 from engine.model.attention import AttentionMetadata, PrefillSeq
 from engine.model.llama import LlamaForCausalLM
 from engine.worker.input_batch import InputBatch
-from engine.worker.sampler import NON_FINITE, Sampler
+from engine.worker.sampler import NON_FINITE, RowTables, Sampler
 from kernels import lora_backend
 
 NON_FINITE_LOGITS = ("the model computed non-finite logits (NaN or inf) for this request; its adapter's "
@@ -86,7 +86,7 @@ class ModelRunner:
                 hidden = hidden[step.sample_rows]
             logits = self.model.compute_logits(hidden)  # [S, vocab]
             out = self.sampler(logits, [requests[i] for i in step.sample_idx],
-                               BatchTables(self.batch, [rows[i] for i in step.sample_idx]))
+                               RowTables(self.batch, [rows[i] for i in step.sample_idx]))
             for i, token, logprob in zip(step.sample_idx, out.token_ids, out.logprobs):
                 if token >= 0:
                     sampled[order[i]], logprobs[order[i]] = token, logprob
@@ -203,19 +203,6 @@ def _token_at(request: Request, position: int) -> int:
     """The token at `position` of prompt + outputs."""
     n = len(request.prompt_token_ids)
     return request.prompt_token_ids[position] if position < n else request.output_token_ids[position - n]
-
-
-class BatchTables:
-    """The sampler's TokenTables (engine/worker/sampler.py) for rows of the persistent batch."""
-
-    def __init__(self, batch: InputBatch, rows: list[int]) -> None:
-        self.batch, self.rows = batch, rows
-
-    def output_counts(self, index: list[int]) -> torch.Tensor:
-        return self.batch.output_counts([self.rows[i] for i in index])
-
-    def seen(self, index: list[int]) -> torch.Tensor:
-        return self.batch.seen([self.rows[i] for i in index])
 
 
 class HostStaging:

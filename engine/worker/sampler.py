@@ -120,7 +120,7 @@ class Sampler:
         good = [i for i, row_ok in enumerate(ok) if row_ok]
         if good:
             part = self._sample(logits[good], [requests[i] for i in good],
-                                None if tables is None else _SubsetTables(tables, good))
+                                None if tables is None else RowTables(tables, good))
             for j, i in enumerate(good):
                 token_ids[i], logprobs[i] = part.token_ids[j], part.logprobs[j]
         return SamplerOutput(token_ids, logprobs)
@@ -239,8 +239,9 @@ def _unless_finite(finite: list[bool], token_ids: list[int]) -> list[int]:
     return token_ids if all(finite) else [t if ok else NON_FINITE for t, ok in zip(token_ids, finite)]
 
 
-class _SubsetTables:
-    """`tables` restricted to some rows of its batch (index i here is row `rows[i]` there)."""
+class RowTables:
+    """`tables` seen through a list of its rows: index i here is row `rows[i]` there (a subset of a batch, or the
+    persistent batch's rows of the requests being sampled, engine/worker/input_batch.py)."""
 
     def __init__(self, tables: TokenTables, rows: list[int]) -> None:
         self.tables, self.rows = tables, rows
