@@ -86,6 +86,7 @@ def _is_greedy_below_min_tokens(request: Request) -> bool:
 class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...], *, seed: int | None = None) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
+        self._eos_index: dict[tuple[int, torch.device], torch.Tensor] = {}
         # Shared by every row without its own generator. Unseeded: a fresh random seed per sampler, so
         # unseeded requests do not repeat the same draws after each restart.
         self._generator = torch.Generator()
@@ -189,19 +190,35 @@ class Sampler:
         for a row whose every token is masked. The mask is written into `logits` and the entries put back after:
         a copy of the whole batch would cost a third of the argmax (32 rows of a 49,152-token vocabulary)."""
         vocab = logits.shape[1]
-        rows, cols = self._banned(requests, vocab)
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        eos_only = all(r.num_output_tokens < r.sampling_params.min_tokens and not r.sampling_params.stop_token_ids
+                       for r in requests)  # W1's case: every row masks EOS alone, one column index for all rows
+        if eos_only:
+            index: tuple[torch.Tensor | slice, torch.Tensor] = (slice(None), self._eos_columns(vocab, logits.device))
+        else:
+            rows, cols = self._banned(requests, vocab)
+            index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
         kept = logits[index]  # the masked entries, put back afterwards: no copy of the whole batch
         logits[index] = _NEG_INF
         try:
             token_ids = _unless_finite(finite, argmax(logits).tolist())
         finally:
             logits[index] = kept
-        if len(set(cols)) >= vocab:  # a row may have lost every token
+        if eos_only:
+            if index[1].numel() >= vocab:  # every token is an EOS
+                token_ids = [t if t == NON_FINITE else NO_TOKEN for t in token_ids]
+        elif len(set(cols)) >= vocab:  # a row may have lost every token
             for i in set(rows):
                 if token_ids[i] != NON_FINITE and len({c for r, c in zip(rows, cols) if r == i}) >= vocab:
                     token_ids[i] = NO_TOKEN
         return token_ids
+
+    def _eos_columns(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """The EOS ids within the vocabulary, as an index tensor (made once per vocabulary size and device)."""
+        key = (vocab, device)
+        if key not in self._eos_index:
+            self._eos_index[key] = torch.tensor([t for t in self.eos_token_ids if 0 <= t < vocab], dtype=torch.long,
+                                                device=device)
+        return self._eos_index[key]
 
     def _draw(self, processed: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """processed: [B, V] from `process`. Returns [B] int64 token ids."""

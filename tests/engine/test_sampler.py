@@ -77,7 +77,8 @@ def test_filtered_distribution_matches_hf_processors(scale: float, vocab: int) -
 @pytest.mark.parametrize("params", [
     dict(temperature=0.8, top_p=0.5, presence_penalty=1.0, repetition_penalty=1.5, logprobs=3, min_tokens=5),
     dict(temperature=0.0, min_tokens=5, stop_token_ids=(7, 7, 9)),  # the masked greedy path, a repeated id
-], ids=["full path", "greedy below min_tokens"])
+    dict(temperature=0.0, min_tokens=5),  # ... masking EOS alone
+], ids=["full path", "greedy below min_tokens", "greedy below min_tokens, EOS alone"])
 def test_does_not_modify_its_input(params: dict) -> None:
     raw = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
     raw[:, EOS] = 50.0  # masked, and would win otherwise
@@ -190,6 +191,19 @@ def test_greedy_min_tokens_rows_take_the_masked_argmax_or_no_token(with_sampled_
     masked = raw[0].clone()
     masked[EOS] = float("-inf")
     assert out[:3] == [int(masked.argmax()), EOS, NO_TOKEN]
+
+
+def test_rows_that_all_mask_eos_alone_take_the_argmax_without_it() -> None:
+    eos = (EOS, 0, 10_000)  # an id past the vocabulary is ignored
+    raw = torch.randn(4, 50, generator=torch.Generator().manual_seed(6))
+    raw[:, EOS], raw[1, 0] = 50.0, 60.0  # both EOS ids would win
+    out = Sampler(eos)(raw, [_request(SamplingParams(temperature=0.0, min_tokens=3), output=[1]) for _ in range(4)])
+    masked = raw.clone()
+    masked[:, [EOS, 0]] = float("-inf")
+    assert out.token_ids == masked.argmax(dim=-1).tolist()
+    tiny = torch.randn(2, 2)  # every token is an EOS: nothing to give
+    out = Sampler((0, 1))(tiny, [_request(SamplingParams(temperature=0.0, min_tokens=3)) for _ in range(2)])
+    assert out.token_ids == [NO_TOKEN, NO_TOKEN]
 
 
 def test_logprobs_come_from_raw_logits_with_sorted_top() -> None:
