@@ -95,6 +95,12 @@ class StepBudget:
         if _capped(request, n):
             self.prefill -= n
 
+    def critical_only(self) -> None:
+        """The step starts a critical request: it computes nothing of lower classes beside it, neither prompts
+        nor decodes (they would make that step, and so its first token, longer; they wait one step)."""
+        self.prefill = 0
+        self.worst_class = int(Priority.CRITICAL)
+
 
 def _capped(request: Request, n: int) -> bool:
     """Whether a chunk of `n` tokens is a prompt chunk under the prefill cap (a decode is one token; classes are
@@ -151,26 +157,24 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = StepBudget(self.config.max_batch_tokens,
-                            self.config.max_prefill_tokens or self.config.max_batch_tokens)
+        prefill_cap = self.config.max_prefill_tokens or self.config.max_batch_tokens
+        budget = StepBudget(self.config.max_batch_tokens, prefill_cap)
         order, contender = self._admission_order()
         if contender is not None:
             self._make_room_for(contender, out)
             if contender.priority is Priority.CRITICAL:
-                # The step that starts a critical request computes nothing of lower classes beside it: their
-                # prompts and decodes would make that step, and so its first token, longer. They wait one step.
-                budget.prefill = 0
-                budget.worst_class = int(Priority.CRITICAL)
+                budget.critical_only()
         made_room = len(out.preempted)
         self._schedule_running(out, budget)
+        admitted_from = len(out.requests)
         if len(out.preempted) == made_room:  # no running request ran out of pages: admit more
             if made_room:  # the victims went back into the queue: order it again
                 order, _ = self._admission_order()
             self._schedule_waiting(out, budget, order)
-        if budget.worst_class < Priority.SHEDDABLE and contender.status is not RequestStatus.RUNNING:
+        if budget.worst_class < Priority.SHEDDABLE and not any(
+                r.priority is Priority.CRITICAL for r in out.requests[admitted_from:]):
             # The critical request could not start after all (its pages): the lower classes go on this step.
-            budget.worst_class = int(Priority.SHEDDABLE)
-            budget.prefill = self.config.max_prefill_tokens or self.config.max_batch_tokens
+            budget.worst_class, budget.prefill = int(Priority.SHEDDABLE), prefill_cap
             self._schedule_running(out, budget)
         return out
 
@@ -248,13 +252,12 @@ class Scheduler:
         step_adapters = {r.adapter.key for r in out.requests if r.adapter is not None}
         broken: dict[AdapterKey, Exception] = {}  # adapters whose load failed this step
         bound = self.config.max_adapters_per_step
-        critical_started = False
         now = self.clock()
         for request in order:
             if budget.tokens <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if critical_started and request.priority is not Priority.CRITICAL:
-                continue  # no lower-class prompt lengthens the step that starts a critical one
+            if int(request.priority) > budget.worst_class:
+                continue  # the step starts a critical request: nothing of a lower class beside it
             if budget.prefill <= 0 and _capped(request, request.num_tokens - request.num_computed_tokens):
                 continue  # the step's prefill cap is spent; a critical request behind may still start
             if request.adapter is not None and request.adapter.key not in step_adapters:
@@ -286,7 +289,8 @@ class Scheduler:
             out.requests.append(request)
             out.num_tokens.append(n)
             budget.spend(request, n)
-            critical_started |= request.priority is Priority.CRITICAL
+            if request.priority is Priority.CRITICAL:
+                budget.critical_only()
 
     def _bring_adapter(self, request: Request) -> bool:
         loads = self.adapters.counters.loads
@@ -347,11 +351,10 @@ class Scheduler:
         finished: list[Request] = []
         for request, n, token, logprob in zip(out.requests, out.num_tokens, result.sampled,
                                                result.logprobs):
-            if request.num_computed_tokens < len(request.prompt_token_ids):  # prompt blocks may have filled up
-                request.num_computed_tokens += n
+            in_prompt = request.num_computed_tokens < len(request.prompt_token_ids)
+            request.num_computed_tokens += n
+            if in_prompt:  # prompt blocks may have filled up
                 self.kv.cache_full_blocks(request)
-            else:
-                request.num_computed_tokens += n
             if token is None:
                 continue
             request.output_token_ids.append(token)
