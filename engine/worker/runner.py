@@ -175,10 +175,8 @@ class ModelRunner:
             packed += table
         flat = self._tensor(packed)
         num_decodes = len(decode_lens)
-        views = iter(flat.split([num, num, num, num_decodes, num_decodes, len(last_rows),
-                                 *(len(p[3]) for p in prefills)]))
-        input_ids, positions, slot_mapping, context_lens, table_rows, last = (
-            next(views), next(views), next(views), next(views), next(views), next(views))
+        parts = flat.split([num, num, num, num_decodes, num_decodes, len(last_rows), *(len(p[3]) for p in prefills)])
+        input_ids, positions, slot_mapping, context_lens, table_rows, last = parts[:6]
         if flat.device.type != "cpu":  # the block tables are kept on the host
             table_rows = torch.tensor(decode_rows, dtype=torch.long)
         width = -(-max(decode_lens, default=0) // bs)
@@ -187,7 +185,7 @@ class ModelRunner:
             num_decode_tokens=num_decodes,
             decode_block_tables=self.batch.decode_tables(table_rows, width),
             decode_context_lens=context_lens,
-            prefills=tuple(PrefillSeq(row, n, end, next(views)) for row, n, end, _ in prefills),
+            prefills=tuple(PrefillSeq(row, n, end, table) for (row, n, end, _), table in zip(prefills, parts[6:])),
         )
         # In a step of decodes only, every row is sampled, in order: the logits need no gather.
         sample_rows = None if len(last_rows) == num else last
