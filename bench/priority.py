@@ -31,7 +31,7 @@ Everything is bounded: request counts, per-request and per-phase timeouts; all t
     python bench/priority.py [--model smollm2|tiny-random] [--threads 2] [--json PATH]
                              [--skip-in-process] [--skip-http] [--skip-prefix]
                              [--max-num-seqs 16] [--max-batch-tokens 2048] [--max-prefill-tokens 512]
-                             [--aging-s 10] [--preemption auto] [--critical 8]
+                             [--aging-s 10] [--preemption auto] [--critical 8] [--no-critical-interrupts]
                              [--rounds 16] [--ref-batch 8] [--stream-load]
 
 `--json PATH` writes {"config", "in_process", "http", "prefix_cache"}: TTFT figures are
@@ -54,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -97,15 +98,18 @@ class Knobs:
     preemption: str = "auto"
     max_prefill_tokens: int | None = None  # None: the engine's default
     critical: int = 8  # critical requests sent (the probes)
+    critical_interrupts: bool = True  # a critical arrival ends a step of lower-class work early
 
     def config(self, model: str) -> EngineConfig:
         cap = {} if self.max_prefill_tokens is None else {"max_prefill_tokens": self.max_prefill_tokens}
         return EngineConfig(model=model, pool_mb=POOL_MB, max_num_seqs=self.max_num_seqs,
                             max_batch_tokens=self.max_batch_tokens, aging_s=self.aging_s, preemption=self.preemption,
-                            **cap)
+                            critical_interrupts=self.critical_interrupts, **cap)
 
     def flags(self) -> list[str]:
         cap = [] if self.max_prefill_tokens is None else ["--max-prefill-tokens", str(self.max_prefill_tokens)]
+        if not self.critical_interrupts:
+            cap.append("--no-critical-interrupts")
         return ["--pool-mb", str(POOL_MB), "--max-num-seqs", str(self.max_num_seqs), "--max-batch-tokens",
                 str(self.max_batch_tokens), "--aging-s", str(self.aging_s), "--preemption", self.preemption, *cap]
 
@@ -142,8 +146,24 @@ def run_open_loop(engine: LLMEngine, arrivals: list[Arrival], load: Callable[[in
     """Add `n_load` requests `load(0..n_load-1)` at once and step until `settle` of them have their first token;
     then submit each of `arrivals` at its offset (seconds) from that moment, replacing every load request that
     finishes with the next one (at most `max_load` in all) until all of `arrivals` have finished, and step
-    until everything finishes. TTFT per id, from its arrival: it counts the wait for the step in progress."""
+    until everything finishes. TTFT per id, from its arrival: it counts the wait for the step in progress.
+
+    As the server's engine thread does (engine/core/async_engine.py), a critical arrival during a step sets the
+    event that step may be interrupted by: a thread sets it at each critical arrival's time."""
     pending = sorted(arrivals, key=lambda a: a[0])
+    critical_arrived = threading.Event()
+    started = threading.Event()  # `start` is set
+    done = threading.Event()
+
+    def announce_critical_arrivals() -> None:
+        started.wait()
+        for offset in sorted(a[0] for a in arrivals if a[4] is Priority.CRITICAL):
+            if done.is_set() or done.wait(max(0.0, start + offset - time.perf_counter())):
+                return
+            critical_arrived.set()
+
+    announcer = threading.Thread(target=announce_critical_arrivals, daemon=True)
+    announcer.start()
     unfinished = {a[1] for a in arrivals}
     arrived: dict[str, float] = {}
     ttft: dict[str, float] = {}
@@ -161,6 +181,8 @@ def run_open_loop(engine: LLMEngine, arrivals: list[Arrival], load: Callable[[in
     while pending or engine.has_unfinished_requests():
         if start is None and len(ttft) >= min(settle, n_load):
             start = time.perf_counter()
+            started.set()
+        critical_arrived.clear()  # before the arrivals are read, as the server's loop clears it
         now = time.perf_counter() - start if start is not None else -math.inf
         while pending and pending[0][0] <= now:
             arrival = pending.pop(0)
@@ -168,7 +190,7 @@ def run_open_loop(engine: LLMEngine, arrivals: list[Arrival], load: Callable[[in
         if not engine.has_unfinished_requests():
             time.sleep(min(0.01, max(0.0, pending[0][0] - now)))
             continue
-        for out in engine.step():
+        for out in engine.step(critical_arrived):
             rid = out.request_id
             if out.new_token_ids and rid not in ttft:
                 ttft[rid] = time.perf_counter() - arrived[rid]
@@ -179,6 +201,9 @@ def run_open_loop(engine: LLMEngine, arrivals: list[Arrival], load: Callable[[in
             elif load is not None and unfinished and added < max_load:  # a load request: keep the load in flight
                 add(load(added), time.perf_counter())
                 added += 1
+    done.set()
+    started.set()
+    announcer.join()
     return ttft
 
 
@@ -493,6 +518,8 @@ def main() -> None:
     ap.add_argument("--aging-s", type=float, default=10.0, help="the engine's --aging-s (1e9: no aging)")
     ap.add_argument("--critical", type=int, default=8, help="critical requests sent, one after another")
     ap.add_argument("--preemption", default="auto", choices=("recompute", "swap", "auto"))
+    ap.add_argument("--no-critical-interrupts", action="store_true",
+                    help="the engine's --no-critical-interrupts: critical arrivals wait for the step in progress")
     ap.add_argument("--rounds", type=int, default=16, help="most load requests per closed-loop client (each "
                     "load request that ends is replaced until the critical ones are done)")
     ap.add_argument("--ref-batch", type=int, default=8, help="HTTP: sheddable reference requests at once")
@@ -513,17 +540,19 @@ def main() -> None:
         ap.error(str(exc))
     torch.set_num_threads(args.threads)
     knobs = Knobs(args.max_num_seqs, args.max_batch_tokens, args.aging_s, args.preemption, args.max_prefill_tokens,
-                  args.critical)
+                  args.critical, not args.no_critical_interrupts)
     result: dict[str, Any] = {"config": {"model": args.model, "threads": args.threads,
                                          "max_num_seqs": args.max_num_seqs, "max_batch_tokens": args.max_batch_tokens,
                                          "max_prefill_tokens": args.max_prefill_tokens,
+                                         "critical_interrupts": not args.no_critical_interrupts,
                                          "aging_s": args.aging_s, "preemption": args.preemption,
                                          "load_requests_in_flight": 3 * args.max_num_seqs,
                                          "critical_requests": args.critical, "probe_interval_s": PROBE_INTERVAL_S}}
     print(f"{args.model}, {args.threads} threads, max_num_seqs {args.max_num_seqs} "
           f"(load: {3 * args.max_num_seqs} requests of {BG_WORDS} words + {BG_NEW} new tokens), "
           f"{args.critical} critical requests ({CRIT_WORDS} words + {CRIT_NEW} new tokens) {PROBE_INTERVAL_S} s apart, "
-          f"--max-prefill-tokens {args.max_prefill_tokens or 'default'}",
+          f"--max-prefill-tokens {args.max_prefill_tokens or 'default'}, critical interrupts "
+          f"{'off' if args.no_critical_interrupts else 'on'}",
           flush=True)
     if not args.skip_in_process:
         result["in_process"] = in_process(args.model, knobs, args.rounds)

@@ -17,6 +17,9 @@ class EngineConfig:
     # prompt tokens per step for requests below critical (None: max_batch_tokens); bounds how long a critical
     # request arriving mid-step waits for that step (engine/core/scheduler.py)
     max_prefill_tokens: int | None = 512
+    # a critical arrival ends a step of lower-class work between two layers (it runs again after the critical
+    # request starts), instead of waiting for all of it (engine/core/llm_engine.py, step)
+    critical_interrupts: bool = True
     max_num_seqs: int = 128  # requests running at once
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     served_model_name: str | None = None  # None: derived from `model`

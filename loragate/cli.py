@@ -132,6 +132,9 @@ def _add_engine_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prefill-tokens", type=_positive, default=512,
                    help="prompt tokens per step for requests below critical: bounds how long a critical request "
                         "arriving mid-step waits for that step")
+    p.add_argument("--no-critical-interrupts", action="store_true",
+                   help="a critical request arriving mid-step waits for the whole step, instead of ending a step "
+                        "of lower-class work between two layers (that step then runs again after it starts)")
     p.add_argument("--pool-mb", type=_positive, default=512, help="KV cache pool size in MiB")
     p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV cache block")
     p.add_argument("--max-num-seqs", type=_positive, default=128, help="requests running at once")
@@ -246,6 +249,7 @@ def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     config = EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         pool_mb=args.pool_mb, max_batch_tokens=args.max_batch_tokens, max_prefill_tokens=args.max_prefill_tokens,
+        critical_interrupts=not args.no_critical_interrupts,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         served_model_name=args.served_model_name, num_threads=args.threads,
         adapter_dir=args.adapter_dir, max_device_adapters=args.max_device_adapters,

@@ -83,6 +83,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
         self._go = threading.Event()  # start() gave the loop: a thread made by load() may run
+        # Set when a critical request is put in the inbox: the step in progress may end early (LLMEngine.step).
+        self._critical_arrived = threading.Event()
         self._adapter_io = TransientWorker("adapter-load")
 
     @classmethod
@@ -188,6 +190,8 @@ class AsyncEngine:
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[add.request_id] = stream
         self._inbox.put(add)
+        if add.priority is Priority.CRITICAL:
+            self._critical_arrived.set()
         finished = False
         try:
             while not finished:
@@ -213,12 +217,15 @@ class AsyncEngine:
         engine = self.engine
         while not self._stopping.is_set():
             block = not engine.has_unfinished_requests()
+            # Cleared before the inbox is read: a critical request put there later interrupts the coming step;
+            # one read now is in that step's schedule (a stale flag interrupts at most one step).
+            self._critical_arrived.clear()
             if not self._drain_inbox(block):
                 break
             if not engine.has_unfinished_requests():
                 continue
             try:
-                outputs = engine.step()
+                outputs = engine.step(self._critical_arrived)
             except Exception as exc:  # outside any one request (a request's own failure is an output)
                 logger.exception("engine step failed; aborting all requests in flight")
                 self._fail_all(exc)

@@ -12,6 +12,7 @@ raises, the step is run again on halves of the batch until the request(s) that m
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -32,6 +33,7 @@ from engine.lora.files import load_weights
 from engine.lora.peft_config import AdapterError, AdapterSpec
 from engine.lora.registry import AdapterRegistry, HostAdapterCache
 from engine.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
+from engine.model.llama import StepInterrupted
 from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
 from engine.worker.runner import ModelRunner
@@ -103,6 +105,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, Sampler(self.eos_token_ids), device,
                                   self.device_adapters, config.max_num_seqs, self.max_model_len)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.interrupted_steps = 0  # steps a critical arrival ended early (see step())
+        self._rerun_due = False  # the next step of lower-class work runs whole
         self._prefetcher = TransientWorker("adapter-prefetch")  # engine/worker/threads.py: why not a pool
         logger.info("engine ready: model=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
                     self.model_name, dtype, num_blocks, config.block_size, self.max_model_len)
@@ -213,7 +217,8 @@ class LLMEngine:
             waiting_by_priority=_count_by_priority(self.scheduler.waiting),
             preemptions=tuple(self.scheduler.preemption.counts.items()),
             prefix_cache_queries=self.scheduler.kv.prefix_queries,
-            prefix_cache_hits=self.scheduler.kv.prefix_hits)
+            prefix_cache_hits=self.scheduler.kv.prefix_hits,
+            interrupted_steps=self.interrupted_steps)
 
     def adapter_statuses(self) -> list[AdapterStatus]:
         """Every registered adapter and where its weights are (safe to call from another thread)."""
@@ -230,20 +235,39 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, interrupt: threading.Event | None = None) -> list[RequestOutput]:
+        """Schedule, compute and apply one step; the outputs it produced.
+
+        `interrupt` is set by another thread when a critical request arrives (engine/core/async_engine.py). A step
+        that computes nothing of the critical class then ends between two layers of its forward pass instead of
+        making the critical request wait for all of it: nothing is applied (requests keep their state and pages:
+        recomputing the same tokens writes the same K/V), and the next step starts the critical request, alone,
+        before the interrupted work runs again. The first step of lower-class work after an interrupt is not
+        interruptible, so that work progresses however often critical requests arrive.
+        """
         batch = self.scheduler.schedule()
         outputs = [self._adapter_failure(request, exc) for request, exc in batch.failed]
         if batch.is_empty():
             return outputs
+        if interrupt is not None and not self._interruptible(batch):
+            interrupt = None
         t0 = time.perf_counter()
         wanted = self.threads.threads if self.threads is not None else self._fixed_threads
         if torch.get_num_threads() != wanted:  # stepped by another thread than the one that built it
             torch.set_num_threads(wanted)
         if self.threads is not None:
             self.threads.step_started()
-        result = self._execute(batch)
-        if self.threads is not None:
-            self.threads.step_done()
+        try:
+            result = self._execute(batch, interrupt=interrupt)
+        except StepInterrupted:
+            self.interrupted_steps += 1
+            self._rerun_due = True
+            return outputs
+        finally:
+            if self.threads is not None:
+                self.threads.step_done()
+        if self._rerun_due and any(r.priority is not Priority.CRITICAL for r in batch.requests):
+            self._rerun_due = False
         self.scheduler.preemption.observe_step(batch.total_tokens, time.perf_counter() - t0)
         if result.errors:
             outputs += [self._engine_failure(batch.requests[i], message) for i, message in result.errors.items()]
@@ -251,18 +275,28 @@ class LLMEngine:
         self.scheduler.update_from_output(batch, result)
         return outputs + self._make_outputs(batch, result)
 
-    def _execute(self, batch: SchedulerOutput, seeds: dict[str, torch.Tensor] | None = None) -> RunnerOutput:
+    def _interruptible(self, batch: SchedulerOutput) -> bool:
+        """Whether a critical arrival may end this step early: it computes no request that arrived critical, it is
+        not the first step of lower-class work after an interrupt, and the engine allows it."""
+        return (self.config.critical_interrupts and not self._rerun_due
+                and all(r.priority is not Priority.CRITICAL for r in batch.requests))
+
+    def _execute(self, batch: SchedulerOutput, seeds: dict[str, torch.Tensor] | None = None,
+                 interrupt: threading.Event | None = None) -> RunnerOutput:
         """`runner.execute(batch)`; if it raises, the same on halves of the batch, down to the single
         requests that make it raise, which fail in `RunnerOutput.errors` while the others get their tokens.
 
         Any subset of a step is a valid step (a request's rows read and write only its own KV blocks), and
         recomputing a request's rows writes the same K/V again. Seeded draws are rewound before a retry, so
-        a seeded request samples as if the failed attempt never happened.
+        a seeded request samples as if the failed attempt never happened. An interrupted step (StepInterrupted)
+        is no failure: it propagates; the retries on halves are not interruptible.
         """
         if seeds is None:  # the seeded generators' states before any attempt
             seeds = {r.request_id: r.generator.get_state() for r in batch.requests if r.generator is not None}
         try:
-            return self.runner.execute(batch)
+            return self.runner.execute(batch, interrupt)
+        except StepInterrupted:
+            raise
         except Exception as exc:
             if len(batch.requests) == 1:
                 logger.exception("request %s failed in the forward pass", batch.requests[0].request_id)

@@ -78,3 +78,4 @@ class EngineStats:
     preemptions: tuple[tuple[str, int], ...] = ()  # (mode, count)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    interrupted_steps: int = 0  # steps of lower-class work a critical arrival ended early

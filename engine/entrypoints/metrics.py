@@ -92,6 +92,9 @@ def _scheduler_metrics(stats: EngineStats) -> Iterator[Metric]:
     yield CounterMetricFamily("loragate_engine_adapter_loads_by_admission", "Device loads of an "
                               "adapter caused by admitting a waiting request.",
                               value=stats.adapter_loads_by_admission)
+    yield CounterMetricFamily("loragate_engine_interrupted_steps", "Steps of lower-class work ended between two "
+                              "layers because a critical request arrived (they run again after it starts).",
+                              value=stats.interrupted_steps)
 
 
 class EngineMetrics:

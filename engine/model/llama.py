@@ -10,6 +10,7 @@ matmuls: measured faster on CPU).
 from __future__ import annotations
 
 import math
+import threading
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -20,6 +21,12 @@ from engine.model.attention import AttentionMetadata, AttentionPlan, paged_atten
 
 if TYPE_CHECKING:
     from engine.model.config import ModelConfig
+
+
+class StepInterrupted(Exception):
+    """The forward pass stopped between two layers because its `interrupt` event was set. The layers before wrote
+    the K/V of this step's tokens into their slots; computing the same tokens again writes the same values, so the
+    step can simply be scheduled again (engine/core/llm_engine.py: a critical arrival interrupts lower-class work)."""
 
 
 class LayerLoraDelta(Protocol):
@@ -195,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-        attn: AttentionMetadata, lora: LoraDelta | None = None,
+        attn: AttentionMetadata, lora: LoraDelta | None = None, interrupt: threading.Event | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for a flat batch.
 
@@ -203,12 +210,15 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: [num_layers, num_pages, 2, block_size, kvh, hd]; the K/V of all T tokens are
         written into it at attn.slot_mapping.
         lora: the step's adapter segments (weights read from the same pool), or None when no row has one.
+        interrupt: when given and set, the pass stops before its next layer with StepInterrupted.
         """
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, h.dtype)
         # Gather indices and masks once per step, shared by all layers.
         plan = plan_attention(attn, kv_cache.shape[3], self.config.num_kv_heads, h.dtype)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache)):
+            if interrupt is not None and interrupt.is_set():
+                raise StepInterrupted
             h = layer(h, cos, sin, layer_cache, plan, None if lora is None else lora.layer(i))
         return self.norm(h)
 

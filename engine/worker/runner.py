@@ -9,6 +9,7 @@ built costs about as much as the rest of the step's bookkeeping.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,7 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, -(-max_len // block_size), model.config.vocab_size, device)
         self.staging = HostStaging(device) if device.type == "cuda" else None
 
-    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+    def execute(self, batch: SchedulerOutput, interrupt: threading.Event | None = None) -> RunnerOutput:
         """Compute one step and sample a token for every request whose known tokens are all computed.
 
         A row whose logits are not finite (a broken adapter, an overflow) fails its own request in
@@ -63,13 +64,16 @@ class ModelRunner:
 
         Runs in inference mode. The engine thread stays in it for its whole loop (engine/core/async_engine.py):
         entering it costs about as much as building the step's inputs at one running request.
+
+        `interrupt`, when set during the forward pass, ends it between two layers (engine/model/llama.py's
+        StepInterrupted propagates; nothing is sampled, so the step can be run again as it was).
         """
         if torch.is_inference_mode_enabled():
-            return self._execute(batch)
+            return self._execute(batch, interrupt)
         with torch.inference_mode():
-            return self._execute(batch)
+            return self._execute(batch, interrupt)
 
-    def _execute(self, batch: SchedulerOutput) -> RunnerOutput:
+    def _execute(self, batch: SchedulerOutput, interrupt: threading.Event | None) -> RunnerOutput:
         slots = [self._slot(r) for r in batch.requests]
         order = self._batch_order(batch, slots)
         requests = [batch.requests[i] for i in order]
@@ -77,7 +81,7 @@ class ModelRunner:
         rows = self.batch.sync(requests)
         step = self._prepare(requests, num_tokens, rows)
         lora = self._lora_segments([slots[i] for i in order], num_tokens)
-        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.attn, lora)  # [T, hidden]
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.attn, lora, interrupt)  # [T, hidden]
         sampled: list[int | None] = [None] * len(order)
         logprobs: list[TokenLogprob | None] = [None] * len(order)
         errors: dict[int, str] = {}

@@ -33,7 +33,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                     "dashboard": {"enabled": True}}},
     "three GPU engines": {
         "engine": {"replicas": 3, "gpu": {"enabled": True, "count": 1}, "runtimeClassName": "nvidia",
-                   "dtype": "bfloat16", "shmSizeLimit": "8Gi",
+                   "dtype": "bfloat16", "shmSizeLimit": "8Gi", "criticalInterrupts": False,
                    "nodeSelector": {"nvidia.com/gpu.present": "true"},
                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                    "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
@@ -136,6 +136,7 @@ def test_default_values_render_valid_manifests(default_manifests: list[dict[str,
             assert context["readOnlyRootFilesystem"] and not context["allowPrivilegeEscalation"]
             assert context["capabilities"]["drop"] == ["ALL"]
     probes = _containers(default_manifests)["engine"]
+    assert "--no-critical-interrupts" not in probes["args"]  # on by default
     assert probes["startupProbe"]["httpGet"]["path"] == "/healthz"
     assert probes["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert probes["readinessProbe"]["httpGet"]["path"] == "/readyz"
@@ -167,6 +168,7 @@ def test_value_sets_render_valid_manifests(helm: Path, tmp_path: Path, name: str
         assert statefulset["spec"]["replicas"] == 3 and pod["runtimeClassName"] == "nvidia"
         assert containers["engine"]["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert containers["engine"]["args"][containers["engine"]["args"].index("--device") + 1] == "cuda"
+        assert "--no-critical-interrupts" in containers["engine"]["args"]
         assert pod["tolerations"][0]["key"] == "nvidia.com/gpu" and pod["topologySpreadConstraints"]
         [shm] = [v for v in pod["volumes"] if v["name"] == "dshm"]
         assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
@@ -190,6 +192,7 @@ def test_value_sets_render_valid_manifests(helm: Path, tmp_path: Path, name: str
 @pytest.mark.parametrize("values, complaint", [
     (["--set", "gateway.replicas=two"], "gateway.replicas"),
     (["--set", "engine.device=tpu"], "engine.device"),
+    (["--set", "engine.criticalInterrupts=sometimes"], "engine.criticalInterrupts"),
     (["--set", "colour=red"], "colour"),
     (["--set", "gateway.terminationGracePeriodSeconds=10"], "gateway.terminationGracePeriodSeconds"),
     (["--set", "redis.url=http://not-redis"], "redis.url"),

@@ -5,10 +5,12 @@ adapter pages competing with KV pages, reloads and unloads."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
+from test_step_interrupt import Interrupter
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
@@ -55,9 +57,10 @@ def reference(tiny_model_dir, tiny_adapter_dir, prompts) -> dict[tuple[str | Non
     return out
 
 
-def run_all(engine: LLMEngine, jobs: list[tuple[str | None, int]], prompts: list[list[int]]
-            ) -> dict[tuple[str | None, int], list[int]]:
-    """Submit every (adapter, prompt) at once, step to completion, return the tokens of each."""
+def run_all(engine: LLMEngine, jobs: list[tuple[str | None, int]], prompts: list[list[int]],
+            step: Callable[[], object] | None = None) -> dict[tuple[str | None, int], list[int]]:
+    """Submit every (adapter, prompt) at once, step to completion (with `step`, default engine.step), return the
+    tokens of each."""
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0,
                             ignore_eos=True)
     requests: dict[tuple[str | None, int], Request] = {}
@@ -65,7 +68,7 @@ def run_all(engine: LLMEngine, jobs: list[tuple[str | None, int]], prompts: list
         requests[(name, i)] = engine.add_request(f"job{k}", prompts[i], params, adapter_id=name)
     steps = 0
     while engine.has_unfinished_requests():
-        engine.step()
+        (step or engine.step)()
         steps += 1
         assert steps < 5000, "no progress"
     assert (engine.pool.num_free + engine.device_adapters.num_pages
@@ -84,6 +87,17 @@ def test_mixed_batch_matches_peft(tiny_adapter_dir, prompts, reference) -> None:
     # The adapters really change the output (the comparison above is not base vs base).
     assert sum(reference[(name, 0)] != reference[(None, 0)] for name in TINY_ADAPTERS) >= 4
     assert engine.device_adapters.counters.loads == len(TINY_ADAPTERS)
+
+
+def test_interrupted_steps_of_a_mixed_batch_match_peft(tiny_adapter_dir, prompts, reference) -> None:
+    """Steps ended between two layers (a critical arrival, tests/engine/test_step_interrupt.py) and run again:
+    the LoRA segments of the partial pass wrote K/V that the rerun writes again, alike."""
+    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir), max_device_adapters=3,
+                                    max_batch_tokens=16))
+    driver = Interrupter(engine, layer=2, when=lambda i: i % 2 == 0)
+    ours = run_all(engine, ALL_JOBS, prompts, step=driver.step)
+    assert ours == {key: reference[key] for key in ALL_JOBS}
+    assert engine.interrupted_steps > 0 and engine.device_adapters.counters.evictions > 0
 
 
 def test_device_tier_smaller_than_working_set(tiny_adapter_dir, prompts, reference) -> None:

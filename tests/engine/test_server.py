@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -313,6 +314,29 @@ def test_bad_priority_is_400(server: str) -> None:
     _assert_error(resp, 400, "invalid_request_error", "X-Priority")
     ok = _post(server, "/v1/completions", body, **{"X-Priority": "critical"})
     assert ok.status_code == 200
+
+
+def test_critical_requests_interrupt_sheddable_steps(server: str, client: openai.OpenAI) -> None:
+    """Critical requests sent while sheddable ones decode end those steps early (engine/core/llm_engine.py, step):
+    the counter moves, and every request gets the text it gets on an idle engine."""
+    long = {**GREEDY, "prompt": PROMPT, "max_tokens": 900, "extra_body": {"ignore_eos": True}}
+    short = {**GREEDY, "prompt": "Once upon a time", "max_tokens": 4}
+    alone_long = client.completions.create(**long).choices[0].text
+    alone_short = client.completions.create(**short).choices[0].text
+    before = _metric(server, "loragate_engine_interrupted_steps_total")
+    with ThreadPoolExecutor(3) as pool:
+        load = [pool.submit(client.completions.create, **long, extra_headers={"X-Priority": "sheddable"})
+                for _ in range(3)]
+        poll(lambda: _metric(server, "loragate_engine_requests_running") == 3, what="3 sheddable requests running")
+        texts = []
+        for _ in range(20):  # one arriving mid-step is enough; nearly every one does
+            texts.append(client.completions.create(**short, extra_headers={"X-Priority": "critical"}).choices[0].text)
+            if _metric(server, "loragate_engine_interrupted_steps_total") > before:
+                break
+        assert not any(f.done() for f in load), "the sheddable requests finished before a critical one came"
+        assert [f.result().choices[0].text for f in load] == [alone_long] * 3
+    assert _metric(server, "loragate_engine_interrupted_steps_total") > before
+    assert texts == [alone_short] * len(texts)
 
 
 def test_unknown_route_and_method_are_json(server: str) -> None:

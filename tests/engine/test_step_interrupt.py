@@ -1,0 +1,185 @@
+"""A critical arrival ends a step of lower-class work between two layers (`LLMEngine.step(interrupt)`): the step
+runs again later, and every request's tokens are what they would have been uninterrupted (HF `generate` on
+tiny-random is the reference), whatever the step was doing: prefilling in chunks, decoding, preempting."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+from test_engine import NEW_TOKENS, greedy_params, hf_greedy
+from transformers import AutoModelForCausalLM
+
+from engine.config import EngineConfig
+from engine.core.async_engine import AsyncEngine
+from engine.core.llm_engine import LLMEngine
+from engine.core.outputs import RequestOutput
+from engine.core.request import Request
+from loragate.priority import Priority
+
+
+class Interrupter:
+    """Steps an engine as its server thread does (the event cleared before each step) and sets the event while
+    the model is about to compute layer `layer` of the steps `when(i)` picks (i counts steps): the check before
+    the next layer ends the pass after the first layers wrote this step's K/V, as a critical arrival mid-step
+    does. Records, per step, the requests scheduled and whether the step was interrupted."""
+
+    def __init__(self, engine: LLMEngine, layer: int = 1, when: Callable[[int], bool] = lambda i: True) -> None:
+        assert 0 < layer < len(engine.model.layers) - 1, "layers before it, and after it one that checks"
+        self.engine = engine
+        self.event = threading.Event()
+        self.when = when
+        self.steps: list[tuple[list[Request], bool]] = []  # (scheduled requests, interrupted)
+        engine.model.layers[layer].register_forward_pre_hook(self._hook)
+        schedule = engine.scheduler.schedule
+
+        def recording_schedule():
+            out = schedule()
+            self.steps.append((list(out.requests), False))
+            return out
+
+        engine.scheduler.schedule = recording_schedule
+
+    def _hook(self, module, args) -> None:
+        if self.when(len(self.steps) - 1):
+            self.event.set()
+
+    def step(self) -> list[RequestOutput]:
+        self.event.clear()
+        before = self.engine.interrupted_steps
+        outputs = self.engine.step(self.event)
+        if self.engine.interrupted_steps > before:
+            requests, _ = self.steps[-1]
+            self.steps[-1] = (requests, True)
+        return outputs
+
+    @property
+    def interrupted(self) -> int:
+        return sum(interrupted for _, interrupted in self.steps)
+
+    def run(self, jobs: dict[str, tuple[list[int], Priority]], join_after: dict[str, int] | None = None,
+            limit: int = 10_000) -> dict[str, list[int]]:
+        """Greedy outputs (NEW_TOKENS each) per job id; job j joins at step join_after.get(j, 0)."""
+        join_after = join_after or {}
+        pending = dict(jobs)
+        added: dict[str, Request] = {}
+        n = 0
+        while pending or self.engine.has_unfinished_requests():
+            for job in [j for j in pending if join_after.get(j, 0) <= n]:
+                prompt, priority = pending.pop(job)
+                added[job] = self.engine.add_request(job, prompt, greedy_params(), priority)
+            self.step()
+            n += 1
+            assert n < limit, "no progress"
+        engine = self.engine
+        assert engine.pool.num_free + engine.scheduler.kv.num_evictable_blocks == engine.pool.num_pages
+        return {job: request.output_token_ids for job, request in added.items()}
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_model_dir) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts of 2 to 70 tokens and HF's greedy tokens for each."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for n in (2, 9, 17, 40, 70)]
+    return prompts, [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+
+
+def _jobs(prompts: list[list[int]], priority: Priority = Priority.SHEDDABLE) -> dict[str, tuple[list[int], Priority]]:
+    return {f"p{i}": (p, priority) for i, p in enumerate(prompts)}
+
+
+@pytest.mark.parametrize("config", [
+    dict(),  # every prompt in one step, then decodes
+    dict(max_batch_tokens=7, block_size=4),  # prompts in chunks beside the decodes
+    dict(max_batch_tokens=64, block_size=4, num_kv_blocks=40, preemption="recompute"),  # a tight pool
+    dict(max_batch_tokens=64, block_size=4, num_kv_blocks=40, preemption="swap"),
+], ids=["whole-prompts", "chunked", "recompute", "swap"])
+@pytest.mark.parametrize("layer", [1, 2])
+def test_interrupted_steps_leave_outputs_equal_to_hf(cases, config, layer) -> None:
+    prompts, expected = cases
+    engine = LLMEngine(EngineConfig(model="tiny-random", **config))
+    driver = Interrupter(engine, layer, when=lambda i: i % 3 == 1)
+    ours = driver.run(_jobs(prompts), join_after={"p3": 4, "p4": 9})
+    assert [ours[f"p{i}"] for i in range(len(prompts))] == expected
+    assert driver.interrupted > 0 and engine.interrupted_steps == driver.interrupted
+    assert engine.stats().interrupted_steps == driver.interrupted
+
+
+def test_critical_work_is_never_interrupted_and_lower_classes_always_progress(cases) -> None:
+    """The event set in every step, as under a stream of critical arrivals: steps holding a critical request
+    run whole; of the others, an interrupted step is always followed by one that runs whole."""
+    prompts, expected = cases
+    engine = LLMEngine(EngineConfig(model="tiny-random", max_batch_tokens=16, block_size=4))
+    driver = Interrupter(engine, layer=2)
+    jobs = {**_jobs(prompts[:3]), "critical": (prompts[3], Priority.CRITICAL), "standard": (prompts[4],
+                                                                                       Priority.STANDARD)}
+    ours = driver.run(jobs, join_after={"critical": 5, "standard": 7})
+    assert ours == {"p0": expected[0], "p1": expected[1], "p2": expected[2], "critical": expected[3],
+                    "standard": expected[4]}
+    steps = [(requests, interrupted) for requests, interrupted in driver.steps if requests]
+    assert driver.interrupted > 0
+    for requests, interrupted in steps:
+        if any(r.priority is Priority.CRITICAL for r in requests):
+            assert not interrupted
+    for (_, first), (_, second) in zip(steps, steps[1:]):
+        assert not (first and second), "two interrupted steps in a row: lower-class work made no progress"
+
+
+def test_interrupts_can_be_turned_off(cases) -> None:
+    prompts, expected = cases
+    engine = LLMEngine(EngineConfig(model="tiny-random", critical_interrupts=False))
+    driver = Interrupter(engine)
+    ours = driver.run(_jobs(prompts))
+    assert [ours[f"p{i}"] for i in range(len(prompts))] == expected
+    assert driver.interrupted == 0 and engine.interrupted_steps == 0
+
+
+def test_a_critical_arrival_interrupts_the_step_in_progress_of_the_async_engine(cases) -> None:
+    """Through AsyncEngine, as the server runs it: a critical request put in the inbox while the engine thread is
+    inside a step of sheddable decodes ends that step; the critical request and the sheddable ones all get the
+    tokens they would have got alone."""
+    prompts, expected = cases
+    engine = AsyncEngine(LLMEngine(EngineConfig(model="tiny-random")))
+    armed, inside = threading.Event(), threading.Event()
+
+    def hold_step(module, args) -> None:  # on the engine thread, before layer 1
+        if armed.is_set():
+            armed.clear()
+            inside.set()
+            engine._critical_arrived.wait(timeout=30)  # the critical request is in the inbox
+
+    engine.engine.model.layers[1].register_forward_pre_hook(hold_step)
+
+    async def collect(rid: str, prompt: list[int], priority: Priority, first: asyncio.Event | None = None
+                      ) -> list[int]:
+        tokens: list[int] = []
+        async for out in engine.generate(rid, prompt, greedy_params(), priority):
+            tokens += out.new_token_ids
+            if first is not None and len(tokens) >= 2:
+                first.set()
+        return tokens
+
+    async def scenario() -> tuple[list[list[int]], list[int]]:
+        await engine.start()
+        try:
+            decoding = [asyncio.Event() for _ in range(3)]
+            load = [asyncio.create_task(collect(f"s{i}", prompts[i], Priority.SHEDDABLE, decoding[i]))
+                    for i in range(3)]
+            for event in decoding:
+                await asyncio.wait_for(event.wait(), 30)
+            armed.set()
+            assert await asyncio.to_thread(inside.wait, 30), "the engine did not step"
+            critical = await asyncio.wait_for(collect("c", prompts[3], Priority.CRITICAL), 60)
+            return await asyncio.wait_for(asyncio.gather(*load), 60), critical
+        finally:
+            await engine.shutdown()
+
+    sheddable, critical = asyncio.run(scenario())
+    assert engine.engine.interrupted_steps == 1
+    assert critical == expected[3]
+    assert sheddable == expected[:3]
