@@ -239,11 +239,12 @@ class LLMEngine:
         """Schedule, compute and apply one step; the outputs it produced.
 
         `interrupt` is set by another thread when a critical request arrives (engine/core/async_engine.py). A step
-        that computes nothing of the critical class then ends between two layers of its forward pass instead of
-        making the critical request wait for all of it: nothing is applied (requests keep their state and pages:
-        recomputing the same tokens writes the same K/V), and the next step starts the critical request, alone,
-        before the interrupted work runs again. The first step of lower-class work after an interrupt is not
-        interruptible, so that work progresses however often critical requests arrive.
+        that computes no critical prompt then ends between two layers of its forward pass instead of making the
+        critical request wait for all of it: nothing is applied (requests keep their state and pages: recomputing
+        the same tokens writes the same K/V), and the next step starts the critical request with nothing of lower
+        classes beside it (critical requests that were decoding decode in it too), before the interrupted work
+        runs again. The first step of lower-class work after an interrupt is not interruptible, so that work
+        progresses however often critical requests arrive.
         """
         batch = self.scheduler.schedule()
         outputs = [self._adapter_failure(request, exc) for request, exc in batch.failed]
@@ -276,10 +277,13 @@ class LLMEngine:
         return outputs + self._make_outputs(batch, result)
 
     def _interruptible(self, batch: SchedulerOutput) -> bool:
-        """Whether a critical arrival may end this step early: it computes no request that arrived critical, it is
-        not the first step of lower-class work after an interrupt, and the engine allows it."""
+        """Whether a critical arrival may end this step early: the engine allows it, it is not the first step of
+        lower-class work after an interrupt, and it computes no prompt of a request that arrived critical (that
+        would delay a critical first token; a critical decode moves to the next step, which computes nothing of lower
+        classes)."""
         return (self.config.critical_interrupts and not self._rerun_due
-                and all(r.priority is not Priority.CRITICAL for r in batch.requests))
+                and all(r.priority is not Priority.CRITICAL or r.num_computed_tokens >= r.num_prompt_tokens
+                        for r in batch.requests))
 
     def _execute(self, batch: SchedulerOutput, seeds: dict[str, torch.Tensor] | None = None,
                  interrupt: threading.Event | None = None) -> RunnerOutput:

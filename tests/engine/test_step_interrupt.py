@@ -8,6 +8,7 @@ import asyncio
 import random
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -22,24 +23,33 @@ from engine.core.request import Request
 from loragate.priority import Priority
 
 
+@dataclass
+class Step:
+    requests: list[Request]
+    prompts: list[Request]  # those of `requests` computing prompt tokens
+    interrupted: bool = False
+
+
 class Interrupter:
     """Steps an engine as its server thread does (the event cleared before each step) and sets the event while
     the model is about to compute layer `layer` of the steps `when(i)` picks (i counts steps): the check before
     the next layer ends the pass after the first layers wrote this step's K/V, as a critical arrival mid-step
-    does. Records, per step, the requests scheduled and whether the step was interrupted."""
+    does. Records, per step, the requests scheduled, those of them computing prompt tokens, and whether the step
+    was interrupted."""
 
     def __init__(self, engine: LLMEngine, layer: int = 1, when: Callable[[int], bool] = lambda i: True) -> None:
         assert 0 < layer < len(engine.model.layers) - 1, "layers before it, and after it one that checks"
         self.engine = engine
         self.event = threading.Event()
         self.when = when
-        self.steps: list[tuple[list[Request], bool]] = []  # (scheduled requests, interrupted)
+        self.steps: list[Step] = []
         engine.model.layers[layer].register_forward_pre_hook(self._hook)
         schedule = engine.scheduler.schedule
 
         def recording_schedule():
             out = schedule()
-            self.steps.append((list(out.requests), False))
+            prompts = [r for r in out.requests if r.num_computed_tokens < r.num_prompt_tokens]
+            self.steps.append(Step(list(out.requests), prompts))
             return out
 
         engine.scheduler.schedule = recording_schedule
@@ -52,14 +62,12 @@ class Interrupter:
         self.event.clear()
         before = self.engine.interrupted_steps
         outputs = self.engine.step(self.event)
-        if self.engine.interrupted_steps > before:
-            requests, _ = self.steps[-1]
-            self.steps[-1] = (requests, True)
+        self.steps[-1].interrupted = self.engine.interrupted_steps > before
         return outputs
 
     @property
     def interrupted(self) -> int:
-        return sum(interrupted for _, interrupted in self.steps)
+        return sum(step.interrupted for step in self.steps)
 
     def run(self, jobs: dict[str, tuple[list[int], Priority]], join_after: dict[str, int] | None = None,
             limit: int = 10_000) -> dict[str, list[int]]:
@@ -110,9 +118,10 @@ def test_interrupted_steps_leave_outputs_equal_to_hf(cases, config, layer) -> No
     assert engine.stats().interrupted_steps == driver.interrupted
 
 
-def test_critical_work_is_never_interrupted_and_lower_classes_always_progress(cases) -> None:
-    """The event set in every step, as under a stream of critical arrivals: steps holding a critical request
-    run whole; of the others, an interrupted step is always followed by one that runs whole."""
+def test_critical_prompts_are_never_interrupted_and_lower_classes_always_progress(cases) -> None:
+    """The event set in every step, as under a stream of critical arrivals: steps computing a critical prompt run
+    whole, steps where critical requests only decode may not; an interrupted step is always followed by one
+    that runs whole."""
     prompts, expected = cases
     engine = LLMEngine(EngineConfig(model="tiny-random", max_batch_tokens=16, block_size=4))
     driver = Interrupter(engine, layer=2)
@@ -121,13 +130,15 @@ def test_critical_work_is_never_interrupted_and_lower_classes_always_progress(ca
     ours = driver.run(jobs, join_after={"critical": 5, "standard": 7})
     assert ours == {"p0": expected[0], "p1": expected[1], "p2": expected[2], "critical": expected[3],
                     "standard": expected[4]}
-    steps = [(requests, interrupted) for requests, interrupted in driver.steps if requests]
+    steps = [step for step in driver.steps if step.requests]
     assert driver.interrupted > 0
-    for requests, interrupted in steps:
-        if any(r.priority is Priority.CRITICAL for r in requests):
-            assert not interrupted
-    for (_, first), (_, second) in zip(steps, steps[1:]):
-        assert not (first and second), "two interrupted steps in a row: lower-class work made no progress"
+    critical = [step for step in steps if any(r.priority is Priority.CRITICAL for r in step.requests)]
+    assert any(step.interrupted for step in critical), "a step of critical decodes and lower-class work"
+    for step in critical:
+        if any(r.priority is Priority.CRITICAL for r in step.prompts):
+            assert not step.interrupted
+    for first, second in zip(steps, steps[1:]):
+        assert not (first.interrupted and second.interrupted), "lower-class work made no progress"
 
 
 def test_interrupts_can_be_turned_off(cases) -> None:
