@@ -36,7 +36,8 @@ Everything is bounded: request counts, per-request and per-phase timeouts; all t
 
 `--json PATH` writes {"config", "in_process", "http", "prefix_cache"}: TTFT figures are
 `idle_ttft_p50_s`, `idle_ttft_p99_s`, `loaded_ttft_p50_s`, `loaded_ttft_p99_s`, `ratio_p50`, `ratio_p99`;
-`http` adds `sheddable_outputs_unchanged`, `sheddable_requests`, `sheddable_mismatches`, `preemptions`,
+both have `preemptions` and `interrupted_steps` (steps a critical arrival ended early);
+`http` adds `sheddable_outputs_unchanged`, `sheddable_requests`, `sheddable_mismatches`,
 `in_flight_at_probes`, `load_in_flight_min`, `engine_critical_queue_time_{idle,loaded}_s`,
 `engine_tpot_loaded_mean_s` and `healthz_*`; `prefix_cache` has `mean_ttft_cache_{on,off}_s` and
 `ttft_ratio_on_off`.
@@ -231,6 +232,7 @@ def in_process(model: str, knobs: Knobs, rounds: int) -> dict[str, Any]:
                 for k, p in enumerate(crit)]
     loaded = run_open_loop(engine, arrivals, load, n_load=n_bg, max_load=n_bg * rounds, settle=max_num_seqs)
     preemptions = dict(engine.scheduler.preemption.counts)
+    interrupted = engine.interrupted_steps
     del engine
     idle_engine = LLMEngine(config)
     warm(idle_engine, tok)
@@ -242,7 +244,7 @@ def in_process(model: str, knobs: Knobs, rounds: int) -> dict[str, Any]:
                            [loaded[f"crit{k}"] for k in range(len(crit))]),
             "background_requests": len(others), "background_concurrency": n_bg,
             "background_ttft_p50_s": pct(others, 0.5), "background_ttft_p99_s": pct(others, 0.99),
-            "preemptions": preemptions}
+            "preemptions": preemptions, "interrupted_steps": interrupted}
 
 
 # ---- prefix cache -------------------------------------------------------------------------------------
@@ -417,7 +419,9 @@ async def loaded_phase(url: str, tok: Tokenizer, crit: list[list[int]], shed: li
         after = await scrape(probe_client, url)
     return {"probes": probes, "outputs": outputs, "in_flight_at_probes": samples, "healthz_s": healthz,
             "critical_queue_time_s": critical_queue_time(before, mid), "preemptions": preemptions(before, after),
-            "tpot_s": mean_tpot(before, after)}
+            "tpot_s": mean_tpot(before, after),
+            "interrupted_steps": int(after.get("loragate_engine_interrupted_steps_total", 0)
+                                     - before.get("loragate_engine_interrupted_steps_total", 0))}
 
 
 async def idle_phase(url: str, tok: Tokenizer, crit: list[list[int]], shed: dict[tuple[int, int], list[int]],
@@ -488,7 +492,7 @@ def over_http(model: str, threads: int, knobs: Knobs, rounds: int, ref_batch: in
             "sheddable_concurrency": n_shed, "sheddable_streamed": stream_load, "sheddable_mismatches": mismatches,
             "healthz_idle_p50_s": pct(idle["healthz_s"], 0.5), "healthz_loaded_p50_s": pct(loaded["healthz_s"], 0.5),
             "healthz_loaded_max_s": max(loaded["healthz_s"]),
-            "preemptions": loaded["preemptions"],
+            "preemptions": loaded["preemptions"], "interrupted_steps": loaded["interrupted_steps"],
             "in_flight_at_probes": [{"running": r, "waiting": w} for r, w in samples],
             "load_in_flight_min": min(r + w for r, w in samples),
             "engine_critical_queue_time_idle_s": idle["critical_queue_time_s"],
@@ -571,14 +575,15 @@ def main() -> None:
         print(f"in-process: {f['background_requests']} standard/sheddable requests ({f['background_concurrency']} "
               f"in flight), their TTFT p50 "
               f"{f['background_ttft_p50_s']:.2f} s p99 {f['background_ttft_p99_s']:.2f} s; "
-              f"preemptions {f['preemptions']}")
+              f"preemptions {f['preemptions']}, steps interrupted by critical arrivals {f['interrupted_steps']}")
     if "http" in result:
         f = result["http"]
         identical = f["sheddable_requests"] - len(f["sheddable_mismatches"])
         print(f"over HTTP: {f['sheddable_requests']} sheddable requests ({f['sheddable_concurrency']} in flight, "
               f"at least {f['load_in_flight_min']} in the engine at each probe), outputs unchanged: "
               f"{'yes' if f['sheddable_outputs_unchanged'] else 'NO'} ({identical}/{f['sheddable_requests']} "
-              f"identical to an idle engine's); preemptions {f['preemptions']}")
+              f"identical to an idle engine's); preemptions {f['preemptions']}, steps interrupted by critical "
+              f"arrivals {f['interrupted_steps']}")
         print("  critical TTFT per probe (ms): " + " ".join(f"{1e3 * t:.0f}" for t in f["loaded_ttft_s"])
               + "; requests waiting in the engine just before: "
               + " ".join(str(s["waiting"]) for s in f["in_flight_at_probes"]))
