@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.core.async_engine import AsyncEngine
 from engine.core.llm_engine import LLMEngine
 from engine.core.outputs import RequestOutput
-from engine.core.request import Request
+from engine.core.request import Request, SamplingParams
 from loragate.priority import Priority
 
 
@@ -116,6 +116,35 @@ def test_interrupted_steps_leave_outputs_equal_to_hf(cases, config, layer) -> No
     assert [ours[f"p{i}"] for i in range(len(prompts))] == expected
     assert driver.interrupted > 0 and engine.interrupted_steps == driver.interrupted
     assert engine.stats().interrupted_steps == driver.interrupted
+
+
+def test_interrupts_leave_seeded_sampling_penalties_and_cached_prefixes_unchanged(cases) -> None:
+    """Sampled requests with their own seed and penalties, some sharing a cached prompt prefix: the same tokens
+    with steps interrupted as without (the sampler never runs in an interrupted step; penalty counts are synced
+    once per token; attached prefix blocks are only read)."""
+    prompts, _ = cases
+    shared = prompts[4][:32]  # two full blocks of 16, cached after the first request computes them
+    jobs = [(shared + p[:5], SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=100 + i,
+                                            repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2,
+                                            ignore_eos=True)) for i, p in enumerate(prompts)]
+
+    def run(interrupt: bool) -> tuple[list[list[int]], int]:
+        engine = LLMEngine(EngineConfig(model="tiny-random", max_batch_tokens=24))
+        driver = Interrupter(engine, layer=1, when=(lambda i: i % 2 == 0) if interrupt else (lambda i: False))
+        requests = []
+        for i, (prompt, params) in enumerate(jobs):
+            requests.append(engine.add_request(f"s{i}", prompt, params, Priority.SHEDDABLE))
+            for _ in range(3):  # each joins a running batch
+                driver.step()
+        while engine.has_unfinished_requests():
+            driver.step()
+        assert engine.scheduler.kv.prefix_hits > 0
+        return [r.output_token_ids for r in requests], engine.interrupted_steps
+
+    plain, none = run(False)
+    interrupted, some = run(True)
+    assert none == 0 and some > 0
+    assert interrupted == plain
 
 
 def test_critical_prompts_are_never_interrupted_and_lower_classes_always_progress(cases) -> None:
