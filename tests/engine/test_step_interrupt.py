@@ -116,6 +116,8 @@ def test_interrupted_steps_leave_outputs_equal_to_hf(cases, config, layer) -> No
     assert [ours[f"p{i}"] for i in range(len(prompts))] == expected
     assert driver.interrupted > 0 and engine.interrupted_steps == driver.interrupted
     assert engine.stats().interrupted_steps == driver.interrupted
+    preempted = engine.scheduler.preemption.counts
+    assert (sum(preempted.values()) > 0) == ("num_kv_blocks" in config), preempted  # the tight pools preempt
 
 
 def test_interrupts_leave_seeded_sampling_penalties_and_cached_prefixes_unchanged(cases) -> None:
