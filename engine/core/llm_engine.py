@@ -281,9 +281,7 @@ class LLMEngine:
         lower-class work after an interrupt, and it computes no prompt of a request that arrived critical (that
         would delay a critical first token; a critical decode moves to the next step, which computes nothing of lower
         classes)."""
-        return (self.config.critical_interrupts and not self._rerun_due
-                and all(r.priority is not Priority.CRITICAL or r.num_computed_tokens >= r.num_prompt_tokens
-                        for r in batch.requests))
+        return self.config.critical_interrupts and not self._rerun_due and not batch.critical_prompt
 
     def _execute(self, batch: SchedulerOutput, seeds: dict[str, torch.Tensor] | None = None,
                  interrupt: threading.Event | None = None) -> RunnerOutput:

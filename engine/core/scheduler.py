@@ -49,6 +49,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Requests finished with an error while being scheduled (their adapter could not be loaded), and why.
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
+    # Whether the step computes prompt tokens of a request that arrived critical: a critical arrival does not
+    # interrupt it (engine/core/llm_engine.py, step).
+    critical_prompt: bool = False
 
     @property
     def total_tokens(self) -> int:
@@ -78,12 +81,13 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class StepBudget:
-    """What is left of one step: tokens, and prompt tokens for requests below critical; and the lowest class
-    of running request the step computes."""
+    """What is left of one step: tokens, and prompt tokens for requests below critical; the lowest class of
+    running request the step computes; and whether it computes a critical prompt."""
 
     tokens: int
     prefill: int
     worst_class: int = int(Priority.SHEDDABLE)
+    critical_prompt: bool = False
 
     def chunk(self, request: Request) -> int:
         """How many tokens `request` computes this step (0: none, its prompt waits for a later step)."""
@@ -92,7 +96,9 @@ class StepBudget:
 
     def spend(self, request: Request, n: int) -> None:
         self.tokens -= n
-        if _capped(request, n):
+        if request.priority is Priority.CRITICAL:
+            self.critical_prompt = self.critical_prompt or request.num_computed_tokens < request.num_prompt_tokens
+        elif n > 1:  # _capped(request, n)
             self.prefill -= n
 
     def critical_only(self) -> None:
@@ -176,6 +182,7 @@ class Scheduler:
             # The critical request could not start after all (its pages): the lower classes go on this step.
             budget.worst_class, budget.prefill = int(Priority.SHEDDABLE), prefill_cap
             self._schedule_running(out, budget)
+        out.critical_prompt = budget.critical_prompt
         return out
 
     def _admission_order(self) -> tuple[list[Request], Request | None]:
