@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from engine.core.async_engine import AsyncEngine
 from engine.core.llm_engine import LLMEngine
 from engine.core.outputs import RequestOutput
 from engine.core.request import Request, SamplingParams
+from loragate.priority import Priority
 
 PROMPT_LENGTHS = (1, 3, 7, 16, 17, 33, 50, 90)
 NEW_TOKENS = 24
@@ -47,17 +49,20 @@ def greedy_params(n: int = NEW_TOKENS) -> SamplingParams:
     return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def engine_outputs(engine: LLMEngine, prompts: list[list[int]],
-                   join_after: dict[int, int] | None = None) -> list[list[int]]:
-    """Greedy outputs per prompt; prompt i joins the running batch at step join_after.get(i, 0)."""
-    join_after = join_after or {}
+def engine_outputs(engine: LLMEngine, prompts: list[list[int]], join_after: dict[int, int] | None = None,
+                   priorities: dict[int, Priority] | None = None,
+                   step: Callable[[], object] | None = None) -> list[list[int]]:
+    """Greedy outputs per prompt; prompt i joins the running batch at step join_after.get(i, 0), with priority
+    priorities.get(i) (default standard); `step` steps the engine (default engine.step)."""
+    join_after, priorities = join_after or {}, priorities or {}
     pending = dict(enumerate(prompts))
     added: dict[int, Request] = {}
     steps = 0
     while pending or engine.has_unfinished_requests():
         for i in [i for i in pending if join_after.get(i, 0) <= steps]:
-            added[i] = engine.add_request(f"p{i}", pending.pop(i), greedy_params())
-        engine.step()
+            added[i] = engine.add_request(f"p{i}", pending.pop(i), greedy_params(),
+                                          priorities.get(i, Priority.STANDARD))
+        (step or engine.step)()
         steps += 1
         assert steps < 10_000
     assert engine.pool.num_free + engine.scheduler.kv.num_evictable_blocks == engine.pool.num_pages

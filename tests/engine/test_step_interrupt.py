@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from test_engine import NEW_TOKENS, greedy_params, hf_greedy
+from test_engine import NEW_TOKENS, engine_outputs, greedy_params, hf_greedy
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
@@ -69,24 +69,6 @@ class Interrupter:
     def interrupted(self) -> int:
         return sum(step.interrupted for step in self.steps)
 
-    def run(self, jobs: dict[str, tuple[list[int], Priority]], join_after: dict[str, int] | None = None,
-            limit: int = 10_000) -> dict[str, list[int]]:
-        """Greedy outputs (NEW_TOKENS each) per job id; job j joins at step join_after.get(j, 0)."""
-        join_after = join_after or {}
-        pending = dict(jobs)
-        added: dict[str, Request] = {}
-        n = 0
-        while pending or self.engine.has_unfinished_requests():
-            for job in [j for j in pending if join_after.get(j, 0) <= n]:
-                prompt, priority = pending.pop(job)
-                added[job] = self.engine.add_request(job, prompt, greedy_params(), priority)
-            self.step()
-            n += 1
-            assert n < limit, "no progress"
-        engine = self.engine
-        assert engine.pool.num_free + engine.scheduler.kv.num_evictable_blocks == engine.pool.num_pages
-        return {job: request.output_token_ids for job, request in added.items()}
-
 
 @pytest.fixture(scope="module")
 def cases(tiny_model_dir) -> tuple[list[list[int]], list[list[int]]]:
@@ -97,8 +79,7 @@ def cases(tiny_model_dir) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
 
 
-def _jobs(prompts: list[list[int]], priority: Priority = Priority.SHEDDABLE) -> dict[str, tuple[list[int], Priority]]:
-    return {f"p{i}": (p, priority) for i, p in enumerate(prompts)}
+SHEDDABLE = dict.fromkeys(range(5), Priority.SHEDDABLE)  # every prompt of `cases`
 
 
 @pytest.mark.parametrize("config", [
@@ -112,8 +93,8 @@ def test_interrupted_steps_leave_outputs_equal_to_hf(cases, config, layer) -> No
     prompts, expected = cases
     engine = LLMEngine(EngineConfig(model="tiny-random", **config))
     driver = Interrupter(engine, layer, when=lambda i: i % 3 == 1)
-    ours = driver.run(_jobs(prompts), join_after={"p3": 4, "p4": 9})
-    assert [ours[f"p{i}"] for i in range(len(prompts))] == expected
+    ours = engine_outputs(engine, prompts, join_after={3: 4, 4: 9}, priorities=SHEDDABLE, step=driver.step)
+    assert ours == expected
     assert driver.interrupted > 0 and engine.interrupted_steps == driver.interrupted
     assert engine.stats().interrupted_steps == driver.interrupted
     preempted = engine.scheduler.preemption.counts
@@ -156,11 +137,9 @@ def test_critical_prompts_are_never_interrupted_and_lower_classes_always_progres
     prompts, expected = cases
     engine = LLMEngine(EngineConfig(model="tiny-random", max_batch_tokens=16, block_size=4))
     driver = Interrupter(engine, layer=2)
-    jobs = {**_jobs(prompts[:3]), "critical": (prompts[3], Priority.CRITICAL), "standard": (prompts[4],
-                                                                                       Priority.STANDARD)}
-    ours = driver.run(jobs, join_after={"critical": 5, "standard": 7})
-    assert ours == {"p0": expected[0], "p1": expected[1], "p2": expected[2], "critical": expected[3],
-                    "standard": expected[4]}
+    priorities = {**SHEDDABLE, 3: Priority.CRITICAL, 4: Priority.STANDARD}
+    ours = engine_outputs(engine, prompts, join_after={3: 5, 4: 7}, priorities=priorities, step=driver.step)
+    assert ours == expected
     steps = [step for step in driver.steps if step.requests]
     assert driver.interrupted > 0
     critical = [step for step in steps if any(r.priority is Priority.CRITICAL for r in step.requests)]
@@ -176,8 +155,8 @@ def test_interrupts_can_be_turned_off(cases) -> None:
     prompts, expected = cases
     engine = LLMEngine(EngineConfig(model="tiny-random", critical_interrupts=False))
     driver = Interrupter(engine)
-    ours = driver.run(_jobs(prompts))
-    assert [ours[f"p{i}"] for i in range(len(prompts))] == expected
+    ours = engine_outputs(engine, prompts, priorities=SHEDDABLE, step=driver.step)
+    assert ours == expected
     assert driver.interrupted == 0 and engine.interrupted_steps == 0
 
 
