@@ -46,6 +46,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/vLLM style, applied over prompt and output tokens
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus the top k
     skip_special_tokens: bool = True
+    # Derived: greedy, no logprobs, no penalties: the token is the argmax of the raw logits, with EOS and the stop
+    # ids masked below min_tokens (the sampler's fast paths test this per row every step).
+    plain_greedy: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plain_greedy", (
+            self.temperature == 0.0 and self.logprobs is None and self.repetition_penalty == 1.0
+            and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0))
 
     @property
     def greedy(self) -> bool:

@@ -71,16 +71,7 @@ class ListTables:
 def _is_plain_greedy(request: Request) -> bool:
     """True when the row's token is just the argmax of its raw logits."""
     p = request.sampling_params
-    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and request.num_output_tokens >= p.min_tokens)
-
-
-def _is_greedy_below_min_tokens(request: Request) -> bool:
-    """True when the row's token is the argmax of its raw logits with EOS and stop ids masked (min_tokens)."""
-    p = request.sampling_params
-    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+    return p.plain_greedy and len(request.output_token_ids) >= p.min_tokens
 
 
 class Sampler:
@@ -105,13 +96,11 @@ class Sampler:
         everything) has no token to give: NO_TOKEN. The caller fails those requests instead of inventing a token.
         """
         assert logits.dim() == 2 and logits.shape[0] == len(requests), (logits.shape, len(requests))
-        # A row's sum is finite exactly when all its logits are (they are far below overflow). Checked in Python:
-        # at a few rows, every tensor op costs more than the check itself.
-        ok = [math.isfinite(x) for x in logits.sum(dim=-1).tolist()]  # [B]
+        ok = finite_rows(logits)  # [B]
         if all(_is_plain_greedy(r) for r in requests):
             # Hot path: one batched argmax, no copies.
-            return SamplerOutput(_unless_finite(ok, argmax(logits).tolist()), [None] * len(requests))
-        if all(_is_greedy_below_min_tokens(r) for r in requests):
+            return SamplerOutput(_unless_finite(ok, argmax_list(logits)), [None] * len(requests))
+        if all(r.sampling_params.plain_greedy for r in requests):
             # Greedy rows that only need EOS and stop ids masked (min_tokens): the same, after one masked write.
             return SamplerOutput(self._greedy_masked(logits, requests, ok), [None] * len(requests))
         if all(ok):
@@ -200,7 +189,7 @@ class Sampler:
         kept = logits[index]  # the masked entries, put back afterwards: no copy of the whole batch
         logits[index] = _NEG_INF
         try:
-            token_ids = _unless_finite(finite, argmax(logits).tolist())
+            token_ids = _unless_finite(finite, argmax_list(logits))
         finally:
             logits[index] = kept
         if eos_only:
@@ -249,6 +238,23 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     the first maximal index). `max(dim).indices` is vectorised on CPU where argmax is not: about 3x faster for
     a 49,152-token vocabulary (SmolLM2's), 2.2 -> 0.7 ms for 32 rows, measured with torch 2.13 on one thread."""
     return logits.max(dim=-1).indices
+
+
+def finite_rows(logits: torch.Tensor) -> list[bool]:
+    """[B, V] -> per row, whether all its logits are finite. A row's sum is finite exactly when all its logits
+    are (they are far below overflow). Checked in Python: at a few rows, every tensor op costs more than the
+    check itself."""
+    return [math.isfinite(x) for x in logits.sum(dim=-1).tolist()]
+
+
+def argmax_list(logits: torch.Tensor) -> list[int]:
+    """[B, V] -> each row's first maximal index, as a list. Float32 logits on the CPU are reduced by NumPy's
+    argmax on a view of their memory: it is vectorised and called without the dispatcher, 32 rows x 49,152
+    (SmolLM2's vocabulary) in 0.23 ms where `max(dim)` takes 0.73 (torch 2.13, NumPy 2.4, one thread). (NumPy's
+    row sum is no faster than torch's inside the step loop, so `finite_rows` stays with torch.)"""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(axis=1).tolist()
+    return argmax(logits).tolist()
 
 
 def _unless_finite(finite: list[bool], token_ids: list[int]) -> list[int]:

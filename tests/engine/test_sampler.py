@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from engine.core.request import Request, SamplingParams
-from engine.worker.sampler import NO_TOKEN, NON_FINITE, Sampler, argmax
+from engine.worker.sampler import NO_TOKEN, NON_FINITE, Sampler, argmax, argmax_list
 
 EOS = 3
 
@@ -108,6 +108,10 @@ def test_argmax_is_torch_argmax_with_ties_and_specials(dtype: torch.dtype) -> No
     raw[5, :] = raw[5, 0]  # a constant row
     assert argmax(raw).tolist() == raw.argmax(dim=-1).tolist()
     assert argmax(raw)[1] == 100
+    # The sampler's list form (NumPy's argmax for float32 on the CPU), also on a strided view.
+    assert argmax_list(raw) == raw.argmax(dim=-1).tolist()
+    assert argmax_list(raw[::2, 1::3]) == raw[::2, 1::3].argmax(dim=-1).tolist()
+    assert all(type(t) is int for t in argmax_list(raw))
 
 
 _PATHS = {  # every row of the batch takes this path of the sampler
