@@ -41,6 +41,9 @@ class InputBatch:
         self._num_blocks = [0] * max_rows  # entries of the row's table written
         self._block_list: list[list[int] | None] = [None] * max_rows  # the request's block_ids list they came from
         self._counted = [-1] * max_rows  # output tokens already in `counts` (-1: the row has no penalties)
+        self._writes = 0  # writes to the block table so far
+        # decode_tables' last answer: (writes, width, rows, tables).
+        self._last_tables: tuple[int, int, list[int], torch.Tensor] | None = None
         self.counts: torch.Tensor | None = None  # [max_rows, vocab] float32
         self.prompt_mask: torch.Tensor | None = None  # [max_rows, vocab] bool
 
@@ -65,6 +68,7 @@ class InputBatch:
             if len(blocks) > done:
                 self._blocks[row, done:len(blocks)] = blocks[done:]
                 self._num_blocks[row] = len(blocks)
+                self._writes += 1
             counted = self._counted[row]
             if counted >= 0 and len(request.output_token_ids) > counted:
                 new = request.output_token_ids[counted:]
@@ -78,11 +82,21 @@ class InputBatch:
                                    torch.ones(len(count_rows), device=self.device), accumulate=True)
         return rows
 
-    def decode_tables(self, rows: torch.Tensor, width: int) -> torch.Tensor:
-        """[len(rows), width] int64 on the device: the block tables of `rows` ([R] int64 on the host), entries past
-        a row's blocks are stale, never read (attention masks positions past each context length)."""
-        table = self.block_table[:, :width].index_select(0, rows)
-        return table if self.device.type == "cpu" else table.to(self.device)
+    def decode_tables(self, rows: list[int], width: int) -> torch.Tensor:
+        """[len(rows), width] int64 on the device: the block tables of `rows`; entries past a row's blocks are
+        stale, never read (attention masks positions past each context length).
+
+        A copy (later writes to the table do not change it), gathered by NumPy on the host. The last one is kept
+        and handed out again while the rows, the width and the table are unchanged: in steady decoding that is
+        every step but one in `block_size` (when some request's context crosses into a new block)."""
+        last = self._last_tables
+        if last is not None and last[0] == self._writes and last[1] == width and last[2] == rows:
+            return last[3]
+        table = torch.from_numpy(self._blocks[rows, :width])
+        if self.device.type != "cpu":
+            table = table.to(self.device)
+        self._last_tables = (self._writes, width, rows, table)
+        return table
 
     def output_counts(self, rows: list[int]) -> torch.Tensor:
         """[R, vocab] float32: how often each token occurs in each row's output."""

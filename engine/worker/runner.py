@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from itertools import accumulate
 
+import numpy as np
 import torch
 
 from engine.core.outputs import RunnerOutput
@@ -31,7 +33,7 @@ NO_TOKEN_LEFT = ("no token had a finite, non-zero probability after min_tokens, 
                  "penalties were applied")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per step, and frozen makes __init__ several times slower
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -74,28 +76,38 @@ class ModelRunner:
             return self._execute(batch, interrupt)
 
     def _execute(self, batch: SchedulerOutput, interrupt: threading.Event | None) -> RunnerOutput:
-        slots = [self._slot(r) for r in batch.requests]
+        slots = [None if r.adapter is None else self._slot(r) for r in batch.requests]
         order = self._batch_order(batch, slots)
-        requests = [batch.requests[i] for i in order]
-        num_tokens = [batch.num_tokens[i] for i in order]
+        if order is None:  # already in batch order
+            requests, num_tokens = batch.requests, batch.num_tokens
+        else:
+            requests = [batch.requests[i] for i in order]
+            num_tokens = [batch.num_tokens[i] for i in order]
+            slots = [slots[i] for i in order]
         rows = self.batch.sync(requests)
         step = self._prepare(requests, num_tokens, rows)
-        lora = self._lora_segments([slots[i] for i in order], num_tokens)
+        lora = self._lora_segments(slots, num_tokens)
         hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.attn, lora, interrupt)  # [T, hidden]
-        sampled: list[int | None] = [None] * len(order)
-        logprobs: list[TokenLogprob | None] = [None] * len(order)
+        n = len(requests)
+        sampled: list[int | None] = [None] * n
+        logprobs: list[TokenLogprob | None] = [None] * n
         errors: dict[int, str] = {}
-        if step.sample_idx:
-            if step.sample_rows is not None:
-                hidden = hidden[step.sample_rows]
-            logits = self.model.compute_logits(hidden)  # [S, vocab]
-            out = self.sampler(logits, [requests[i] for i in step.sample_idx],
-                               RowTables(self.batch, [rows[i] for i in step.sample_idx]))
-            for i, token, logprob in zip(step.sample_idx, out.token_ids, out.logprobs):
-                if token >= 0:
-                    sampled[order[i]], logprobs[order[i]] = token, logprob
-                else:
-                    errors[order[i]] = NON_FINITE_LOGITS if token == NON_FINITE else NO_TOKEN_LEFT
+        if not step.sample_idx:
+            return RunnerOutput(sampled, logprobs, errors)
+        if step.sample_rows is None:  # every request samples, in order
+            sampling, sampling_rows = requests, rows
+        else:
+            hidden = hidden[step.sample_rows]
+            sampling = [requests[i] for i in step.sample_idx]
+            sampling_rows = [rows[i] for i in step.sample_idx]
+        logits = self.model.compute_logits(hidden)  # [S, vocab]
+        out = self.sampler(logits, sampling, RowTables(self.batch, sampling_rows))
+        for i, token, logprob in zip(step.sample_idx, out.token_ids, out.logprobs):
+            j = i if order is None else order[i]  # its index in the scheduler's batch
+            if token >= 0:
+                sampled[j], logprobs[j] = token, logprob
+            else:
+                errors[j] = NON_FINITE_LOGITS if token == NON_FINITE else NO_TOKEN_LEFT
         return RunnerOutput(sampled, logprobs, errors)
 
     def _slot(self, request: Request) -> int | None:
@@ -106,11 +118,12 @@ class ModelRunner:
         return slot
 
     @staticmethod
-    def _batch_order(batch: SchedulerOutput, slots: list[int | None]) -> list[int]:
+    def _batch_order(batch: SchedulerOutput, slots: list[int | None]) -> list[int] | None:
         """Decodes (one token) first, then prefill chunks, as AttentionMetadata requires; within each,
-        rows grouped by adapter slot so every adapter forms as few segments as possible."""
-        if all(n == 1 for n in batch.num_tokens) and all(slot is None for slot in slots):
-            return list(range(len(slots)))  # decodes of the base model: any order is that order
+        rows grouped by adapter slot so every adapter forms as few segments as possible. None: the batch's
+        own order is that order (decodes of the base model)."""
+        if slots.count(None) == len(slots) and batch.num_tokens.count(1) == len(slots):
+            return None
         def key(i: int) -> int:
             return -1 if slots[i] is None else slots[i]
         decodes = sorted((i for i, n in enumerate(batch.num_tokens) if n == 1), key=key)
@@ -174,30 +187,34 @@ class ModelRunner:
                 sample_idx.append(i)
             prefills.append((row, n, end, blocks[: -(-end // bs)]))
         num = len(token_ids)
-        packed = token_ids + pos_list + slots + decode_lens + decode_rows + last_rows
+        num_decodes = len(decode_lens)
+        # In a step of decodes only, every row is sampled, in order: the logits need no gather.
+        gather = len(last_rows) != num
+        packed = token_ids + pos_list + slots + decode_lens
+        if gather:
+            packed += last_rows
         for *_, table in prefills:
             packed += table
         flat = self._tensor(packed)
-        num_decodes = len(decode_lens)
-        parts = flat.split([num, num, num, num_decodes, num_decodes, len(last_rows), *(len(p[3]) for p in prefills)])
-        input_ids, positions, slot_mapping, context_lens, table_rows, last = parts[:6]
-        if flat.device.type != "cpu":  # the block tables are kept on the host
-            table_rows = torch.tensor(decode_rows, dtype=torch.long)
+        # Views of `flat`, cut by slicing (in the step loop, a few slices cost less than one `split`).
+        ends = list(accumulate((num, num, num, num_decodes, len(last_rows) if gather else 0,
+                                *(len(p[3]) for p in prefills))))
         width = -(-max(decode_lens, default=0) // bs)
         attn = AttentionMetadata(
-            slot_mapping=slot_mapping,
+            slot_mapping=flat[2 * num:ends[2]],
             num_decode_tokens=num_decodes,
-            decode_block_tables=self.batch.decode_tables(table_rows, width),
-            decode_context_lens=context_lens,
-            prefills=tuple(PrefillSeq(row, n, end, table) for (row, n, end, _), table in zip(prefills, parts[6:])),
+            decode_block_tables=self.batch.decode_tables(decode_rows, width),
+            decode_context_lens=flat[ends[2]:ends[3]],
+            prefills=tuple(PrefillSeq(row, n, end, flat[ends[4 + j]:ends[5 + j]])
+                           for j, (row, n, end, _) in enumerate(prefills)) if prefills else (),
         )
-        # In a step of decodes only, every row is sampled, in order: the logits need no gather.
-        sample_rows = None if len(last_rows) == num else last
-        return StepInputs(input_ids, positions, attn, sample_rows, sample_idx)
+        return StepInputs(flat[:num], flat[num:2 * num], attn, flat[ends[3]:ends[4]] if gather else None, sample_idx)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         if self.staging is not None:
             return self.staging.stage(values)
+        if self.device.type == "cpu":  # NumPy builds it from the list in a third of torch.tensor's time
+            return torch.from_numpy(np.array(values, dtype=np.int64))
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
 
@@ -217,6 +234,7 @@ class HostStaging:
         self.device = device
         self._cuda = device.type == "cuda"
         self._buffer = self._new_buffer(size)
+        self._host = self._buffer.numpy()  # the same memory
         self._copied: torch.cuda.Event | None = None
 
     def _new_buffer(self, size: int) -> torch.Tensor:
@@ -226,10 +244,11 @@ class HostStaging:
         n = len(values)
         if n > self._buffer.numel():  # a bigger buffer; the old one lives on while its copy is in flight
             self._buffer = self._new_buffer(2 * n)
+            self._host = self._buffer.numpy()
         elif self._copied is not None:
             self._copied.synchronize()
+        self._host[:n] = values  # written through NumPy: no temporary tensor
         host = self._buffer[:n]
-        host.copy_(torch.tensor(values, dtype=torch.long))
         device = host.to(self.device, non_blocking=True) if self._cuda else host.clone()
         if self._cuda:
             self._copied = torch.cuda.Event()

@@ -37,7 +37,7 @@ def _running(request_id: str, prompt: list[int], outputs: list[int], blocks: lis
 
 def _check(batch: InputBatch, requests: list[Request], rows: list[int], vocab: int) -> None:
     width = max(len(r.block_ids) for r in requests)
-    tables = batch.decode_tables(torch.tensor(rows), width)
+    tables = batch.decode_tables(rows, width)
     for r, table in zip(requests, tables.tolist()):
         assert table[:len(r.block_ids)] == r.block_ids
     penalised = [i for i, r in enumerate(requests) if r.sampling_params.frequency_penalty != 0.0]
