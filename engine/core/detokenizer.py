@@ -12,8 +12,11 @@ window's text ends in U+FFFD, its last token holds only part of a UTF-8 sequence
 the offsets stay put, so the character is shown whole once its remaining bytes arrive.
 
 A fast tokenizer without clean-up of tokenization spaces is decoded by its Rust backend directly: that is
-exactly what `tokenizer.decode` computes, without its per-call Python conversions (about half of a decode
-step's cost here).
+exactly what `tokenizer.decode` computes, without its per-call Python conversions. Its steps go through the
+backend's `DecodeStream`, which runs the same window algorithm in Rust (one call per token instead of two decodes
+and the list slicing around them: 0.7 vs 1.6 µs per token for SmolLM2's tokenizer); the offsets are tracked here
+as well, so `flush` and a fallback to the Python steps (should the stream ever refuse a window) pick up where
+it was.
 
 Stop strings are matched on the shown text. The longest tail that could still begin a stop string is
 held back, so a stop string split over several tokens is cut exactly and never shown.
@@ -21,6 +24,7 @@ held back, so a stop string split over several tokens is cut exactly and never s
 
 from __future__ import annotations
 
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
 from engine.core.request import SamplingParams
@@ -32,10 +36,11 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, *, stream: bool = True) -> None:
+        """`stream=False`: the Python steps even where the backend's DecodeStream could run them."""
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
-        backend = getattr(tokenizer, "_tokenizer", None)
+        backend = self._backend = getattr(tokenizer, "_tokenizer", None)
         self._backend_decode = (backend.decode if backend is not None and hasattr(backend, "decode")
                                 and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None)
         self._stops = tuple(params.stop)
@@ -48,7 +53,10 @@ class IncrementalDetokenizer:
         self._tokens: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._prefix_text = self._decode(context)  # text of tokens[prefix_offset:read_offset]
+        self._prefix_text = self._decode(context)  # text of tokens[prefix_offset:read_offset] (not kept up to
+        # date while the stream steps: `_stream_new` recomputes it where the Python steps take over)
+        self._stream = (DecodeStream(ids=context, skip_special_tokens=self._skip_special)
+                        if stream and self._backend_decode is not None else None)
         self._pending = ""  # decoded, but held back: it may be the start of a stop string
         self._parts: list[str] = []  # text returned so far
         self._stopped = False
@@ -65,17 +73,28 @@ class IncrementalDetokenizer:
         return self._stopped
 
     def update(self, new_token_ids: list[int]) -> tuple[str, bool]:
-        """Append generated tokens; return (text delta now safe to show, stop_string_hit)."""
+        """Append generated tokens; return (text delta now safe to show, stop_string_hit). Several tokens are
+        taken one at a time, exactly as if they came in separate calls (text shows as soon as it is whole; a stop
+        string ends the output at the first token that completes one)."""
         if self._stopped:
             return "", True
-        self._tokens.extend(new_token_ids)
-        return self._scan(self._decode_new(), final=False)
+        shown = ""
+        for token in new_token_ids:
+            self._tokens.append(token)
+            delta, hit = self._scan(self._decode_new() if self._stream is None else self._stream_step(token),
+                                    final=False)
+            shown += delta
+            if hit:  # the tokens after it are never shown
+                return shown, True
+        return shown, False
 
     def flush(self) -> str:
         """On a finish for any other reason: the text still held back (an incomplete UTF-8 tail is
         shown as the tokenizer decodes it, with U+FFFD), cut at a stop string if it holds one."""
         if self._stopped:
             return ""
+        if self._stream is not None:
+            self._prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
         tail = self._decode(self._tokens[self._prefix_offset:])[len(self._prefix_text):]
         self._prefix_offset = self._read_offset = len(self._tokens)
         self._prefix_text = ""
@@ -86,6 +105,19 @@ class IncrementalDetokenizer:
         if self._backend_decode is not None:
             return self._backend_decode(token_ids, skip_special_tokens=self._skip_special)
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special)
+
+    def _stream_step(self, token: int) -> str:
+        """`_decode_new` by the backend's DecodeStream (`token` is already the last of `_tokens`)."""
+        try:
+            chunk = self._stream.step(self._backend, token)
+        except Exception:  # e.g. a window whose text does not extend its context's: the Python steps go on
+            self._stream = None
+            self._prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+            return self._decode_new()
+        if chunk is None:
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+        return chunk
 
     def _decode_new(self) -> str:
         """The text the unread tokens add, or "" while it is not complete yet."""

@@ -190,14 +190,13 @@ def test_random_stop_strings_cut_exactly(tokenizer: PreTrainedTokenizerBase, chu
             stops.append("never there")
         params = SamplingParams(stop=tuple(stops))
         deltas, hit, fed, flushed = _stream(tokenizer, [], ids, params, chunks)
-        # Generation ends at the first chunk whose complete text holds a stop string; the output is
-        # that text cut before the earliest stop string in it.
-        ends = [min(n, len(ids)) for n in range(chunks, len(ids) + chunks, chunks)]
-        texts = [tokenizer.decode(ids[:n]) for n in ends]
-        first = next(j for j, t in enumerate(texts)
+        # Generation ends with the chunk of the first token whose complete text (the output up to it) holds a
+        # stop string; the output is that text cut before the earliest stop string in it.
+        texts = [tokenizer.decode(ids[:n]) for n in range(1, len(ids) + 1)]
+        first = next(n for n, t in enumerate(texts, 1)
                      if not t.endswith("\ufffd") and _earliest_cut(t, params.stop) is not None)
-        assert hit and flushed == "" and fed == ends[first]
-        assert "".join(deltas) == _earliest_cut(texts[first], params.stop), (full, stops)
+        assert hit and flushed == "" and fed == min(-(-first // chunks) * chunks, len(ids))
+        assert "".join(deltas) == _earliest_cut(texts[first - 1], params.stop), (full, stops)
         if len(stops) == 1:
             assert "".join(deltas) == full.split(stops[0])[0]
         shown = ""
@@ -247,3 +246,59 @@ def test_flush_shows_incomplete_utf8_tail_as_the_tokenizer_does(
     assert "".join(deltas) == "ok "
     assert "".join(deltas) + flushed == byte_bpe.decode(ids)
     assert flushed.endswith("\ufffd")
+
+
+def _run(detok: IncrementalDetokenizer, output: list[int], chunks: int) -> tuple[list[tuple[str, bool]], str, str]:
+    steps = [detok.update(output[i:i + chunks]) for i in range(0, len(output), chunks)]
+    return steps, detok.flush(), detok.text
+
+
+@pytest.mark.parametrize("kind", ["byte_bpe", "tiny_random", "metaspace"])
+def test_decode_stream_steps_equal_the_python_steps(kind: str) -> None:
+    """The backend's DecodeStream (the default for fast tokenizers) against the window algorithm in Python: every
+    delta, every stop hit, the flushed tail and the final text, on random tokens (special ones and split UTF-8
+    sequences included) with random stop strings."""
+    tokenizer = {"byte_bpe": _byte_bpe, "tiny_random": _tiny_random, "metaspace": _metaspace}[kind]()
+    rng = random.Random(21)
+    vocab = len(tokenizer)
+    for case in range(200):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        output = [rng.randrange(vocab) for _ in range(rng.randrange(1, 50))]
+        text = tokenizer.decode(output)
+        starts = rng.sample(range(len(text)), min(2, len(text))) if case % 3 else []
+        stops = tuple(text[i:i + rng.randrange(1, 4)] for i in starts)
+        params = SamplingParams(stop=stops, skip_special_tokens=case % 4 != 1)
+        chunks = rng.choice([1, 1, 3])
+        streamed = IncrementalDetokenizer(tokenizer, prompt, params)
+        assert streamed._stream is not None
+        python = IncrementalDetokenizer(tokenizer, prompt, params, stream=False)
+        assert _run(streamed, output, chunks) == _run(python, output, chunks), (prompt, output, params.stop)
+
+
+def test_a_refusing_stream_hands_over_to_the_python_steps(byte_bpe: PreTrainedTokenizerBase,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should the DecodeStream raise (its window's text not extending its context's), the Python steps take over
+    from the offsets of the last text shown, and the output is the same as theirs throughout."""
+    import engine.core.detokenizer as detokenizer_module
+
+    real = detokenizer_module.DecodeStream
+
+    class Refusing:
+        def __init__(self, fail_at: int, **kwargs: Any) -> None:
+            self.inner, self.fail_at, self.steps = real(**kwargs), fail_at, 0
+
+        def step(self, backend: Any, token: int) -> str | None:
+            self.steps += 1
+            if self.steps == self.fail_at:
+                raise Exception("Invalid prefix encountered")
+            return self.inner.step(backend, token)
+
+    ids = byte_bpe.encode(_SAMPLE_TEXTS[0] + _SAMPLE_TEXTS[1], add_special_tokens=False)
+    prompt = byte_bpe.encode("Say:", add_special_tokens=False)
+    params = SamplingParams(stop=("never there",))
+    expected = _run(IncrementalDetokenizer(byte_bpe, prompt, params, stream=False), ids, 1)
+    for fail_at in (1, 2, 7, len(ids)):
+        monkeypatch.setattr(detokenizer_module, "DecodeStream", lambda **kw: Refusing(fail_at, **kw))
+        detok = IncrementalDetokenizer(byte_bpe, prompt, params)
+        assert _run(detok, ids, 1) == expected
+        assert detok._stream is None  # it did take over
