@@ -162,14 +162,15 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more computed tokens, reclaiming idle cached blocks (LRU first)
         if the pool is short; False (nothing changed) if even that is not enough."""
         n = self.num_new_blocks(request, num_new_tokens)
+        if n == 0:  # most decode steps: the last block has room
+            return True
         if n > self.pool.num_free + len(self._evictable):
             return False
         while self.pool.num_free < n:
             self.evict_cached()
-        if n:
-            blocks = self.pool.allocate(n, request.request_id)
-            self._refs.update((block, 1) for block in blocks)
-            request.block_ids.extend(blocks)
+        blocks = self.pool.allocate(n, request.request_id)
+        self._refs.update((block, 1) for block in blocks)
+        request.block_ids.extend(blocks)
         return True
 
     def free(self, request: Request) -> None:

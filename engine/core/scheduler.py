@@ -176,7 +176,8 @@ class Scheduler:
         if len(out.preempted) == made_room:  # no running request ran out of pages: admit more
             if made_room:  # the victims went back into the queue: order it again
                 order, _ = self._admission_order()
-            self._schedule_waiting(out, budget, order)
+            if order:
+                self._schedule_waiting(out, budget, order)
         if budget.worst_class < Priority.SHEDDABLE and not any(
                 r.priority is Priority.CRITICAL for r in out.requests[admitted_from:]):
             # The critical request could not start after all (its pages): the lower classes go on this step.
@@ -190,7 +191,7 @@ class Scheduler:
         the best class waiting, when it outranks a running request (by its own class: aging orders the queue
         but never preempts). The contender starts first, by preemption if need be, whatever aging put ahead of
         it; aging decides who takes the sequence slots that free up by themselves."""
-        best = self.waiting.best_class()
+        best = self.waiting.best_class() if len(self.waiting) else None
         if best is None:
             return [], None
         outranks = any(r.run_class > best for r in self.running)
@@ -375,13 +376,14 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
             if token in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
+        if num_output >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if len(request.prompt_token_ids) + num_output >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
