@@ -78,6 +78,12 @@ class IncrementalDetokenizer:
         string ends the output at the first token that completes one)."""
         if self._stopped:
             return "", True
+        if self._stream is not None and not self._stops and len(new_token_ids) == 1:  # the engine's usual step
+            self._tokens.append(new_token_ids[0])
+            text = self._stream_step(new_token_ids[0])
+            if text:
+                self._parts.append(text)
+            return text, False
         shown = ""
         for token in new_token_ids:
             self._tokens.append(token)

@@ -362,17 +362,13 @@ class LLMEngine:
                     text += detok.flush()
                 del self._detokenizers[request.request_id]
             num_output_tokens = len(request.output_token_ids)
-            outputs.append(RequestOutput(
-                request_id=request.request_id,
-                new_token_ids=[token],
-                new_text=text,
-                finished=finished,
-                finish_reason=("stop" if stop_hit else status.value) if finished else None,
-                num_prompt_tokens=len(request.prompt_token_ids),
-                num_output_tokens=num_output_tokens,
-                new_logprobs=[logprob] if logprob is not None else [],
-                queue_time_s=(request.first_scheduled_time - request.arrival_time
-                              if num_output_tokens == 1 else None),
+            outputs.append(RequestOutput(  # positional (one per request per step): request_id, new_token_ids,
+                # new_text, finished, finish_reason, num_prompt_tokens, num_output_tokens, new_logprobs, queue_time_s
+                request.request_id, [token], text, finished,
+                ("stop" if stop_hit else status.value) if finished else None,
+                len(request.prompt_token_ids), num_output_tokens,
+                [logprob] if logprob is not None else [],
+                request.first_scheduled_time - request.arrival_time if num_output_tokens == 1 else None,
             ))
         return outputs
 

@@ -169,10 +169,13 @@ class ModelRunner:
             end = start + n
             blocks = request.block_ids
             if n == 1:  # a decode (batch order puts them first): one token, one slot
-                if end == request.num_tokens:
+                if end == request.num_tokens:  # it samples; its token is the last one known
                     last_rows.append(len(token_ids))
                     sample_idx.append(i)
-                token_ids.append(_token_at(request, start))
+                    token_ids.append(request.output_token_ids[-1] if request.output_token_ids
+                                     else request.prompt_token_ids[-1])
+                else:  # the last one-token chunk of a prompt
+                    token_ids.append(_token_at(request, start))
                 pos_list.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
                 decode_rows.append(rows[i])
