@@ -356,7 +356,7 @@ class LLMEngine:
             if stop_hit and not status.finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 status = request.status
-            finished = status.finished
+            finished = status is not RequestStatus.RUNNING  # (it was running when scheduled)
             if finished:
                 if not stop_hit:
                     text += detok.flush()

@@ -52,14 +52,15 @@ class InputBatch:
 
     def sync(self, requests: Sequence[Request]) -> list[int]:
         """Bring the rows of `requests` up to date (adding rows for new ones) and return them, in order."""
-        self._release_departed()
-        rows = []
+        rows = [self._rows.get(request) for request in requests]
+        if len(self._rows) > len(rows) - rows.count(None):  # a row of a request not in this step: it may have left
+            self._release_departed()
         count_rows: list[int] = []
         count_tokens: list[int] = []
-        for request in requests:
-            row = self._rows.get(request)
+        for i, request in enumerate(requests):
+            row = rows[i]
             if row is None:
-                row = self._add(request)
+                row = rows[i] = self._add(request)
             blocks = request.block_ids
             if blocks is not self._block_list[row]:  # freed and allocated anew since the last step
                 self._block_list[row] = blocks
@@ -75,7 +76,6 @@ class InputBatch:
                 count_rows += [row] * len(new)
                 count_tokens += new
                 self._counted[row] = len(request.output_token_ids)
-            rows.append(row)
         if count_rows:
             assert self.counts is not None
             self.counts.index_put_((self._index(count_rows), self._index(count_tokens)),
