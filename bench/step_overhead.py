@@ -13,6 +13,8 @@ four workloads, each timed over `--steps` steps on one thread:
 Printed per phase, median of `--rounds` rounds: schedule, execute (building the step's inputs, sampling: the
 runner's work besides the model), forward (the model itself, which is not step overhead), update (applying the
 sampled tokens), outputs (detokenizing, making the outputs); `overhead` is the total without the forward pass.
+`total` and `overhead` come from a first pass of `--steps` steps that times only the forward pass; the phases from
+a second pass that times each phase too (its timers add ~1 µs a phase per step, which `overhead` leaves out).
 
     python bench/step_overhead.py [--sizes 1,8,32,128] [--steps 40] [--rounds 3] [--json out.json]
 """
@@ -45,16 +47,21 @@ WORKLOADS = ("greedy", "min_tokens", "penalties", "lora", "queued")
 
 
 class PhaseTimer:
-    """Wraps an engine's phase methods (instance attributes shadow the class's) and sums their time."""
+    """Times an engine's forward pass (the runner's model) and, once `time_phases` is called, its phase methods too
+    (instance attributes shadow the class's), summing their time."""
 
     def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.on = False
+        engine.runner.model = _TimedModel(engine.runner.model, self)
+
+    def time_phases(self) -> None:
+        engine = self.engine
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine, "_execute", "execute")
         self._wrap(engine.scheduler, "update_from_output", "update")
         self._wrap(engine, "_make_outputs", "outputs")
-        engine.runner.model = _TimedModel(engine.runner.model, self)
 
     def _wrap(self, owner: Any, name: str, phase: str) -> None:
         inner: Callable[..., Any] = getattr(owner, name)
@@ -89,7 +96,7 @@ class _TimedModel:
         finally:
             spent = time.perf_counter() - start
             self._timer.seconds["forward"] += spent
-            self._timer.seconds["execute"] -= spent
+            self._timer.seconds["execute"] -= spent  # (only read in the pass that times "execute")
 
     def __call__(self, *args: Any) -> Any:
         return self._timed(self._model, *args)
@@ -99,7 +106,7 @@ class _TimedModel:
 
 
 def measure(model: str, workload: str, running: int, steps: int, adapters: Path | None) -> dict[str, float]:
-    """µs per running request per step, per phase and in total."""
+    """µs per running request per step: per phase, in total and without the forward pass."""
     waiting = 3 * running if workload == "queued" else 0
     engine = LLMEngine(EngineConfig(model=model, num_threads=1, pool_mb=256, max_num_seqs=running,
                                     max_batch_tokens=max(2048, 16 * (running + waiting)),
@@ -107,11 +114,11 @@ def measure(model: str, workload: str, running: int, steps: int, adapters: Path 
                                     max_device_adapters=8, aging_s=None))
     warmup = 16  # steps before timing, at most; prompts go 512 tokens a step (--max-prefill-tokens)
     if workload == "penalties":
-        params = SamplingParams(max_tokens=steps + warmup + 8, min_tokens=steps + warmup + 8, temperature=0.8,
+        params = SamplingParams(max_tokens=2 * steps + warmup + 8, min_tokens=2 * steps + warmup + 8, temperature=0.8,
                                 top_p=0.9, seed=None, repetition_penalty=1.1, presence_penalty=0.5,
                                 frequency_penalty=0.2, ignore_eos=True)
     else:
-        n = steps + warmup + 8
+        n = 2 * steps + warmup + 8
         params = SamplingParams(max_tokens=n, min_tokens=n if workload == "min_tokens" else 0, temperature=0.0,
                                 ignore_eos=True)
     names = sorted(p.name for p in adapters.iterdir()) if workload == "lora" and adapters else []
@@ -127,15 +134,19 @@ def measure(model: str, workload: str, running: int, steps: int, adapters: Path 
     assert len(engine.scheduler.running) == running, (len(engine.scheduler.running), running)
     timer = PhaseTimer(engine)
     timer.on = True
+    scale = 1e6 / (steps * running)
     with torch.inference_mode():  # as the server's engine thread steps (engine/core/async_engine.py)
         start = time.perf_counter()
-        for _ in range(steps):
+        for _ in range(steps):  # pass 1: the total, and the forward pass in it
             engine.step()
         total = time.perf_counter() - start
-    scale = 1e6 / (steps * running)
-    out = {**{phase: s * scale for phase, s in timer.seconds.items()}, "total": total * scale}
-    out["overhead"] = out["total"] - out["forward"]
-    return out
+        overhead = total - timer.seconds["forward"]
+        timer.seconds = dict.fromkeys(PHASES, 0.0)
+        timer.time_phases()
+        for _ in range(steps):  # pass 2: each phase
+            engine.step()
+    return {**{phase: s * scale for phase, s in timer.seconds.items()}, "total": total * scale,
+            "overhead": overhead * scale}
 
 
 def main() -> None:

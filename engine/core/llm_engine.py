@@ -247,8 +247,8 @@ class LLMEngine:
         progresses however often critical requests arrive.
         """
         batch = self.scheduler.schedule()
-        outputs = [self._adapter_failure(request, exc) for request, exc in batch.failed]
-        if batch.is_empty():
+        outputs = [self._adapter_failure(request, exc) for request, exc in batch.failed] if batch.failed else []
+        if not batch.requests:
             return outputs
         if interrupt is not None and not self._interruptible(batch):
             interrupt = None

@@ -97,7 +97,7 @@ class Sampler:
         """
         assert logits.dim() == 2 and logits.shape[0] == len(requests), (logits.shape, len(requests))
         ok = finite_rows(logits)  # [B]
-        if all(_is_plain_greedy(r) for r in requests):
+        if all(map(_is_plain_greedy, requests)):
             # Hot path: one batched argmax, no copies.
             return SamplerOutput(_unless_finite(ok, argmax_list(logits)), [None] * len(requests))
         if all(r.sampling_params.plain_greedy for r in requests):
@@ -244,7 +244,7 @@ def finite_rows(logits: torch.Tensor) -> list[bool]:
     """[B, V] -> per row, whether all its logits are finite. A row's sum is finite exactly when all its logits
     are (they are far below overflow). Checked in Python: at a few rows, every tensor op costs more than the
     check itself."""
-    return [math.isfinite(x) for x in logits.sum(dim=-1).tolist()]
+    return list(map(math.isfinite, logits.sum(dim=-1).tolist()))
 
 
 def argmax_list(logits: torch.Tensor) -> list[int]:

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request, RequestStatus, SamplingParams
 from engine.worker.input_batch import InputBatch
-from engine.worker.runner import HostStaging
+from engine.worker.runner import DecodeBuffers, HostStaging
 
 NEW_TOKENS = 16
 CONFIGS = [  # max_batch_tokens, block_size, num_kv_blocks, preemption
@@ -156,3 +156,17 @@ def test_host_staging_copies_each_step_and_grows() -> None:
     tensors = [staging.stage(values) for values in lists]  # one per step; the buffer is reused
     assert [t.tolist() for t in tensors] == lists  # no step's tensor was overwritten by a later one
     assert all(t.dtype == torch.long for t in tensors)
+
+
+def test_decode_buffers_are_written_in_place_per_batch_size() -> None:
+    """Steady decoding reuses one buffer per batch size: the same four views, holding the latest step's values;
+    another size has its own buffer, so writing one never changes the other's."""
+    buffers = DecodeBuffers()
+    first = buffers.write(list(range(8)), 2)
+    assert [t.tolist() for t in first] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert all(t.dtype == torch.long for t in first)
+    three = buffers.write(list(range(100, 112)), 3)
+    again = buffers.write(list(range(10, 18)), 2)
+    assert all(a is b for a, b in zip(first, again))  # the same views, written again
+    assert [t.tolist() for t in again] == [[10, 11], [12, 13], [14, 15], [16, 17]]
+    assert [t.tolist() for t in three] == [[100, 101, 102], [103, 104, 105], [106, 107, 108], [109, 110, 111]]
