@@ -24,8 +24,12 @@ held back, so a stop string split over several tokens is cut exactly and never s
 
 from __future__ import annotations
 
-from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
+
+try:  # tokenizers >= 0.21; its `ids` (the context to continue) came later: without them, the Python steps run
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover - older tokenizers
+    DecodeStream = None
 
 from engine.core.request import SamplingParams
 
@@ -55,8 +59,12 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._prefix_text = self._decode(context)  # text of tokens[prefix_offset:read_offset] (not kept up to
         # date while the stream steps: `_stream_new` recomputes it where the Python steps take over)
-        self._stream = (DecodeStream(ids=context, skip_special_tokens=self._skip_special)
-                        if stream and self._backend_decode is not None else None)
+        self._stream = None
+        if stream and self._backend_decode is not None and DecodeStream is not None:
+            try:
+                self._stream = DecodeStream(ids=context, skip_special_tokens=self._skip_special)
+            except TypeError:  # pragma: no cover - a DecodeStream without `ids`
+                pass
         self._pending = ""  # decoded, but held back: it may be the start of a stop string
         self._parts: list[str] = []  # text returned so far
         self._stopped = False
