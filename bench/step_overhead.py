@@ -22,6 +22,7 @@ a second pass that times each phase too (its timers add ~1 µs a phase per step,
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -132,6 +133,7 @@ def measure(model: str, workload: str, running: int, steps: int, adapters: Path 
             break
     engine.step()
     assert len(engine.scheduler.running) == running, (len(engine.scheduler.running), running)
+    gc.collect()  # the engines of earlier configurations are garbage: collect them before, not while, timing
     timer = PhaseTimer(engine)
     timer.on = True
     scale = 1e6 / (steps * running)
