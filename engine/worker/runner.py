@@ -3,8 +3,9 @@
 What lives across steps (block tables, penalty counts) is kept in the persistent batch
 (engine/worker/input_batch.py), so building a step's inputs costs a few list operations per request, not padded
 matrices rebuilt from every request's lists. A step's integer inputs are packed into one tensor (on CUDA through
-a pinned host buffer and one non-blocking copy, `HostStaging`): at a few running requests, each small tensor
-built costs about as much as the rest of the step's bookkeeping.
+a pinned host buffer and one non-blocking copy, `HostStaging`; in steady decoding on the CPU, written in place
+into a buffer whose views are made once, `DecodeBuffers`): at a few running requests, each tensor built or cut
+costs about as much as the rest of the step's bookkeeping.
 """
 
 from __future__ import annotations
