@@ -65,7 +65,7 @@ class PoolWeights:
     max_rank: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0))  # over loads, per group
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per step, and frozen makes __init__ several times slower
 class LoraBatch:
     """One step's adapter segments: rows [seg_starts[s], seg_starts[s+1]) use slot seg_slots[s].
 
@@ -81,7 +81,7 @@ class LoraBatch:
         return LayerLora(self, index)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # made per layer per step (not frozen, as LoraBatch)
 class LayerLora:
     batch: LoraBatch
     index: int

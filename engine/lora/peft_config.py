@@ -95,10 +95,11 @@ class AdapterSpec:
     num_params: int
     nbytes: int  # fp32 bytes of all A and B
     stamp: tuple[int, int, int]  # (size, mtime_ns, inode) of the weights file when it was read
+    # (adapter_id, version), made once: the step loop looks adapters up by it for every running request.
+    key: AdapterKey = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> AdapterKey:
-        return AdapterKey(self.adapter_id, self.version)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", AdapterKey(self.adapter_id, self.version))
 
     def targets(self) -> Iterator[tuple[int, str, LoraTarget]]:
         """(layer, module, target) for every adapted pair, layer-major, modules in MODULES order."""

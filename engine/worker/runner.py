@@ -125,13 +125,12 @@ class ModelRunner:
     def _batch_order(batch: SchedulerOutput, slots: list[int | None]) -> list[int] | None:
         """Decodes (one token) first, then prefill chunks, as AttentionMetadata requires; within each,
         rows grouped by adapter slot so every adapter forms as few segments as possible. None: the batch's
-        own order is that order (decodes of the base model)."""
-        if slots.count(None) == len(slots) and batch.num_tokens.count(1) == len(slots):
+        own order is that order (decodes already grouped by slot: of the base model, of one adapter, ...)."""
+        keys = [-1 if slot is None else slot for slot in slots]
+        if batch.num_tokens.count(1) == len(keys) and keys == sorted(keys):
             return None
-        def key(i: int) -> int:
-            return -1 if slots[i] is None else slots[i]
-        decodes = sorted((i for i, n in enumerate(batch.num_tokens) if n == 1), key=key)
-        prefills = sorted((i for i, n in enumerate(batch.num_tokens) if n != 1), key=key)
+        decodes = sorted((i for i, n in enumerate(batch.num_tokens) if n == 1), key=keys.__getitem__)
+        prefills = sorted((i for i, n in enumerate(batch.num_tokens) if n != 1), key=keys.__getitem__)
         return decodes + prefills
 
     def _lora_segments(self, slots: list[int | None], num_tokens: list[int]) -> LoraBatch | None:
