@@ -16,7 +16,11 @@ exactly what `tokenizer.decode` computes, without its per-call Python conversion
 backend's `DecodeStream`, which runs the same window algorithm in Rust (one call per token instead of two decodes
 and the list slicing around them: 0.7 vs 1.6 µs per token for SmolLM2's tokenizer); the offsets are tracked here
 as well, so `flush` and a fallback to the Python steps (should the stream ever refuse a window) pick up where
-it was.
+it was. A byte-level (GPT-2 style) tokenizer, SmolLM2's among them, needs no tokenizer call at all per step:
+its decode is the lossy UTF-8 decoding of its tokens' bytes joined, so with each token's bytes in a table
+(`ByteLevelPieces`, built once per tokenizer and checked against its own decode), a step joins bytes and decodes
+them in Python (in the engine's step loop, where the tokenizer's code is cold after the forward pass, ~1 µs
+instead of ~10).
 
 Stop strings are matched on the shown text. The longest tail that could still begin a stop string is
 held back, so a stop string split over several tokens is cut exactly and never shown.
@@ -24,6 +28,10 @@ held back, so a stop string split over several tokens is cut exactly and never s
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
+
+from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 
 try:  # tokenizers >= 0.21; its `ids` (the context to continue) came later: without them, the Python steps run
@@ -38,10 +46,78 @@ _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """The byte-level alphabet (GPT-2's): each byte is written as one printable character. Printable Latin-1 bytes
+    stand for themselves; the other 68 (controls, space, 127-160, 173) take the characters from U+0100 on, in
+    byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {chr(b): b for b in kept}
+    others = (b for b in range(256) if b not in set(kept))
+    chars.update({chr(256 + n): b for n, b in enumerate(others)})
+    return chars
+
+
+class ByteLevelPieces:
+    """A byte-level tokenizer's tokens as the bytes they decode to, and which of them are special.
+
+    Its decoder (tokenizers' `ByteLevel`) maps each token's characters back to bytes (a token with a character
+    outside the alphabet, such as an added token's, stands for its own UTF-8) and decodes the bytes of all tokens
+    joined, replacing invalid sequences with U+FFFD. So decode(ids) == b"".join(pieces).decode("utf-8", "replace"),
+    which `build` checks on random sequences against the tokenizer's own decode before anything relies on it.
+    """
+
+    def __init__(self, pieces: list[bytes], special: frozenset[int]) -> None:
+        self.pieces = pieces  # [len(tokenizer)]: token id -> its bytes (b"" for an id with no token)
+        self.special = special
+
+    @classmethod
+    def build(cls, tokenizer: PreTrainedTokenizerBase) -> ByteLevelPieces | None:
+        """The table for `tokenizer`, or None when it does not decode this way (another decoder, clean-up of
+        tokenization spaces, or any disagreement with its own decode)."""
+        backend = getattr(tokenizer, "_tokenizer", None)
+        if (backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+                or not isinstance(backend.decoder, decoders.ByteLevel)):
+            return None
+        alphabet = _byte_level_chars()
+        pieces = []
+        for token_id in range(len(tokenizer)):
+            token = backend.id_to_token(token_id)
+            if token is None:
+                pieces.append(b"")
+            elif all(c in alphabet for c in token):
+                pieces.append(bytes(alphabet[c] for c in token))
+            else:
+                pieces.append(token.encode("utf-8"))
+        special = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        table = cls(pieces, special)
+        return table if table._agrees_with(backend) else None
+
+    def decode(self, token_ids: list[int], skip_special: bool) -> str:
+        return b"".join(self.bytes_of(t, skip_special) for t in token_ids).decode("utf-8", "replace")
+
+    def bytes_of(self, token_id: int, skip_special: bool) -> bytes:
+        if skip_special and token_id in self.special or not 0 <= token_id < len(self.pieces):
+            return b""
+        return self.pieces[token_id]
+
+    def _agrees_with(self, backend: object, trials: int = 64) -> bool:
+        """Random sequences (special tokens and bytes that split characters included) decode alike both ways."""
+        rng = random.Random(0)
+        vocab = len(self.pieces)
+        for _ in range(trials):
+            length = rng.randrange(1, 24)
+            ids = [rng.choice((rng.randrange(vocab), rng.randrange(min(vocab, 300)))) for _ in range(length)]
+            for skip in (True, False):
+                if self.decode(ids, skip) != backend.decode(ids, skip_special_tokens=skip):
+                    return False
+        return True
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
-                 params: SamplingParams, *, stream: bool = True) -> None:
-        """`stream=False`: the Python steps even where the backend's DecodeStream could run them."""
+                 params: SamplingParams, *, stream: bool = True, pieces: ByteLevelPieces | None = None) -> None:
+        """`stream=False`: the Python steps even where the backend's DecodeStream could run them. `pieces`: the
+        tokenizer's `ByteLevelPieces` (built once by the caller), to step without the tokenizer."""
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
         backend = self._backend = getattr(tokenizer, "_tokenizer", None)
@@ -59,10 +135,19 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._prefix_text = self._decode(context)  # text of tokens[prefix_offset:read_offset] (not kept up to
         # date while the stream steps: `_stream_new` recomputes it where the Python steps take over)
+        # What turns the next token into new text: the Python window steps (`_python_step`), the backend's
+        # DecodeStream (`_stream_step`), or the byte table (`_bytes_step`, whose pending bytes are those of
+        # tokens[read_offset:]).
+        self._next_text: Callable[[int], str] = self._python_step
         self._stream = None
-        if stream and self._backend_decode is not None and DecodeStream is not None:
+        self._pieces = pieces
+        self._pending_bytes = b""
+        if pieces is not None and stream and self._backend_decode is not None:
+            self._next_text = self._bytes_step
+        elif stream and self._backend_decode is not None and DecodeStream is not None:
             try:
                 self._stream = DecodeStream(ids=context, skip_special_tokens=self._skip_special)
+                self._next_text = self._stream_step
             except TypeError:  # pragma: no cover - a DecodeStream without `ids`
                 pass
         self._pending = ""  # decoded, but held back: it may be the start of a stop string
@@ -86,17 +171,16 @@ class IncrementalDetokenizer:
         string ends the output at the first token that completes one)."""
         if self._stopped:
             return "", True
-        if self._stream is not None and not self._stops and len(new_token_ids) == 1:  # the engine's usual step
+        if not self._stops and len(new_token_ids) == 1:  # the engine's usual step
             self._tokens.append(new_token_ids[0])
-            text = self._stream_step(new_token_ids[0])
+            text = self._next_text(new_token_ids[0])
             if text:
                 self._parts.append(text)
             return text, False
         shown = ""
         for token in new_token_ids:
             self._tokens.append(token)
-            delta, hit = self._scan(self._decode_new() if self._stream is None else self._stream_step(token),
-                                    final=False)
+            delta, hit = self._scan(self._next_text(token), final=False)
             shown += delta
             if hit:  # the tokens after it are never shown
                 return shown, True
@@ -107,7 +191,7 @@ class IncrementalDetokenizer:
         shown as the tokenizer decodes it, with U+FFFD), cut at a stop string if it holds one."""
         if self._stopped:
             return ""
-        if self._stream is not None:
+        if self._next_text != self._python_step:  # the other steps do not keep the context's text
             self._prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
         tail = self._decode(self._tokens[self._prefix_offset:])[len(self._prefix_text):]
         self._prefix_offset = self._read_offset = len(self._tokens)
@@ -120,12 +204,27 @@ class IncrementalDetokenizer:
             return self._backend_decode(token_ids, skip_special_tokens=self._skip_special)
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special)
 
+    def _python_step(self, token: int) -> str:
+        return self._decode_new()
+
+    def _bytes_step(self, token: int) -> str:
+        """`_decode_new` from the byte table: the window's text is its context's followed by the decoded pending
+        bytes (the context ends with a whole character: it was shown), so only those are decoded."""
+        self._pending_bytes += self._pieces.bytes_of(token, self._skip_special)
+        text = self._pending_bytes.decode("utf-8", "replace")
+        if not text or text.endswith(_REPLACEMENT):
+            return ""
+        self._pending_bytes = b""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+        return text
+
     def _stream_step(self, token: int) -> str:
         """`_decode_new` by the backend's DecodeStream (`token` is already the last of `_tokens`)."""
         try:
             chunk = self._stream.step(self._backend, token)
         except Exception:  # e.g. a window whose text does not extend its context's: the Python steps go on
             self._stream = None
+            self._next_text = self._python_step
             self._prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
             return self._decode_new()
         if chunk is None:

@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
-from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import ByteLevelPieces, IncrementalDetokenizer
 from engine.core.memory import KVCacheManager, PagePool
 from engine.core.outputs import AdapterStatus, EngineStats, RequestError, RequestOutput, RunnerOutput
 from engine.core.preemption import KVSwapper
@@ -105,6 +105,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, Sampler(self.eos_token_ids), device,
                                   self.device_adapters, config.max_num_seqs, self.max_model_len)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # A byte-level tokenizer's tokens as bytes: detokenizing then calls no tokenizer code (None for others).
+        self._byte_pieces = ByteLevelPieces.build(self.tokenizer)
         self.interrupted_steps = 0  # steps a critical arrival ended early (see step())
         self._rerun_due = False  # the next step of lower-class work runs whole
         self._prefetcher = TransientWorker("adapter-prefetch")  # engine/worker/threads.py: why not a pool
@@ -168,7 +170,7 @@ class LLMEngine:
         if adapter is not None:
             self._prefetch(adapter)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                                params)
+                                                                params, pieces=self._byte_pieces)
         return request
 
     def _prefetch(self, adapter: AdapterSpec) -> None:

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import ByteLevelPieces, IncrementalDetokenizer
 from engine.core.request import SamplingParams
 
 # Multilingual on purpose: with a small vocabulary, CJK and emoji bytes get split across tokens.
@@ -255,10 +255,13 @@ def _run(detok: IncrementalDetokenizer, output: list[int], chunks: int) -> tuple
 
 @pytest.mark.parametrize("kind", ["byte_bpe", "tiny_random", "metaspace"])
 def test_decode_stream_steps_equal_the_python_steps(kind: str) -> None:
-    """The backend's DecodeStream (the default for fast tokenizers) against the window algorithm in Python: every
-    delta, every stop hit, the flushed tail and the final text, on random tokens (special ones and split UTF-8
-    sequences included) with random stop strings."""
+    """The backend's DecodeStream (the default for fast tokenizers) and, for byte-level tokenizers, the byte table
+    (what the engine uses for them) against the window algorithm in Python: every delta, every stop hit, the
+    flushed tail and the final text, on random tokens (special ones and split UTF-8 sequences included) with random
+    stop strings."""
     tokenizer = {"byte_bpe": _byte_bpe, "tiny_random": _tiny_random, "metaspace": _metaspace}[kind]()
+    pieces = ByteLevelPieces.build(tokenizer)  # the byte table's steps too, where the tokenizer is byte-level
+    assert (pieces is None) == (kind == "metaspace")
     rng = random.Random(21)
     vocab = len(tokenizer)
     for case in range(200):
@@ -272,7 +275,11 @@ def test_decode_stream_steps_equal_the_python_steps(kind: str) -> None:
         streamed = IncrementalDetokenizer(tokenizer, prompt, params)
         assert streamed._stream is not None
         python = IncrementalDetokenizer(tokenizer, prompt, params, stream=False)
-        assert _run(streamed, output, chunks) == _run(python, output, chunks), (prompt, output, params.stop)
+        expected = _run(python, output, chunks)
+        assert _run(streamed, output, chunks) == expected, (prompt, output, params.stop)
+        if pieces is not None:
+            from_bytes = IncrementalDetokenizer(tokenizer, prompt, params, pieces=pieces)
+            assert _run(from_bytes, output, chunks) == expected, (prompt, output, params.stop)
 
 
 def test_a_refusing_stream_hands_over_to_the_python_steps(byte_bpe: PreTrainedTokenizerBase,
@@ -302,3 +309,40 @@ def test_a_refusing_stream_hands_over_to_the_python_steps(byte_bpe: PreTrainedTo
         detok = IncrementalDetokenizer(byte_bpe, prompt, params)
         assert _run(detok, ids, 1) == expected
         assert detok._stream is None  # it did take over
+
+
+@pytest.mark.smollm2
+def test_byte_table_decodes_as_smollm2s_tokenizer() -> None:
+    """SmolLM2's real tokenizer (byte-level, 49,152 tokens): its byte table decodes random sequences, special tokens
+    and lone bytes of multi-byte characters included, exactly as the tokenizer does, with and without special
+    tokens; a sequence of every token id in turn too."""
+    from engine.model.sources import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model("smollm2").path)
+    pieces = ByteLevelPieces.build(tokenizer)
+    assert pieces is not None and len(pieces.pieces) == len(tokenizer)
+    rng = random.Random(5)
+    vocab = len(tokenizer)
+    sequences = [[rng.choice((rng.randrange(vocab), rng.randrange(300))) for _ in range(rng.randrange(1, 40))]
+                 for _ in range(400)]
+    sequences += [list(range(start, min(start + 64, vocab))) for start in range(0, vocab, 64)]
+    for ids in sequences:
+        for skip in (True, False):
+            assert pieces.decode(ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip), ids
+
+
+def test_a_tokenizer_that_is_not_byte_level_gets_no_byte_table() -> None:
+    assert ByteLevelPieces.build(_metaspace()) is None
+    assert ByteLevelPieces.build(_byte_bpe()) is not None
+
+
+def test_the_byte_table_is_checked_against_the_tokenizer(byte_bpe: PreTrainedTokenizerBase) -> None:
+    """`build` keeps a table only if it decodes as the tokenizer does: one wrong piece, or special tokens not known
+    as such, and the check fails."""
+    pieces = ByteLevelPieces.build(byte_bpe)
+    assert pieces is not None and pieces._agrees_with(byte_bpe._tokenizer)
+    wrong_piece = ByteLevelPieces(list(pieces.pieces), pieces.special)
+    common = max(range(len(wrong_piece.pieces)), key=lambda i: len(wrong_piece.pieces[i]) if i < 300 else 0)
+    wrong_piece.pieces[common] = b"?"
+    assert not wrong_piece._agrees_with(byte_bpe._tokenizer, trials=400)
+    assert not ByteLevelPieces(pieces.pieces, frozenset())._agrees_with(byte_bpe._tokenizer, trials=400)
