@@ -161,8 +161,8 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more computed tokens, reclaiming idle cached blocks (LRU first)
         if the pool is short; False (nothing changed) if even that is not enough."""
-        n = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(request.block_ids)
-        if n <= 0:  # most decode steps: the last block has room (num_new_blocks, inlined: this runs per request)
+        n = self.num_new_blocks(request, num_new_tokens)
+        if n == 0:  # most decode steps: the last block has room
             return True
         if n > self.pool.num_free + len(self._evictable):
             return False
