@@ -191,7 +191,7 @@ class Scheduler:
         the best class waiting, when it outranks a running request (by its own class: aging orders the queue
         but never preempts). The contender starts first, by preemption if need be, whatever aging put ahead of
         it; aging decides who takes the sequence slots that free up by themselves."""
-        best = self.waiting.best_class() if len(self.waiting) else None
+        best = self.waiting.best_class()
         if best is None:
             return [], None
         outranks = any(r.run_class > best for r in self.running)

@@ -69,6 +69,8 @@ class WaitingQueue:
 
     def best_class(self) -> int | None:
         """The best (lowest) priority class waiting, before aging; None when nothing waits."""
+        if not self._requests:  # the usual case in steady decoding: no need to look at the classes
+            return None
         return min((c for c, n in self._classes.items() if n), default=None)
 
     def ordered(self, now: float) -> list[Request]:
