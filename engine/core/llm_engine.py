@@ -250,7 +250,7 @@ class LLMEngine:
         """
         batch = self.scheduler.schedule()
         outputs = [self._adapter_failure(request, exc) for request, exc in batch.failed] if batch.failed else []
-        if not batch.requests:
+        if batch.is_empty():
             return outputs
         if interrupt is not None and not self._interruptible(batch):
             interrupt = None
