@@ -52,7 +52,7 @@ def _byte_level_chars() -> dict[str, int]:
     byte order."""
     kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = {chr(b): b for b in kept}
-    others = (b for b in range(256) if b not in set(kept))
+    others = (b for b in range(256) if chr(b) not in chars)
     chars.update({chr(256 + n): b for n, b in enumerate(others)})
     return chars
 
@@ -116,8 +116,9 @@ class ByteLevelPieces:
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
                  params: SamplingParams, *, stream: bool = True, pieces: ByteLevelPieces | None = None) -> None:
-        """`stream=False`: the Python steps even where the backend's DecodeStream could run them. `pieces`: the
-        tokenizer's `ByteLevelPieces` (built once by the caller), to step without the tokenizer."""
+        """`pieces`: the tokenizer's `ByteLevelPieces` (built once by the caller), to step without the tokenizer;
+        otherwise a fast tokenizer steps through its backend's DecodeStream. `stream=False`: the Python steps
+        whatever the tokenizer (what the other steps are tested against)."""
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
         backend = self._backend = getattr(tokenizer, "_tokenizer", None)
@@ -133,8 +134,8 @@ class IncrementalDetokenizer:
         self._tokens: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._prefix_text = self._decode(context)  # text of tokens[prefix_offset:read_offset] (not kept up to
-        # date while the stream steps: `_stream_new` recomputes it where the Python steps take over)
+        self._prefix_text = self._decode(context)  # text of tokens[prefix_offset:read_offset] (kept up to date
+        # by the Python steps only: the others recompute it where it is needed, in `flush` or on a fallback)
         # What turns the next token into new text: the Python window steps (`_python_step`), the backend's
         # DecodeStream (`_stream_step`), or the byte table (`_bytes_step`, whose pending bytes are those of
         # tokens[read_offset:]).
