@@ -129,12 +129,13 @@ class IncrementalDetokenizer:
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         # A prompt that ends inside a UTF-8 sequence would glue its bytes to the first output token's;
         # the output text must decode on its own, so such a prompt gives no context.
-        if self._decode(context).endswith(_REPLACEMENT):
-            context = []
+        context_text = self._decode(context)
+        if context_text.endswith(_REPLACEMENT):
+            context, context_text = [], ""
         self._tokens: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._prefix_text = self._decode(context)  # text of tokens[prefix_offset:read_offset] (kept up to date
+        self._prefix_text = context_text  # text of tokens[prefix_offset:read_offset] (kept up to date
         # by the Python steps only: the others recompute it where it is needed, in `flush` or on a fallback)
         # What turns the next token into new text: the Python window steps (`_python_step`), the backend's
         # DecodeStream (`_stream_step`), or the byte table (`_bytes_step`, whose pending bytes are those of
