@@ -72,6 +72,7 @@ async def drive(url: str, adapters: list[str], prompts: list[str], concurrency: 
     todo = list(enumerate(adapters))
     headers = {"Authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
+
         async def worker() -> None:
             while todo:
                 i, adapter = todo.pop(0)
@@ -80,29 +81,69 @@ async def drive(url: str, adapters: list[str], prompts: list[str], concurrency: 
                 r = await client.post("/v1/completions", json=body, headers={"X-Adapter-ID": adapter})
                 out.append(time.perf_counter() - t0)
                 assert r.status_code == 200, r.text
+
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return out
 
 
-def run_once(affinity: bool, adapter_dir: Path, adapters: list[str], prompts: list[str],
-             concurrency: int, tier: int, spill: int, env: dict[str, str]) -> dict[str, float]:
+def run_once(
+    affinity: bool,
+    adapter_dir: Path,
+    adapters: list[str],
+    prompts: list[str],
+    concurrency: int,
+    tier: int,
+    spill: int,
+    env: dict[str, str],
+) -> dict[str, float]:
     procs: list[subprocess.Popen] = []
     logs = Path(tempfile.mkdtemp())
     try:
         engines = []
         for k in range(2):
             port = free_port()
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "loragate", "engine", "--model", "smollm2", "--threads", "1",
-                 "--adapter-dir", str(adapter_dir), "--max-device-adapters", str(tier), "--port", str(port),
-                 "--log-level", "warning"], env=env, cwd=REPO, stdout=open(logs / f"engine{k}.log", "wb"),
-                stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "loragate",
+                        "engine",
+                        "--model",
+                        "smollm2",
+                        "--threads",
+                        "1",
+                        "--adapter-dir",
+                        str(adapter_dir),
+                        "--max-device-adapters",
+                        str(tier),
+                        "--port",
+                        str(port),
+                        "--log-level",
+                        "warning",
+                    ],
+                    env=env,
+                    cwd=REPO,
+                    stdout=open(logs / f"engine{k}.log", "wb"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
             engines.append(f"http://127.0.0.1:{port}")
         policy = logs / "policy.yaml"
         policy.write_text(BENCH_TENANT + ADMISSION.format(affinity="true" if affinity else "false", spill=spill))
         port = free_port()
-        argv = [sys.executable, "-m", "loragate", "gateway", "--policy", str(policy), "--port", str(port),
-                "--log-level", "warning"]
+        argv = [
+            sys.executable,
+            "-m",
+            "loragate",
+            "gateway",
+            "--policy",
+            str(policy),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ]
         for url in engines:
             argv += ["--upstream", url]
         procs.append(subprocess.Popen(argv, env=env, cwd=REPO))
@@ -115,8 +156,14 @@ def run_once(affinity: bool, adapter_dir: Path, adapters: list[str], prompts: li
         wall = time.perf_counter() - t0
         loads, evictions, tokens = engine_counts(engines)
         shares = [b - a for a, b in zip(tokens0, tokens, strict=True)]
-        return {"loads": loads - loads0, "evictions": evictions - evictions0, "wall": wall,
-                "rps": len(latencies) / wall, "p50": pct(latencies, 0.5), "share": shares[0] / max(sum(shares), 1)}
+        return {
+            "loads": loads - loads0,
+            "evictions": evictions - evictions0,
+            "wall": wall,
+            "rps": len(latencies) / wall,
+            "p50": pct(latencies, 0.5),
+            "share": shares[0] / max(sum(shares), 1),
+        }
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -139,23 +186,39 @@ def main() -> None:
     adapters = [ids[k] for k in zipf_choices(len(ids), args.requests, seed=1)]
     prompts = w1_prompts(16)
     env = {**os.environ, "LORAGATE_BENCH_KEY": KEY, "PYTHONPATH": str(REPO)}
-    print(f"{args.requests} requests over {len(set(adapters))} distinct adapters (Zipf), {args.concurrency} in "
-          f"flight, 2 engines x (1 thread, device tier {args.tier}), one gateway, spill_inflight {args.spill_inflight}")
+    print(
+        f"{args.requests} requests over {len(set(adapters))} distinct adapters (Zipf), {args.concurrency} in "
+        f"flight, 2 engines x (1 thread, device tier {args.tier}), one gateway, spill_inflight {args.spill_inflight}"
+    )
     results = {}
     for affinity in (False, True):  # the baseline first
-        r = results[affinity] = run_once(affinity, adapter_dir, adapters, prompts, args.concurrency, args.tier,
-                                         args.spill_inflight, env)
-        print(f"affinity {'on ' if affinity else 'off'}  adapter loads {r['loads']:5.0f}  evictions "
-              f"{r['evictions']:5.0f}  wall {r['wall']:6.1f} s  {r['rps']:5.2f} req/s  p50 {r['p50']:.2f} s  "
-              f"engine 1 generated {100 * r['share']:.0f}% of the tokens")
+        r = results[affinity] = run_once(
+            affinity, adapter_dir, adapters, prompts, args.concurrency, args.tier, args.spill_inflight, env
+        )
+        print(
+            f"affinity {'on ' if affinity else 'off'}  adapter loads {r['loads']:5.0f}  evictions "
+            f"{r['evictions']:5.0f}  wall {r['wall']:6.1f} s  {r['rps']:5.2f} req/s  p50 {r['p50']:.2f} s  "
+            f"engine 1 generated {100 * r['share']:.0f}% of the tokens"
+        )
     on, off = results[True], results[False]
-    ratio = {"loads": on["loads"] / max(off["loads"], 1), "evictions": on["evictions"] / max(off["evictions"], 1),
-             "throughput": on["rps"] / off["rps"]}
-    print(f"on/off: loads {ratio['loads']:.2f}x  evictions {ratio['evictions']:.2f}x  "
-          f"throughput {ratio['throughput']:.2f}x")
+    ratio = {
+        "loads": on["loads"] / max(off["loads"], 1),
+        "evictions": on["evictions"] / max(off["evictions"], 1),
+        "throughput": on["rps"] / off["rps"],
+    }
+    print(
+        f"on/off: loads {ratio['loads']:.2f}x  evictions {ratio['evictions']:.2f}x  "
+        f"throughput {ratio['throughput']:.2f}x"
+    )
     if args.json:
-        config = {"requests": args.requests, "concurrency": args.concurrency, "adapters": args.adapters,
-                  "distinct": len(set(adapters)), "tier": args.tier, "spill_inflight": args.spill_inflight}
+        config = {
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "adapters": args.adapters,
+            "distinct": len(set(adapters)),
+            "tier": args.tier,
+            "spill_inflight": args.spill_inflight,
+        }
         args.json.write_text(json.dumps({"config": config, "off": off, "on": on, "ratio_on_off": ratio}, indent=2))
 
 

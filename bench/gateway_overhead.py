@@ -42,13 +42,16 @@ tenants:
     adapters: ["*"]
     limits: {requests_per_second: 1000000, burst: 1000000, tokens_per_minute: 1000000000}
 """
-POLICY = BENCH_TENANT + """rollouts:
+POLICY = (
+    BENCH_TENANT
+    + """rollouts:
   - name: canary
     variants: [{adapter: a1, weight: 90}, {adapter: a2, weight: 10}]
     override_header: X-Variant
     rollback: {max_error_rate: 0.05, max_ttft_p99_ms: 2000, min_requests: 100, window_s: 60}
 admission: {max_inflight_per_upstream: 64, max_queue: 1024, queue_timeout_ms: 30000}
 """
+)
 MOCK = """
 import sys, time
 sys.path.insert(0, {tests!r})
@@ -85,8 +88,10 @@ async def latencies(url: str, concurrency: int, total: int, headers: dict[str, s
     """Send `total` completions with `concurrency` in flight; each one's latency in seconds."""
     out: list[float] = []
     remaining = total
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30,
-                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, timeout=30, limits=httpx.Limits(max_connections=concurrency)
+    ) as client:
+
         async def worker() -> None:
             nonlocal remaining
             while remaining > 0:
@@ -95,6 +100,7 @@ async def latencies(url: str, concurrency: int, total: int, headers: dict[str, s
                 r = await client.post("/v1/completions", json=BODY)
                 out.append(time.perf_counter() - t0)
                 assert r.status_code == 200, r.text
+
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return out
 
@@ -113,16 +119,34 @@ def main() -> None:
     env = {**os.environ, "LORAGATE_BENCH_KEY": KEY, "PYTHONPATH": str(REPO)}
     procs: list[subprocess.Popen] = []
     try:
-        mock = subprocess.Popen([sys.executable, "-c", MOCK.format(tests=str(REPO / "tests"))],
-                                stdout=subprocess.PIPE, text=True, env=env)
+        mock = subprocess.Popen(
+            [sys.executable, "-c", MOCK.format(tests=str(REPO / "tests"))], stdout=subprocess.PIPE, text=True, env=env
+        )
         procs.append(mock)
         mock_url = mock.stdout.readline().strip()
         policy = Path(tempfile.mkdtemp()) / "policy.yaml"
         policy.write_text(POLICY)
         port = free_port()
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "loragate", "gateway", "--policy", str(policy), "--upstream", mock_url,
-             "--port", str(port), "--log-level", "warning"], env=env, cwd=REPO))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "loragate",
+                    "gateway",
+                    "--policy",
+                    str(policy),
+                    "--upstream",
+                    mock_url,
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "warning",
+                ],
+                env=env,
+                cwd=REPO,
+            )
+        )
         gateway_url = f"http://127.0.0.1:{port}"
         wait_healthy(mock_url)
         wait_healthy(gateway_url)
@@ -132,22 +156,35 @@ def main() -> None:
         for c in (1, 10):
             direct = asyncio.run(latencies(mock_url, c, args.requests, {}))
             through = asyncio.run(latencies(gateway_url, c, args.requests, auth))
-            print(f"c={c:2d}  direct p50 {1e3 * pct(direct, .5):6.2f} ms p99 {1e3 * pct(direct, .99):6.2f} ms"
-                  f"   gateway p50 {1e3 * pct(through, .5):6.2f} ms p99 {1e3 * pct(through, .99):6.2f} ms"
-                  f"   added p50 {1e3 * (pct(through, .5) - pct(direct, .5)):6.2f} ms"
-                  f" p99 {1e3 * (pct(through, .99) - pct(direct, .99)):6.2f} ms")
-            figures["concurrency"].append({
-                "c": c, "direct_p50_ms": 1e3 * pct(direct, .5), "direct_p99_ms": 1e3 * pct(direct, .99),
-                "gateway_p50_ms": 1e3 * pct(through, .5), "gateway_p99_ms": 1e3 * pct(through, .99),
-                "added_p50_ms": 1e3 * (pct(through, .5) - pct(direct, .5)),
-                "added_p99_ms": 1e3 * (pct(through, .99) - pct(direct, .99))})
+            print(
+                f"c={c:2d}  direct p50 {1e3 * pct(direct, 0.5):6.2f} ms p99 {1e3 * pct(direct, 0.99):6.2f} ms"
+                f"   gateway p50 {1e3 * pct(through, 0.5):6.2f} ms p99 {1e3 * pct(through, 0.99):6.2f} ms"
+                f"   added p50 {1e3 * (pct(through, 0.5) - pct(direct, 0.5)):6.2f} ms"
+                f" p99 {1e3 * (pct(through, 0.99) - pct(direct, 0.99)):6.2f} ms"
+            )
+            figures["concurrency"].append(
+                {
+                    "c": c,
+                    "direct_p50_ms": 1e3 * pct(direct, 0.5),
+                    "direct_p99_ms": 1e3 * pct(direct, 0.99),
+                    "gateway_p50_ms": 1e3 * pct(through, 0.5),
+                    "gateway_p99_ms": 1e3 * pct(through, 0.99),
+                    "added_p50_ms": 1e3 * (pct(through, 0.5) - pct(direct, 0.5)),
+                    "added_p99_ms": 1e3 * (pct(through, 0.99) - pct(direct, 0.99)),
+                }
+            )
         rollout = {**auth, "X-Adapter-ID": "canary", "X-User-ID": "user-42"}
         base = asyncio.run(latencies(gateway_url, 1, args.requests, auth))
         split = asyncio.run(latencies(gateway_url, 1, args.requests, rollout))
-        print(f"c= 1  base p50 {1e3 * pct(base, .5):6.2f} ms   canary rollout p50 {1e3 * pct(split, .5):6.2f} ms"
-              f"   rollout routing added p50 {1e3 * (pct(split, .5) - pct(base, .5)):6.2f} ms")
-        figures["rollout"] = {"base_p50_ms": 1e3 * pct(base, .5), "canary_p50_ms": 1e3 * pct(split, .5),
-                              "added_p50_ms": 1e3 * (pct(split, .5) - pct(base, .5))}
+        print(
+            f"c= 1  base p50 {1e3 * pct(base, 0.5):6.2f} ms   canary rollout p50 {1e3 * pct(split, 0.5):6.2f} ms"
+            f"   rollout routing added p50 {1e3 * (pct(split, 0.5) - pct(base, 0.5)):6.2f} ms"
+        )
+        figures["rollout"] = {
+            "base_p50_ms": 1e3 * pct(base, 0.5),
+            "canary_p50_ms": 1e3 * pct(split, 0.5),
+            "added_p50_ms": 1e3 * (pct(split, 0.5) - pct(base, 0.5)),
+        }
         t0 = time.perf_counter()
         done = asyncio.run(latencies(gateway_url, 32, 4 * args.requests, auth))
         rps = len(done) / (time.perf_counter() - t0)

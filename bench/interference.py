@@ -67,8 +67,10 @@ def hog(cpu: int):
 def make_quota_cgroup(cpus: float) -> tuple[Path, str] | None:
     """A cgroup limited to `cpus` CPUs: (its directory, the file a pid is written to), or None."""
     period = 100_000
-    candidates = [(Path("/sys/fs/cgroup/cpu"), "cpu.cfs_quota_us", "tasks"),  # v1
-                  (Path("/sys/fs/cgroup"), "cpu.max", "cgroup.procs")]  # v2
+    candidates = [
+        (Path("/sys/fs/cgroup/cpu"), "cpu.cfs_quota_us", "tasks"),  # v1
+        (Path("/sys/fs/cgroup"), "cpu.max", "cgroup.procs"),
+    ]  # v2
     for root, quota_file, procs in candidates:
         if not (root / quota_file).exists() and not (root / "cgroup.subtree_control").exists():
             continue
@@ -119,10 +121,17 @@ def main() -> None:
     settings = {"fixed": str(cpus), "auto": "auto"}
     cgroup = None if args.skip_quota else make_quota_cgroup(max(1.0, cpus - 1.0))
     conditions = ["quiet", "hog"] + (["quota"] if cgroup is not None else [])
-    print(f"W1, {cpus} usable CPUs, {args.new_tokens} new tokens, {args.rounds} interleaved rounds; "
-          f"hog on CPU {sorted(os.sched_getaffinity(0))[-1]}"
-          + (f"; quota {max(1.0, cpus - 1.0):g} CPU in {cgroup[0]}" if cgroup else
-             "; quota: skipped" if args.skip_quota else "; quota: this machine does not let us create a cgroup"))
+    print(
+        f"W1, {cpus} usable CPUs, {args.new_tokens} new tokens, {args.rounds} interleaved rounds; "
+        f"hog on CPU {sorted(os.sched_getaffinity(0))[-1]}"
+        + (
+            f"; quota {max(1.0, cpus - 1.0):g} CPU in {cgroup[0]}"
+            if cgroup
+            else "; quota: skipped"
+            if args.skip_quota
+            else "; quota: this machine does not let us create a cgroup"
+        )
+    )
     figures: dict[tuple[str, str, str], list[float]] = {}
     try:
         for r in range(args.rounds):
@@ -133,8 +142,9 @@ def main() -> None:
                             with hog(sorted(os.sched_getaffinity(0))[-1]):
                                 tok_s = measure(workload, threads, args.new_tokens)
                         else:
-                            tok_s = measure(workload, threads, args.new_tokens,
-                                            cgroup if condition == "quota" else None)
+                            tok_s = measure(
+                                workload, threads, args.new_tokens, cgroup if condition == "quota" else None
+                            )
                         figures.setdefault((workload, condition, name), []).append(tok_s)
                         print(f"round {r + 1} {workload:5} {condition:5} {name:5} {tok_s:7.1f} tok/s", flush=True)
     finally:

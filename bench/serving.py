@@ -49,8 +49,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def launch(args: list[str], url: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start `python -m loragate ARGS` and wait (at most 600 s) until GET /healthz answers; stopped if it does not."""
-    proc = subprocess.Popen([sys.executable, "-m", "loragate", *args], stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loragate", *args], stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO
+    )
     deadline = time.monotonic() + 600
     try:
         while time.monotonic() < deadline:
@@ -84,8 +85,12 @@ async def one(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str
         resp.raise_for_status()
         return resp.json()["usage"]["completion_tokens"]
     tokens = 0
-    async with client.stream("POST", f"{url}/v1/completions", headers=headers,
-                             json={**body, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+    async with client.stream(
+        "POST",
+        f"{url}/v1/completions",
+        headers=headers,
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    ) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
             if line.startswith("data: {"):
@@ -95,17 +100,32 @@ async def one(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str
     return tokens
 
 
-async def over_http(url: str, prompts: list[list[int]], adapters: list[str | None], new_tokens: int,
-                    stream: bool, auth: dict[str, str]) -> float:
+async def over_http(
+    url: str, prompts: list[list[int]], adapters: list[str | None], new_tokens: int, stream: bool, auth: dict[str, str]
+) -> float:
     """All requests at once over HTTP; returns generated tokens per second."""
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await one(client, url, {"prompt": prompts[0], "max_tokens": 2}, auth, False)  # connections warm
         start = time.perf_counter()
-        counts = await asyncio.gather(*[
-            one(client, url, {"prompt": p, "max_tokens": new_tokens, "min_tokens": new_tokens, "ignore_eos": True,
-                              "temperature": 0.0}, {**auth, **({"X-Adapter-ID": a} if a else {})}, stream)
-            for p, a in zip(prompts, adapters)])
+        counts = await asyncio.gather(
+            *[
+                one(
+                    client,
+                    url,
+                    {
+                        "prompt": p,
+                        "max_tokens": new_tokens,
+                        "min_tokens": new_tokens,
+                        "ignore_eos": True,
+                        "temperature": 0.0,
+                    },
+                    {**auth, **({"X-Adapter-ID": a} if a else {})},
+                    stream,
+                )
+                for p, a in zip(prompts, adapters)
+            ]
+        )
         elapsed = time.perf_counter() - start
     assert sum(counts) == len(prompts) * new_tokens, counts
     return sum(counts) / elapsed
@@ -131,48 +151,93 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="loragate-serving-"))
     engine_url, gateway_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     policy = work / "policy.yaml"
-    policy.write_text(BENCH_TENANT + "admission: {max_inflight_per_upstream: 64, max_queue: 1024, "
-                      "queue_timeout_ms: 600000}\n")
+    policy.write_text(
+        BENCH_TENANT + "admission: {max_inflight_per_upstream: 64, max_queue: 1024, queue_timeout_ms: 600000}\n"
+    )
     procs = []
     try:
-        procs.append(launch(["engine", "--model", args.model, "--adapter-dir", str(weight_dirs[0].parent),
-                             "--threads", str(args.threads), "--port", engine_url.rsplit(":", 1)[1],
-                             "--log-level", "warning"], engine_url, work / "engine.log"))
-        procs.append(launch(["gateway", "--policy", str(policy), "--upstream", engine_url, "--port",
-                             gateway_url.rsplit(":", 1)[1], "--log-level", "warning"], gateway_url,
-                            work / "gateway.log", env={**os.environ, "LORAGATE_BENCH_KEY": KEY}))
-        print(f"W1: {args.requests} requests, {args.new_tokens} new tokens each, {args.model}, {args.threads} "
-              f"threads, {args.rounds} interleaved rounds; tok/s (ratio to in-process, same round)")
+        procs.append(
+            launch(
+                [
+                    "engine",
+                    "--model",
+                    args.model,
+                    "--adapter-dir",
+                    str(weight_dirs[0].parent),
+                    "--threads",
+                    str(args.threads),
+                    "--port",
+                    engine_url.rsplit(":", 1)[1],
+                    "--log-level",
+                    "warning",
+                ],
+                engine_url,
+                work / "engine.log",
+            )
+        )
+        procs.append(
+            launch(
+                [
+                    "gateway",
+                    "--policy",
+                    str(policy),
+                    "--upstream",
+                    engine_url,
+                    "--port",
+                    gateway_url.rsplit(":", 1)[1],
+                    "--log-level",
+                    "warning",
+                ],
+                gateway_url,
+                work / "gateway.log",
+                env={**os.environ, "LORAGATE_BENCH_KEY": KEY},
+            )
+        )
+        print(
+            f"W1: {args.requests} requests, {args.new_tokens} new tokens each, {args.model}, {args.threads} "
+            f"threads, {args.rounds} interleaved rounds; tok/s (ratio to in-process, same round)"
+        )
         figures: dict[tuple[str, str], list[float]] = {}
         rounds: list[dict[str, dict[str, float]]] = []
         for r in range(args.rounds):
             rounds.append({})
             for workload, adapters in workloads.items():
-                [(_, inproc)] = bench_engine(args.model, prompts, args.new_tokens, adapters,
-                                             adapter_dir=str(weight_dirs[0].parent))
+                [(_, inproc)] = bench_engine(
+                    args.model, prompts, args.new_tokens, adapters, adapter_dir=str(weight_dirs[0].parent)
+                )
                 row = {"in-process": inproc}
                 for label, url, auth, stream in (
-                        ("http", engine_url, {}, False), ("http stream", engine_url, {}, True),
-                        ("gateway", gateway_url, {"Authorization": f"Bearer {KEY}"}, False),
-                        ("gateway stream", gateway_url, {"Authorization": f"Bearer {KEY}"}, True)):
+                    ("http", engine_url, {}, False),
+                    ("http stream", engine_url, {}, True),
+                    ("gateway", gateway_url, {"Authorization": f"Bearer {KEY}"}, False),
+                    ("gateway stream", gateway_url, {"Authorization": f"Bearer {KEY}"}, True),
+                ):
                     row[label] = asyncio.run(over_http(url, prompts, adapters, args.new_tokens, stream, auth))
                 rounds[-1][workload] = row
                 for label, value in row.items():
-                    figures.setdefault((workload, label), []).append(value / inproc if label != "in-process"
-                                                                     else value)
-                print(f"round {r + 1} {workload:5s} " + "  ".join(
-                    f"{label} {value:6.1f}" + ("" if label == "in-process" else f" ({value / inproc:.2f}x)")
-                    for label, value in row.items()), flush=True)
+                    figures.setdefault((workload, label), []).append(value / inproc if label != "in-process" else value)
+                print(
+                    f"round {r + 1} {workload:5s} "
+                    + "  ".join(
+                        f"{label} {value:6.1f}" + ("" if label == "in-process" else f" ({value / inproc:.2f}x)")
+                        for label, value in row.items()
+                    ),
+                    flush=True,
+                )
         print("\nmedian over the rounds (in-process: tok/s; others: ratio to in-process in the same round)")
         for workload in workloads:
             cells = []
             for label in ("in-process", "http", "http stream", "gateway", "gateway stream"):
                 values = figures[(workload, label)]
-                cells.append(f"{label} {statistics.median(values):.1f}" if label == "in-process"
-                             else f"{label} {statistics.median(values):.3f}x")
+                cells.append(
+                    f"{label} {statistics.median(values):.1f}"
+                    if label == "in-process"
+                    else f"{label} {statistics.median(values):.3f}x"
+                )
             print(f"{workload:5s} " + "  ".join(cells))
         print("targets: http >= 0.95x, gateway >= 0.93x")
         if args.json:
+
             def key(label: str) -> str:
                 return label.replace(" ", "_").replace("-", "_")
 
@@ -183,11 +248,18 @@ def main() -> None:
                     med[f"{key(label)}_tok_s"] = statistics.median(r[workload][label] for r in rounds)
                     med[f"{key(label)}_ratio"] = statistics.median(figures[(workload, label)])
             out: dict[str, Any] = {
-                "config": {"model": args.model, "requests": args.requests, "new_tokens": args.new_tokens,
-                           "threads": args.threads, "rounds": args.rounds},
-                "rounds": [{w: {f"{key(label)}_tok_s": v for label, v in row.items()} for w, row in r.items()}
-                           for r in rounds],
-                "median": median}
+                "config": {
+                    "model": args.model,
+                    "requests": args.requests,
+                    "new_tokens": args.new_tokens,
+                    "threads": args.threads,
+                    "rounds": args.rounds,
+                },
+                "rounds": [
+                    {w: {f"{key(label)}_tok_s": v for label, v in row.items()} for w, row in r.items()} for r in rounds
+                ],
+                "median": median,
+            }
             args.json.write_text(json.dumps(out, indent=2))
     finally:
         for proc in procs:

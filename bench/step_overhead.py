@@ -109,19 +109,36 @@ class _TimedModel:
 def measure(model: str, workload: str, running: int, steps: int, adapters: Path | None) -> dict[str, float]:
     """µs per running request per step: per phase, in total and without the forward pass."""
     waiting = 3 * running if workload == "queued" else 0
-    engine = LLMEngine(EngineConfig(model=model, num_threads=1, pool_mb=256, max_num_seqs=running,
-                                    max_batch_tokens=max(2048, 16 * (running + waiting)),
-                                    adapter_dir=str(adapters) if workload == "lora" else None,
-                                    max_device_adapters=8, aging_s=None))
+    engine = LLMEngine(
+        EngineConfig(
+            model=model,
+            num_threads=1,
+            pool_mb=256,
+            max_num_seqs=running,
+            max_batch_tokens=max(2048, 16 * (running + waiting)),
+            adapter_dir=str(adapters) if workload == "lora" else None,
+            max_device_adapters=8,
+            aging_s=None,
+        )
+    )
     warmup = 16  # steps before timing, at most; prompts go 512 tokens a step (--max-prefill-tokens)
     if workload == "penalties":
-        params = SamplingParams(max_tokens=2 * steps + warmup + 8, min_tokens=2 * steps + warmup + 8, temperature=0.8,
-                                top_p=0.9, seed=None, repetition_penalty=1.1, presence_penalty=0.5,
-                                frequency_penalty=0.2, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=2 * steps + warmup + 8,
+            min_tokens=2 * steps + warmup + 8,
+            temperature=0.8,
+            top_p=0.9,
+            seed=None,
+            repetition_penalty=1.1,
+            presence_penalty=0.5,
+            frequency_penalty=0.2,
+            ignore_eos=True,
+        )
     else:
         n = 2 * steps + warmup + 8
-        params = SamplingParams(max_tokens=n, min_tokens=n if workload == "min_tokens" else 0, temperature=0.0,
-                                ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=n, min_tokens=n if workload == "min_tokens" else 0, temperature=0.0, ignore_eos=True
+        )
     names = sorted(p.name for p in adapters.iterdir()) if workload == "lora" and adapters else []
     for i in range(running + waiting):
         prompt = [(7 * i + j) % 200 + 10 for j in range(16)]
@@ -147,8 +164,11 @@ def measure(model: str, workload: str, running: int, steps: int, adapters: Path 
         timer.time_phases()
         for _ in range(steps):  # pass 2: each phase
             engine.step()
-    return {**{phase: s * scale for phase, s in timer.seconds.items()}, "total": total * scale,
-            "overhead": overhead * scale}
+    return {
+        **{phase: s * scale for phase, s in timer.seconds.items()},
+        "total": total * scale,
+        "overhead": overhead * scale,
+    }
 
 
 def main() -> None:
@@ -180,8 +200,9 @@ def main() -> None:
         for workload in workloads:
             for n in sizes:
                 samples.setdefault((workload, n), []).append(measure(args.model, workload, n, args.steps, adapters))
-    print(f"µs per running request per step, {args.model}, 1 thread, median of {args.rounds} rounds x "
-          f"{args.steps} steps")
+    print(
+        f"µs per running request per step, {args.model}, 1 thread, median of {args.rounds} rounds x {args.steps} steps"
+    )
     print(f"{'workload':<10} {'running':>7} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'total':>9} {'overhead':>9}")
     results = []
     for (workload, n), runs in samples.items():

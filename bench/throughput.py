@@ -45,15 +45,19 @@ def w1_prompts(n: int) -> list[str]:
     return [" ".join(random.choice(WORDS) for _ in range(24)) for _ in range(n)]
 
 
-def bench_engine(model: str, prompts: list[list[int]], new_tokens: int,
-                 adapters: list[str | None] | None = None, passes: int = 1,
-                 **config: object) -> list[tuple[float, float]]:
+def bench_engine(
+    model: str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    adapters: list[str | None] | None = None,
+    passes: int = 1,
+    **config: object,
+) -> list[tuple[float, float]]:
     """Our engine: all requests added at once, stepped to completion, `passes` times on one engine
     (later passes find their adapters already loaded). Returns (seconds, tok/s) per pass."""
     engine = LLMEngine(EngineConfig(model=model, **{"pool_mb": 256, **config}))
     adapters = adapters or [None] * len(prompts)
-    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0,
-                            ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.add_request("warmup", prompts[0], SamplingParams(max_tokens=4, temperature=0.0))
     while engine.has_unfinished_requests():
         engine.step()
@@ -81,13 +85,19 @@ def bench_hf(model_dir: Path, texts: list[str], new_tokens: int) -> tuple[float,
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              pad_token_id=tok.pad_token_id, eos_token_id=None)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=None,
+    )
     batch = tok(texts, return_tensors="pt", padding=True)
     with torch.inference_mode():
-        model.generate(**tok(texts[:1], return_tensors="pt"),
-                       generation_config=GenerationConfig(max_new_tokens=4, do_sample=False,
-                                                          pad_token_id=tok.pad_token_id))
+        model.generate(
+            **tok(texts[:1], return_tensors="pt"),
+            generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id),
+        )
         start = time.perf_counter()
         out = model.generate(**batch, generation_config=config)
         elapsed = time.perf_counter() - start
@@ -106,8 +116,7 @@ def make_w1_adapters(base_dir: Path, root: Path) -> list[Path]:
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     for i, d in enumerate(dirs):
         r = [4, 8, 16][i % 3]
-        config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear",
-                            task_type="CAUSAL_LM")
+        config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
         model = get_peft_model(copy.deepcopy(base), config)
         gen = torch.Generator().manual_seed(i)
         with torch.no_grad():
@@ -118,8 +127,7 @@ def make_w1_adapters(base_dir: Path, root: Path) -> list[Path]:
     return dirs
 
 
-def bench_hf_peft(model_dir: Path, adapter_dirs: list[Path], texts: list[str],
-                  new_tokens: int) -> tuple[float, float]:
+def bench_hf_peft(model_dir: Path, adapter_dirs: list[Path], texts: list[str], new_tokens: int) -> tuple[float, float]:
     """HF + PEFT, batched per adapter (each adapter's requests as one `generate`). (seconds, tok/s)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -133,8 +141,13 @@ def bench_hf_peft(model_dir: Path, adapter_dirs: list[Path], texts: list[str],
     for i, d in enumerate(adapter_dirs[1:], start=1):
         model.load_adapter(str(d), adapter_name=f"a{i}")
     model.eval()
-    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              pad_token_id=tok.pad_token_id, eos_token_id=None)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=None,
+    )
     generated = 0
     start = time.perf_counter()
     with torch.inference_mode():
@@ -169,30 +182,52 @@ def zipf_choices(count: int, n: int, s: float = 1.1, seed: int = 0) -> list[int]
     return rng.choices(range(count), weights=weights, k=n)
 
 
-def bench_lora(args: argparse.Namespace, resolved, prompts: list[list[int]], texts: list[str],
-               base_tps: float) -> dict[str, Any]:
+def bench_lora(
+    args: argparse.Namespace, resolved, prompts: list[list[int]], texts: list[str], base_tps: float
+) -> dict[str, Any]:
     """Mixed LoRA, the scale passes and HF + PEFT; returns their figures (`mixed` and `scale`)."""
     root = cache_root() / "bench-adapters"
     weight_dirs = make_w1_adapters(resolved.path, root / "w1")
     names = [d.name for d in weight_dirs]
     mixed = [names[i % 8] for i in range(len(prompts))]
-    [(secs, lora)] = bench_engine(args.model, prompts, args.new_tokens, mixed,
-                                  adapter_dir=str(weight_dirs[0].parent))
-    print(f"loragate mixed LoRA    {lora:7.1f} tok/s  ({secs:.2f} s)  LoRA/base {lora / base_tps:.2f}"
-          "  (target >= 80 tok/s, >= 0.85)")
-    figures: dict[str, Any] = {"mixed": {"loragate_tok_s": lora, "loragate_s": secs,
-                                         "lora_base_ratio": lora / base_tps}, "scale": []}
+    [(secs, lora)] = bench_engine(args.model, prompts, args.new_tokens, mixed, adapter_dir=str(weight_dirs[0].parent))
+    print(
+        f"loragate mixed LoRA    {lora:7.1f} tok/s  ({secs:.2f} s)  LoRA/base {lora / base_tps:.2f}"
+        "  (target >= 80 tok/s, >= 0.85)"
+    )
+    figures: dict[str, Any] = {
+        "mixed": {"loragate_tok_s": lora, "loragate_s": secs, "lora_base_ratio": lora / base_tps},
+        "scale": [],
+    }
     for count in args.scale_counts:
         scale_dir = scale_adapter_dir(weight_dirs, root, count)
         ids = [f"a{k:04d}" for k in zipf_choices(count, len(prompts))]
-        cold, warm = bench_engine(args.model, prompts, args.new_tokens, ids, passes=2,
-                                  adapter_dir=str(scale_dir), max_device_adapters=SCALE_TIER, pool_mb=1024)
+        cold, warm = bench_engine(
+            args.model,
+            prompts,
+            args.new_tokens,
+            ids,
+            passes=2,
+            adapter_dir=str(scale_dir),
+            max_device_adapters=SCALE_TIER,
+            pool_mb=1024,
+        )
         for label, (secs, scale) in (("cold", cold), ("warm", warm)):
-            print(f"loragate {count} adapters  {scale:7.1f} tok/s  ({secs:.2f} s)  {label}: {len(set(ids))} "
-                  f"distinct in the batch, device tier {SCALE_TIER}, Zipf  drop vs 8 adapters "
-                  f"{100 * (1 - scale / lora):.1f}%  (target <= 10%)", flush=True)
-        figures["scale"].append({"adapters": count, "device_tier": SCALE_TIER, "distinct_in_batch": len(set(ids)),
-                                 "cold_tok_s": cold[1], "warm_tok_s": warm[1]})
+            print(
+                f"loragate {count} adapters  {scale:7.1f} tok/s  ({secs:.2f} s)  {label}: {len(set(ids))} "
+                f"distinct in the batch, device tier {SCALE_TIER}, Zipf  drop vs 8 adapters "
+                f"{100 * (1 - scale / lora):.1f}%  (target <= 10%)",
+                flush=True,
+            )
+        figures["scale"].append(
+            {
+                "adapters": count,
+                "device_tier": SCALE_TIER,
+                "distinct_in_batch": len(set(ids)),
+                "cold_tok_s": cold[1],
+                "warm_tok_s": warm[1],
+            }
+        )
     if not args.skip_hf:
         secs, hf = bench_hf_peft(resolved.path, weight_dirs, texts, args.new_tokens)
         print(f"HF + PEFT per adapter  {hf:7.1f} tok/s  ({secs:.2f} s)  loragate/HF+PEFT {lora / hf:.2f}x")
@@ -209,8 +244,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-lora", action="store_true")
-    ap.add_argument("--scale-counts", type=lambda v: [int(c) for c in v.split(",") if c], default=[512],
-                    help="registered-adapter counts of the scale passes, comma-separated (empty: none)")
+    ap.add_argument(
+        "--scale-counts",
+        type=lambda v: [int(c) for c in v.split(",") if c],
+        default=[512],
+        help="registered-adapter counts of the scale passes, comma-separated (empty: none)",
+    )
     ap.add_argument("--json", type=Path, help="also write the figures here as one JSON object")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -220,11 +259,19 @@ def main() -> None:
     texts = w1_prompts(args.requests)
     prompts = [tok(t)["input_ids"] for t in texts]
     mean_len = sum(map(len, prompts)) / len(prompts)
-    figures: dict[str, Any] = {"config": {"model": args.model, "requests": args.requests,
-                                          "new_tokens": args.new_tokens, "threads": args.threads,
-                                          "mean_prompt_tokens": mean_len}}
-    print(f"W1 base: {args.requests} requests, {mean_len:.1f} prompt tokens on average, "
-          f"{args.new_tokens} new tokens each, fp32, {args.threads} threads")
+    figures: dict[str, Any] = {
+        "config": {
+            "model": args.model,
+            "requests": args.requests,
+            "new_tokens": args.new_tokens,
+            "threads": args.threads,
+            "mean_prompt_tokens": mean_len,
+        }
+    }
+    print(
+        f"W1 base: {args.requests} requests, {mean_len:.1f} prompt tokens on average, "
+        f"{args.new_tokens} new tokens each, fp32, {args.threads} threads"
+    )
     [(secs, ours)] = bench_engine(args.model, prompts, args.new_tokens)
     print(f"loragate engine        {ours:7.1f} tok/s  ({secs:.2f} s)")
     figures["base"] = {"loragate_tok_s": ours, "loragate_s": secs}

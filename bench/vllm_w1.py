@@ -47,17 +47,27 @@ def prepare(spec: Path, model: str, requests: int, new_tokens: int) -> None:
     tok = load_tokenizer(resolved.path)
     prompts = [tok(t)["input_ids"] for t in w1_prompts(requests)]
     weight_dirs = make_w1_adapters(resolved.path, cache_root() / "bench-adapters" / "w1")
-    spec.write_text(json.dumps({
-        "model_dir": str(resolved.path), "new_tokens": new_tokens, "prompt_token_ids": prompts,
-        "adapter_dirs": [str(d) for d in weight_dirs],
-        "mixed_adapters": [i % len(weight_dirs) for i in range(requests)],  # request i -> adapter i % 8
-        "max_lora_rank": 16}))
+    spec.write_text(
+        json.dumps(
+            {
+                "model_dir": str(resolved.path),
+                "new_tokens": new_tokens,
+                "prompt_token_ids": prompts,
+                "adapter_dirs": [str(d) for d in weight_dirs],
+                "mixed_adapters": [i % len(weight_dirs) for i in range(requests)],  # request i -> adapter i % 8
+                "max_lora_rank": 16,
+            }
+        )
+    )
 
 
 def run(spec: dict[str, Any], threads: int) -> dict[str, Any]:
     """With vLLM's interpreter: base and mixed-LoRA W1 runs; their figures."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
     for key, value in env.items():
         os.environ.setdefault(key, value)  # before vLLM is imported; a caller's own setting wins
     import vllm
@@ -68,14 +78,22 @@ def run(spec: dict[str, Any], threads: int) -> dict[str, Any]:
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompt_token_ids"]]
     new_tokens = spec["new_tokens"]
     longest = max(len(ids) for ids in spec["prompt_token_ids"])
-    llm = LLM(model=spec["model_dir"], dtype="float32", enable_lora=True, max_loras=8,
-              max_lora_rank=spec["max_lora_rank"], max_model_len=longest + new_tokens + 16,
-              max_num_seqs=max(len(prompts), 8), seed=0)
+    llm = LLM(
+        model=spec["model_dir"],
+        dtype="float32",
+        enable_lora=True,
+        max_loras=8,
+        max_lora_rank=spec["max_lora_rank"],
+        max_model_len=longest + new_tokens + 16,
+        max_num_seqs=max(len(prompts), 8),
+        seed=0,
+    )
     loras = [LoRARequest(f"w1-{i}", i + 1, path) for i, path in enumerate(spec["adapter_dirs"])]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=2)
-    llm.generate([prompts[k % len(prompts)] for k in range(len(loras) + 1)], warm, lora_request=[None, *loras],
-                 use_tqdm=False)
+    llm.generate(
+        [prompts[k % len(prompts)] for k in range(len(loras) + 1)], warm, lora_request=[None, *loras], use_tqdm=False
+    )
 
     def timed(lora_requests: list[Any] | None) -> tuple[float, int]:
         start = time.perf_counter()
@@ -87,9 +105,16 @@ def run(spec: dict[str, Any], threads: int) -> dict[str, Any]:
 
     base_s, generated = timed(None)
     mixed_s, _ = timed([loras[k] for k in spec["mixed_adapters"]])
-    return {"base_tok_s": generated / base_s, "mixed_tok_s": generated / mixed_s, "base_s": base_s,
-            "mixed_s": mixed_s, "generated_tokens": generated, "vllm_version": vllm.__version__,
-            "threads": threads, "env": {k: os.environ[k] for k in env}}
+    return {
+        "base_tok_s": generated / base_s,
+        "mixed_tok_s": generated / mixed_s,
+        "base_s": base_s,
+        "mixed_s": mixed_s,
+        "generated_tokens": generated,
+        "vllm_version": vllm.__version__,
+        "threads": threads,
+        "env": {k: os.environ[k] for k in env},
+    }
 
 
 if __name__ == "__main__":
@@ -108,10 +133,14 @@ if __name__ == "__main__":
     else:
         spec = json.loads(args.spec.read_text())
         figures = run(spec, args.threads)
-        print(f"vLLM-CPU {figures['vllm_version']} W1: {len(spec['prompt_token_ids'])} requests, "
-              f"{spec['new_tokens']} new tokens each, fp32, {args.threads} threads")
+        print(
+            f"vLLM-CPU {figures['vllm_version']} W1: {len(spec['prompt_token_ids'])} requests, "
+            f"{spec['new_tokens']} new tokens each, fp32, {args.threads} threads"
+        )
         print(f"base        {figures['base_tok_s']:7.1f} tok/s  ({figures['base_s']:.2f} s)")
-        print(f"mixed LoRA  {figures['mixed_tok_s']:7.1f} tok/s  ({figures['mixed_s']:.2f} s)  "
-              f"LoRA/base {figures['mixed_tok_s'] / figures['base_tok_s']:.2f}")
+        print(
+            f"mixed LoRA  {figures['mixed_tok_s']:7.1f} tok/s  ({figures['mixed_s']:.2f} s)  "
+            f"LoRA/base {figures['mixed_tok_s'] / figures['base_tok_s']:.2f}"
+        )
         if args.json:
             args.json.write_text(json.dumps(figures, indent=2))

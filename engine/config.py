@@ -59,8 +59,11 @@ class EngineConfig:
             raise ValueError("aging_s must be > 0")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.num_threads is not None and self.num_threads != "auto" and (
-                not isinstance(self.num_threads, int) or self.num_threads < 1):
+        if (
+            self.num_threads is not None
+            and self.num_threads != "auto"
+            and (not isinstance(self.num_threads, int) or self.num_threads < 1)
+        ):
             raise ValueError(f"num_threads must be a positive integer or 'auto', got {self.num_threads!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

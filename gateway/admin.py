@@ -85,11 +85,16 @@ class OpsPage:
             digest = hashlib.sha256(body.encode()).digest()
             hashes[tag] = "'sha256-" + base64.b64encode(digest).decode() + "'"
         self.headers = {
-            "Content-Security-Policy": (f"default-src 'none'; script-src {hashes['script']}; style-src "
-                                        f"{hashes['style']}; connect-src 'self'; img-src 'self' data:; "
-                                        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"),
-            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
-            "X-Frame-Options": "DENY"}
+            "Content-Security-Policy": (
+                f"default-src 'none'; script-src {hashes['script']}; style-src "
+                f"{hashes['style']}; connect-src 'self'; img-src 'self' data:; "
+                "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+            ),
+            "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer",
+            "Cache-Control": "no-store",
+            "X-Frame-Options": "DENY",
+        }
 
 
 class AdminRoutes:
@@ -122,11 +127,19 @@ class AdminRoutes:
         tenants = {}
         for tenant in self.store.active.policy.tenants:
             suspended = gw.overrides.suspended(tenant.id)
-            tenants[tenant.id] = {**gw.metrics.tally(tenant.id),
-                                  "suspended": suspended.to_json() if suspended is not None else None}
-        return {**self.store.describe(), "routing": gw.routing(), "queues": gw.admission.queue_depths(),
-                "tenants": tenants, "overrides": gw.overrides.describe(), "actions": await self._read_log(),
-                "now": iso_time(time.time())}
+            tenants[tenant.id] = {
+                **gw.metrics.tally(tenant.id),
+                "suspended": suspended.to_json() if suspended is not None else None,
+            }
+        return {
+            **self.store.describe(),
+            "routing": gw.routing(),
+            "queues": gw.admission.queue_depths(),
+            "tenants": tenants,
+            "overrides": gw.overrides.describe(),
+            "actions": await self._read_log(),
+            "now": iso_time(time.time()),
+        }
 
     async def _read_log(self) -> list[dict[str, Any]]:
         share = self.gw.share
@@ -143,8 +156,14 @@ class AdminRoutes:
         entry = {"at": iso_time(time.time()), "by": who, "action": action, "target": target, "changed": changed}
         if detail:
             entry["detail"] = detail
-        logger.info("admin action %s %s by %s: %s%s", action, target, who, "changed" if changed else "no change",
-                    f" ({detail})" if detail else "")
+        logger.info(
+            "admin action %s %s by %s: %s%s",
+            action,
+            target,
+            who,
+            "changed" if changed else "no change",
+            f" ({detail})" if detail else "",
+        )
         self.gw.metrics.count_admin_action(action, changed)
         self.log.append(entry)
         share = self.gw.share
@@ -184,8 +203,14 @@ class AdminRoutes:
         except ValueError as exc:
             raise ApiError(409, "conflict", str(exc)) from None
         await self._record(who, f"rollout.{action}", name, changed)
-        return JSONResponse({"action": action, "rollout": name, "changed": changed,
-                             "state": rollouts.states[name].describe(time.monotonic())})
+        return JSONResponse(
+            {
+                "action": action,
+                "rollout": name,
+                "changed": changed,
+                "state": rollouts.states[name].describe(time.monotonic()),
+            }
+        )
 
     async def upstream(self, request: Request) -> Response:
         who = self._require_admin(request)
@@ -209,8 +234,9 @@ class AdminRoutes:
             await overrides.put(BREAKER, url, "reset by an operator", who)  # the other replicas reset theirs
         self.gw.apply_overrides()
         await self._record(who, f"upstream.{action}", url, changed)
-        return JSONResponse({"action": action, "upstream": url, "changed": changed,
-                             "state": self.gw.upstream_state(upstream)})
+        return JSONResponse(
+            {"action": action, "upstream": url, "changed": changed, "state": self.gw.upstream_state(upstream)}
+        )
 
     async def tenant(self, request: Request) -> Response:
         who = self._require_admin(request)
@@ -228,8 +254,14 @@ class AdminRoutes:
             changed = await overrides.remove(TENANT, tenant_id)
         await self._record(who, f"tenant.{action}", tenant_id, changed)
         suspended = overrides.suspended(tenant_id)
-        return JSONResponse({"action": action, "tenant": tenant_id, "changed": changed,
-                             "suspended": suspended.to_json() if suspended is not None else None})
+        return JSONResponse(
+            {
+                "action": action,
+                "tenant": tenant_id,
+                "changed": changed,
+                "suspended": suspended.to_json() if suspended is not None else None,
+            }
+        )
 
     async def clear_overrides(self, request: Request) -> Response:
         who = self._require_admin(request)

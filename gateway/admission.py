@@ -189,8 +189,9 @@ class AdmissionController:
         for upstream in self.upstreams:
             upstream.breaker.subscribe(self._dispatch)
 
-    def _set_limits(self, max_inflight_per_upstream: int, max_queue: int, queue_timeout_s: float,
-                    spill_inflight: int | None) -> None:
+    def _set_limits(
+        self, max_inflight_per_upstream: int, max_queue: int, queue_timeout_s: float, spill_inflight: int | None
+    ) -> None:
         assert max_inflight_per_upstream >= 1 and max_queue >= 0 and queue_timeout_s > 0
         assert spill_inflight is None or spill_inflight >= 1
         self.max_inflight_per_upstream = max_inflight_per_upstream
@@ -200,8 +201,9 @@ class AdmissionController:
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
 
-    def reconfigure(self, max_inflight_per_upstream: int, max_queue: int, queue_timeout_s: float,
-                    spill_inflight: int | None = None) -> None:
+    def reconfigure(
+        self, max_inflight_per_upstream: int, max_queue: int, queue_timeout_s: float, spill_inflight: int | None = None
+    ) -> None:
         """New limits (a policy reload). Requests in flight and waiters already queued keep what they have
         (a waiter's timeout was set when it arrived; a queue now over `max_queue` drains as slots free);
         new room is handed out at once."""
@@ -327,9 +329,7 @@ class AdmissionController:
     def _pick_least_loaded(self, exclude: frozenset[str]) -> Upstream | None:
         """The least loaded upstream with room whose breaker allows a request."""
         n = len(self.upstreams)
-        order = sorted(
-            range(n), key=lambda i: (self.upstreams[i].inflight, (i - self._rotation) % n)
-        )
+        order = sorted(range(n), key=lambda i: (self.upstreams[i].inflight, (i - self._rotation) % n))
         for i in order:
             upstream = self.upstreams[i]
             if upstream.url in exclude or upstream.drained or upstream.inflight >= self.max_inflight_per_upstream:

@@ -65,8 +65,19 @@ logger = logging.getLogger(__name__)
 BACKGROUND_INTERVAL_S = 1.0  # policy file polls and rollback exchanges
 
 # The X-Loragate-Reason values; the metrics' reason label takes only these.
-REASONS = frozenset({"rate_limited", "tokens_exhausted", "queue_full", "queue_timeout", "circuit_open",
-                     "no_upstream", "draining", "ratelimit_unavailable", "upstream_unavailable"})
+REASONS = frozenset(
+    {
+        "rate_limited",
+        "tokens_exhausted",
+        "queue_full",
+        "queue_timeout",
+        "circuit_open",
+        "no_upstream",
+        "draining",
+        "ratelimit_unavailable",
+        "upstream_unavailable",
+    }
+)
 
 
 def _seconds(value: float) -> str:
@@ -74,21 +85,37 @@ def _seconds(value: float) -> str:
 
 
 def shed_response(shed: Shed, headers: dict[str, str]) -> JSONResponse:
-    return error_response(503, "service_unavailable", shed.message,
-                          {**headers, "X-Loragate-Reason": shed.reason, "Retry-After": _seconds(shed.retry_after_s)})
+    return error_response(
+        503,
+        "service_unavailable",
+        shed.message,
+        {**headers, "X-Loragate-Reason": shed.reason, "Retry-After": _seconds(shed.retry_after_s)},
+    )
 
 
 def ratelimit_headers(decision: Decision) -> dict[str, str]:
-    return {"RateLimit-Limit": str(decision.limit), "RateLimit-Remaining": str(max(0, decision.remaining)),
-            "RateLimit-Reset": str(math.ceil(max(0.0, decision.reset_s)))}
+    return {
+        "RateLimit-Limit": str(decision.limit),
+        "RateLimit-Remaining": str(max(0, decision.remaining)),
+        "RateLimit-Reset": str(math.ceil(max(0.0, decision.reset_s))),
+    }
 
 
 class Gateway:
     """The state one app serves from: policy, limiter, admission, upstreams, proxy, metrics."""
 
-    def __init__(self, store: PolicyStore, limiter: RateLimiter, admission: AdmissionController,
-                 catalog: UpstreamCatalog, proxy: Proxy, metrics: GatewayMetrics, max_body_bytes: int,
-                 discovery: DnsUpstreams | None = None, share: RollbackShare | None = None) -> None:
+    def __init__(
+        self,
+        store: PolicyStore,
+        limiter: RateLimiter,
+        admission: AdmissionController,
+        catalog: UpstreamCatalog,
+        proxy: Proxy,
+        metrics: GatewayMetrics,
+        max_body_bytes: int,
+        discovery: DnsUpstreams | None = None,
+        share: RollbackShare | None = None,
+    ) -> None:
         self.store = store
         self.share = share if share is not None else LocalShare()  # what the replicas share (Redis)
         self.overrides = Overrides(self.share)
@@ -112,11 +139,14 @@ class Gateway:
         if set(urls) == set(current):
             return
         b = self.store.active.policy.breaker
-        upstreams = [current.get(url) or Upstream(url, CircuitBreaker(b.failure_threshold, b.open_seconds,
-                                                                      b.half_open_probes)) for url in urls]
+        upstreams = [
+            current.get(url) or Upstream(url, CircuitBreaker(b.failure_threshold, b.open_seconds, b.half_open_probes))
+            for url in urls
+        ]
         joined, left = sorted(set(urls) - set(current)), sorted(set(current) - set(urls))
-        logger.info("upstreams: %d (joined %s; left %s)", len(urls), ", ".join(joined) or "none",
-                    ", ".join(left) or "none")
+        logger.info(
+            "upstreams: %d (joined %s; left %s)", len(urls), ", ".join(joined) or "none", ", ".join(left) or "none"
+        )
         self.admission.set_upstreams(upstreams)
         self.apply_overrides()
         self.catalog.invalidate()
@@ -161,8 +191,13 @@ class Gateway:
 
     @staticmethod
     def upstream_state(upstream: Upstream) -> dict[str, Any]:
-        return {"url": upstream.url, "inflight": upstream.inflight, "breaker": upstream.breaker.state,
-                "consecutive_failures": upstream.breaker.consecutive_failures, "drained": upstream.drained}
+        return {
+            "url": upstream.url,
+            "inflight": upstream.inflight,
+            "breaker": upstream.breaker.state,
+            "consecutive_failures": upstream.breaker.consecutive_failures,
+            "drained": upstream.drained,
+        }
 
     def routing(self) -> dict[str, Any]:
         """For GET /admin/policy: each upstream's load, breaker and drain, each known adapter's preferred
@@ -171,8 +206,12 @@ class Gateway:
         affinity = {}
         if self.store.active.policy.admission.affinity:
             affinity = {a: self.admission.preferred(a) for a in sorted(self.catalog.cached().adapters)}
-        return {"upstreams": upstreams, "affinity": affinity, "spill_inflight": self.admission.spill_inflight,
-                "spills": self.admission.spills}
+        return {
+            "upstreams": upstreams,
+            "affinity": affinity,
+            "spill_inflight": self.admission.spill_inflight,
+            "spills": self.admission.spills,
+        }
 
     async def served_adapters(self) -> frozenset[str]:
         """The adapter ids the upstreams serve (empty when none has answered yet)."""
@@ -234,8 +273,12 @@ class Gateway:
     def refuse_suspended(self, tenant: Tenant) -> None:
         suspended = self.overrides.suspended(tenant.id)
         if suspended is not None:
-            raise ApiError(403, "tenant_suspended", f"tenant {tenant.id!r} is suspended: {suspended.reason} "
-                           f"(since {iso_time(suspended.at)}); ask the platform team to resume it")
+            raise ApiError(
+                403,
+                "tenant_suspended",
+                f"tenant {tenant.id!r} is suspended: {suspended.reason} "
+                f"(since {iso_time(suspended.at)}); ask the platform team to resume it",
+            )
 
     def known_headers(self, tenant: str) -> dict[str, str]:
         """RateLimit-* from the tenant's last decision, for answers given before the limiter is asked."""
@@ -244,11 +287,20 @@ class Gateway:
             return {}
         decision, at = last
         elapsed = time.monotonic() - at
-        return ratelimit_headers(Decision(decision.allowed, decision.reason, 0.0, decision.limit,
-                                          decision.remaining, max(0.0, decision.reset_s - elapsed)))
+        return ratelimit_headers(
+            Decision(
+                decision.allowed,
+                decision.reason,
+                0.0,
+                decision.limit,
+                decision.remaining,
+                max(0.0, decision.reset_s - elapsed),
+            )
+        )
 
-    async def resolve_adapter(self, request: Request, body: GenerationBody, tenant: Tenant,
-                              active: ActivePolicy) -> tuple[str | None, Routed | None]:
+    async def resolve_adapter(
+        self, request: Request, body: GenerationBody, tenant: Tenant, active: ActivePolicy
+    ) -> tuple[str | None, Routed | None]:
         """The adapter to serve (None: the base model), and the rollout routing that chose it, if any.
 
         403 not allowed, 404 unknown; a rollout's override header may answer 400 or 403 (rollout.py)."""
@@ -271,30 +323,39 @@ class Gateway:
             raise adapter_not_found(adapter)
         return adapter, routed
 
-    def observe_variant(self, active: ActivePolicy, rollout: str, adapter: str, error: bool,
-                        ttft_s: float | None) -> None:
+    def observe_variant(
+        self, active: ActivePolicy, rollout: str, adapter: str, error: bool, ttft_s: float | None
+    ) -> None:
         """One finished request of a rollout variant: its metrics and its rollback window."""
         self.metrics.observe_variant(rollout, adapter, error, ttft_s)
         active.rollouts.record(rollout, adapter, error, ttft_s)
 
-    async def rate_limit(self, tenant: Tenant, tokens: int,
-                         active: ActivePolicy) -> tuple[dict[str, str], Reservation | None]:
+    async def rate_limit(
+        self, tenant: Tenant, tokens: int, active: ActivePolicy
+    ) -> tuple[dict[str, str], Reservation | None]:
         """The RateLimit-* headers and the reservation; 429 over a limit, 503 when Redis fails closed."""
         try:
             decision, reservation = await self.limiter.acquire(tenant.id, active.policy.limits_for(tenant), tokens)
         except RateLimiterUnavailable:
             self.metrics.count_ratelimit("unavailable")
-            raise ApiError(503, "service_unavailable", "the rate limiter's store is unreachable",
-                           {"Retry-After": "1", "X-Loragate-Reason": "ratelimit_unavailable"}) from None
+            raise ApiError(
+                503,
+                "service_unavailable",
+                "the rate limiter's store is unreachable",
+                {"Retry-After": "1", "X-Loragate-Reason": "ratelimit_unavailable"},
+            ) from None
         self._decisions[tenant.id] = (decision, time.monotonic())
         headers = ratelimit_headers(decision)
         self.metrics.count_ratelimit("allowed" if decision.allowed else (decision.reason or "rate_limited"))
         if not decision.allowed:
             reason = decision.reason or "rate_limited"
             what = "requests" if reason == "rate_limited" else "tokens per minute"
-            raise ApiError(429, "rate_limit_exceeded", f"tenant {tenant.id!r} is over its {what} limit",
-                           {**headers, "Retry-After": _seconds(decision.retry_after_s),
-                            "X-Loragate-Reason": reason})
+            raise ApiError(
+                429,
+                "rate_limit_exceeded",
+                f"tenant {tenant.id!r} is over its {what} limit",
+                {**headers, "Retry-After": _seconds(decision.retry_after_s), "X-Loragate-Reason": reason},
+            )
         return headers, reservation
 
     async def settle(self, exchange: Exchange) -> None:
@@ -341,15 +402,27 @@ class Generate:
         except ApiError as exc:
             headers = {**self.gw.known_headers(tenant_id), **exc.headers}
             await error_response(exc.status, exc.type, exc.message, headers)(scope, receive, send)
-            self.gw.metrics.observe_request(tenant_id, "", exc.status, exc.headers.get("X-Loragate-Reason"),
-                                            time.monotonic() - started)
+            self.gw.metrics.observe_request(
+                tenant_id, "", exc.status, exc.headers.get("X-Loragate-Reason"), time.monotonic() - started
+            )
             return
         shown = adapter or self.gw.base_name(body.model)
-        call = Call(self.path, upstream_body(data, adapter), tenant.id, adapter, shown, priority, body.stream,
-                    body.include_usage, started, routed.rollout if routed is not None else None,
-                    adapter if active.policy.admission.affinity else None)
-        with request_span(self.operation, shown, tenant=tenant.id, adapter=shown,
-                          priority=priority.name.lower()) as span:
+        call = Call(
+            self.path,
+            upstream_body(data, adapter),
+            tenant.id,
+            adapter,
+            shown,
+            priority,
+            body.stream,
+            body.include_usage,
+            started,
+            routed.rollout if routed is not None else None,
+            adapter if active.policy.admission.affinity else None,
+        )
+        with request_span(
+            self.operation, shown, tenant=tenant.id, adapter=shown, priority=priority.name.lower()
+        ) as span:
             if routed is not None:
                 span.set_attribute("loragate.rollout", routed.rollout)
                 span.set_attribute("loragate.rollout.route", routed.how)  # split, override or rollback
@@ -368,11 +441,15 @@ class Generate:
             finally:
                 await self.gw.settle(exchange)
                 exchange.status = exchange.status or 500  # 0: an unexpected error, answered 500 by Starlette
-                finish_span(span, status_code=exchange.status, outcome=exchange.outcome,
-                            input_tokens=exchange.prompt_tokens, output_tokens=exchange.completion_tokens)
+                finish_span(
+                    span,
+                    status_code=exchange.status,
+                    outcome=exchange.outcome,
+                    input_tokens=exchange.prompt_tokens,
+                    output_tokens=exchange.completion_tokens,
+                )
                 reason = exchange.outcome if exchange.outcome in REASONS else None
-                self.gw.metrics.observe_request(tenant.id, shown, exchange.status, reason,
-                                                time.monotonic() - started)
+                self.gw.metrics.observe_request(tenant.id, shown, exchange.status, reason, time.monotonic() - started)
                 self._judge_variant(active, call, exchange)  # a stream: now that it has ended
 
     def _judge_variant(self, active: ActivePolicy, call: Call, exchange: Exchange) -> None:
@@ -385,15 +462,27 @@ class Generate:
         error = exchange.status >= 500 and exchange.status != 503 or exchange.outcome == "upstream_error"
         self.gw.observe_variant(active, call.rollout, call.served, error, exchange.ttft_s)
 
-    async def _admit_and_forward(self, request: Request, tenant: Tenant, body: GenerationBody, call: Call,
-                                 exchange: Exchange, active: ActivePolicy) -> Response:
+    async def _admit_and_forward(
+        self,
+        request: Request,
+        tenant: Tenant,
+        body: GenerationBody,
+        call: Call,
+        exchange: Exchange,
+        active: ActivePolicy,
+    ) -> Response:
         if self.gw.draining:
-            raise ApiError(503, "service_unavailable", "the gateway is draining and takes no new requests",
-                           {"Retry-After": "1", "X-Loragate-Reason": "draining"})
+            raise ApiError(
+                503,
+                "service_unavailable",
+                "the gateway is draining and takes no new requests",
+                {"Retry-After": "1", "X-Loragate-Reason": "draining"},
+            )
         headers, exchange.reservation = await self.gw.rate_limit(tenant, body.reserve_tokens, active)
         try:
             exchange.slot = await unless_disconnected(
-                request.receive, self.gw.admission.acquire(call.priority, call.tenant, affinity=call.affinity))
+                request.receive, self.gw.admission.acquire(call.priority, call.tenant, affinity=call.affinity)
+            )
             response = await unless_disconnected(request.receive, self.gw.proxy.forward(call, exchange))
         except Shed as shed:
             exchange.status, exchange.outcome = 503, shed.reason
@@ -409,13 +498,22 @@ class Generate:
         return response
 
 
-def build_app(policy: Policy, upstream_urls: list[str], limiter: RateLimiter, *,
-              metrics: GatewayMetrics | None = None, max_body_bytes: int = 1 << 20,
-              client: httpx.AsyncClient | None = None, policy_path: Path | None = None,
-              environ: Mapping[str, str] = os.environ,
-              read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, rollback_share: RollbackShare | None = None,
-              background_interval_s: float = BACKGROUND_INTERVAL_S,
-              discovery: DnsUpstreams | None = None, clear_overrides: bool = False) -> Starlette:
+def build_app(
+    policy: Policy,
+    upstream_urls: list[str],
+    limiter: RateLimiter,
+    *,
+    metrics: GatewayMetrics | None = None,
+    max_body_bytes: int = 1 << 20,
+    client: httpx.AsyncClient | None = None,
+    policy_path: Path | None = None,
+    environ: Mapping[str, str] = os.environ,
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    rollback_share: RollbackShare | None = None,
+    background_interval_s: float = BACKGROUND_INTERVAL_S,
+    discovery: DnsUpstreams | None = None,
+    clear_overrides: bool = False,
+) -> Starlette:
     """The gateway app in front of `upstream_urls` (and of the engines `discovery` finds in DNS).
 
     `policy_path` enables hot reload (POST /admin/reload, and the file watched while the app's lifespan
@@ -424,31 +522,41 @@ def build_app(policy: Policy, upstream_urls: list[str], limiter: RateLimiter, *,
     """
     metrics = metrics if metrics is not None else GatewayMetrics()
     b = policy.breaker
-    upstreams = [Upstream(url.rstrip("/"), CircuitBreaker(b.failure_threshold, b.open_seconds, b.half_open_probes))
-                 for url in upstream_urls]
+    upstreams = [
+        Upstream(url.rstrip("/"), CircuitBreaker(b.failure_threshold, b.open_seconds, b.half_open_probes))
+        for url in upstream_urls
+    ]
     a = policy.admission
-    admission = AdmissionController(upstreams, a.max_inflight_per_upstream, a.max_queue, a.queue_timeout_s,
-                                    spill_inflight=a.spill_at)
+    admission = AdmissionController(
+        upstreams, a.max_inflight_per_upstream, a.max_queue, a.queue_timeout_s, spill_inflight=a.spill_at
+    )
     own_client = client is None
-    http = client if client is not None else make_client(a.max_inflight_per_upstream, len(upstreams),
-                                                         read_timeout_s)
+    http = client if client is not None else make_client(a.max_inflight_per_upstream, len(upstreams), read_timeout_s)
     share = rollback_share if rollback_share is not None else LocalShare()
-    store = PolicyStore(policy, policy_path, environ, share,
-                        on_rollback=lambda name, rollback: metrics.count_rollback(name, rollback.reason),
-                        on_reload_error=metrics.count_reload_error,
-                        on_reload=lambda new: gateway.apply_settings(new),
-                        on_step=lambda name, control: metrics.count_rollout_step(name, control.status))
+    store = PolicyStore(
+        policy,
+        policy_path,
+        environ,
+        share,
+        on_rollback=lambda name, rollback: metrics.count_rollback(name, rollback.reason),
+        on_reload_error=metrics.count_reload_error,
+        on_reload=lambda new: gateway.apply_settings(new),
+        on_step=lambda name, control: metrics.count_rollout_step(name, control.status),
+    )
     catalog = UpstreamCatalog(lambda: admission.upstreams, http)
-    gateway = Gateway(store, limiter, admission, catalog, Proxy(http, admission, metrics), metrics, max_body_bytes,
-                      discovery, share)
-    metrics.bind(queue_depths=admission.queue_depths, inflight=admission.inflight,
-                 breaker_states=lambda: {u.url: u.breaker.state for u in admission.upstreams},
-                 redis_errors=lambda: int(getattr(limiter, "redis_errors", 0)),
-                 rolled_back=lambda: {name: store.active.rollouts.is_rolled_back(name)
-                                      for name in store.active.rollouts.states},
-                 spills=lambda: admission.spills,
-                 rollout_weights=lambda: store.active.rollouts.weights(),
-                 overrides=lambda: gateway.overrides.describe())
+    gateway = Gateway(
+        store, limiter, admission, catalog, Proxy(http, admission, metrics), metrics, max_body_bytes, discovery, share
+    )
+    metrics.bind(
+        queue_depths=admission.queue_depths,
+        inflight=admission.inflight,
+        breaker_states=lambda: {u.url: u.breaker.state for u in admission.upstreams},
+        redis_errors=lambda: int(getattr(limiter, "redis_errors", 0)),
+        rolled_back=lambda: {name: store.active.rollouts.is_rolled_back(name) for name in store.active.rollouts.states},
+        spills=lambda: admission.spills,
+        rollout_weights=lambda: store.active.rollouts.weights(),
+        overrides=lambda: gateway.overrides.describe(),
+    )
     api, admin = Api(gateway), AdminRoutes(gateway)
 
     @contextlib.asynccontextmanager
@@ -489,7 +597,6 @@ def build_app(policy: Policy, upstream_urls: list[str], limiter: RateLimiter, *,
         Route("/admin/overrides/clear", admin.clear_overrides, methods=["POST"]),
         Route("/admin/ui", admin.ui, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan,
-                    middleware=[Middleware(HeaderLimit)])
+    app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan, middleware=[Middleware(HeaderLimit)])
     app.state.gateway = gateway
     return app

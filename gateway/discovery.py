@@ -39,7 +39,7 @@ async def resolve_addresses(name: str, port: int) -> list[str]:
 
 
 def parse_target(text: str) -> tuple[str, int]:
-    """"NAME:PORT" -> (NAME, PORT), or ValueError saying what is wrong."""
+    """ "NAME:PORT" -> (NAME, PORT), or ValueError saying what is wrong."""
     name, sep, port = text.rpartition(":")
     if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--upstream-dns {text!r}: expected NAME:PORT, e.g. loragate-engine-headless:8001")

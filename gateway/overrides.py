@@ -92,11 +92,16 @@ class Overrides:
 
     def describe(self) -> dict[str, Any]:
         """For GET /admin/policy: the suspended tenants and drained upstreams, with who, when and why."""
+
         def of(kind: str) -> list[dict[str, Any]]:
             return [o.to_json() for o in sorted(self.entries.values(), key=lambda o: o.target) if o.kind == kind]
 
-        return {"suspended_tenants": of(TENANT), "drained_upstreams": of(UPSTREAM),
-                "shared": self.share.shared, "unsaved": len(self._pending) + self._clear_pending}
+        return {
+            "suspended_tenants": of(TENANT),
+            "drained_upstreams": of(UPSTREAM),
+            "shared": self.share.shared,
+            "unsaved": len(self._pending) + self._clear_pending,
+        }
 
     # ---- changing ----
 
@@ -146,8 +151,11 @@ class Overrides:
         if not pending:
             return
         try:
-            await self.share.update_hash(self.KEY, {f: o.dumps() for f, o in pending.items() if o is not None},
-                                         [f for f, o in pending.items() if o is None])
+            await self.share.update_hash(
+                self.KEY,
+                {f: o.dumps() for f, o in pending.items() if o is not None},
+                [f for f, o in pending.items() if o is None],
+            )
         except Exception:
             self._pending = {**pending, **self._pending}
             raise

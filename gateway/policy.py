@@ -29,8 +29,20 @@ from pydantic import (
 from loragate.priority import Priority
 
 __all__ = [
-    "Admission", "Breaker", "Defaults", "Limits", "Policy", "PolicyError", "RateLimitPolicy",
-    "Rollback", "Rollout", "Tenant", "Variant", "load_policy", "parse_policy", "read_policy",
+    "Admission",
+    "Breaker",
+    "Defaults",
+    "Limits",
+    "Policy",
+    "PolicyError",
+    "RateLimitPolicy",
+    "Rollback",
+    "Rollout",
+    "Tenant",
+    "Variant",
+    "load_policy",
+    "parse_policy",
+    "read_policy",
 ]
 
 _HASH_RE = re.compile(r"sha256:[0-9a-f]{64}")
@@ -154,8 +166,14 @@ class Rollout(_Model):
     rollback: Rollback | None = None
     # A progressive rollout: the second variant's weight goes through `steps` (percent), each held for
     # `hold_s` while the rollback bounds hold, then the next; at 100 the rollout is promoted.
-    steps: Annotated[tuple[Annotated[float, Field(strict=True, gt=0, le=100, allow_inf_nan=False)], ...],
-                     Field(min_length=1), AfterValidator(_check_steps)] | None = None
+    steps: (
+        Annotated[
+            tuple[Annotated[float, Field(strict=True, gt=0, le=100, allow_inf_nan=False)], ...],
+            Field(min_length=1),
+            AfterValidator(_check_steps),
+        ]
+        | None
+    ) = None
     hold_s: PosFloat | None = None
 
     @property
@@ -246,15 +264,19 @@ def _check_progressive(rollout: Rollout, where: str) -> None:
             raise ValueError(f"{where}.hold_s: only a rollout with steps holds them")
         return
     if len(rollout.variants) != 2:
-        raise ValueError(f"{where}.variants: a rollout with steps has exactly two variants: the current one "
-                         "first, the new one second")
+        raise ValueError(
+            f"{where}.variants: a rollout with steps has exactly two variants: the current one "
+            "first, the new one second"
+        )
     if rollout.rollback is None:
         raise ValueError(f"{where}.rollback: a rollout with steps needs rollback bounds (its gate between steps)")
     if rollout.hold_s is None:
         raise ValueError(f"{where}.hold_s: a rollout with steps needs a hold time per step")
     if rollout.hold_s < rollout.rollback.window_s:
-        raise ValueError(f"{where}.hold_s: must be at least rollback.window_s ({rollout.rollback.window_s:g} s), "
-                         "so each step is judged on a whole window of its own traffic")
+        raise ValueError(
+            f"{where}.hold_s: must be at least rollback.window_s ({rollout.rollback.window_s:g} s), "
+            "so each step is judged on a whole window of its own traffic"
+        )
 
 
 def _first_duplicate(items: tuple[Any, ...], key: Any, where: str, field: str, what: str) -> None:
@@ -262,9 +284,7 @@ def _first_duplicate(items: tuple[Any, ...], key: Any, where: str, field: str, w
     for i, item in enumerate(items):
         first = seen.setdefault(key(item), i)
         if first != i:
-            raise ValueError(
-                f"{where}[{i}].{field}: duplicate {what} {key(item)!r} (first at {where}[{first}])"
-            )
+            raise ValueError(f"{where}[{i}].{field}: duplicate {what} {key(item)!r} (first at {where}[{first}])")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -40,12 +40,13 @@ def policy_json_schema() -> dict[str, Any]:
     _string_branch(rollout["sticky_key"])["pattern"] = _STICKY_KEY
     _string_branch(rollout["override_header"])["pattern"] = _HEADER_NAME
     # Weights are each >= 0, so "they sum to more than 0" is "at least one is more than 0".
-    rollout["variants"]["contains"] = {"properties": {"weight": {"exclusiveMinimum": 0}},
-                                       "required": ["weight"]}
+    rollout["variants"]["contains"] = {"properties": {"weight": {"exclusiveMinimum": 0}}, "required": ["weight"]}
     _string_branch(defs["Variant"]["properties"]["adapter"])["pattern"] = _ADAPTER_ID
     schema["title"] = TITLE
-    schema["description"] = ("Tenants, API keys, limits, rollouts, admission and breaker settings for the "
-                             "loragate gateway. `loragate policy check FILE` runs the full validation.")
+    schema["description"] = (
+        "Tenants, API keys, limits, rollouts, admission and breaker settings for the "
+        "loragate gateway. `loragate policy check FILE` runs the full validation."
+    )
     return {"$schema": DRAFT, **schema}
 
 

@@ -43,8 +43,15 @@ class Control:
     @classmethod
     def initial(cls, rollout: Rollout, wall: float) -> Control:
         status = PROGRESSING if rollout.progressive else STEADY
-        return cls(0, wall, status, "started at the first step" if rollout.progressive else "defined by the policy",
-                   wall, "policy", 0)
+        return cls(
+            0,
+            wall,
+            status,
+            "started at the first step" if rollout.progressive else "defined by the policy",
+            wall,
+            "policy",
+            0,
+        )
 
     def changed(self, wall: float, by: str, decision: str, **fields: Any) -> Control:
         return replace(self, **fields, decision=decision, decided_at=wall, by=by, version=self.version + 1)
@@ -56,17 +63,30 @@ class Control:
     def loads(cls, text: str) -> Control | None:
         try:
             data = json.loads(text)
-            return cls(int(data["step"]), float(data["since"]), str(data["status"]), str(data["decision"]),
-                       float(data["decided_at"]), str(data["by"]), int(data["version"]))
+            return cls(
+                int(data["step"]),
+                float(data["since"]),
+                str(data["status"]),
+                str(data["decision"]),
+                float(data["decided_at"]),
+                str(data["by"]),
+                int(data["version"]),
+            )
         except (ValueError, KeyError, TypeError):
             return None
 
     def to_json(self, rollout: Rollout) -> dict[str, Any]:
-        out: dict[str, Any] = {"status": self.status, "decision": self.decision, "by": self.by,
-                               "decided_at": iso_time(self.decided_at), "since": iso_time(self.since)}
+        out: dict[str, Any] = {
+            "status": self.status,
+            "decision": self.decision,
+            "by": self.by,
+            "decided_at": iso_time(self.decided_at),
+            "since": iso_time(self.since),
+        }
         if rollout.steps is not None:
-            out.update(step=self.step, weight=rollout.steps[self.step], steps=list(rollout.steps),
-                       hold_s=rollout.hold_s)
+            out.update(
+                step=self.step, weight=rollout.steps[self.step], steps=list(rollout.steps), hold_s=rollout.hold_s
+            )
         return out
 
 
@@ -94,9 +114,11 @@ def next_step(rollout: Rollout, control: Control, requests: int, breached: bool,
         return None
     step = control.step + 1
     weight = rollout.steps[step]
-    held = (f"held {rollout.steps[control.step]:g}% for {wall - control.since:.0f} s within bounds over "
-            f"{requests} requests")
+    held = (
+        f"held {rollout.steps[control.step]:g}% for {wall - control.since:.0f} s within bounds over {requests} requests"
+    )
     if weight >= 100:
         return control.changed(wall, "gate", f"promoted: {held}", step=step, since=wall, status=PROMOTED)
-    return control.changed(wall, "gate", f"step {step + 1}/{len(rollout.steps)} ({weight:g}%): {held}",
-                           step=step, since=wall)
+    return control.changed(
+        wall, "gate", f"step {step + 1}/{len(rollout.steps)} ({weight:g}%): {held}", step=step, since=wall
+    )

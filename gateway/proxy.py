@@ -129,8 +129,12 @@ def _passthrough(resp: httpx.Response) -> Response:
     headers = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
     if resp.status_code == 503:
         headers = {"Retry-After": headers.get("retry-after", "1"), "X-Loragate-Reason": UPSTREAM_UNAVAILABLE}
-    return Response(resp.content, status_code=resp.status_code, headers=headers,
-                    media_type=resp.headers.get("content-type", "application/json"))
+    return Response(
+        resp.content,
+        status_code=resp.status_code,
+        headers=headers,
+        media_type=resp.headers.get("content-type", "application/json"),
+    )
 
 
 class SseReader:
@@ -147,13 +151,12 @@ class SseReader:
             if chunk is None:
                 return None
             self._buffer += chunk.replace(b"\r\n", b"\n")
-        event, self._buffer = self._buffer[: end + 2], self._buffer[end + 2:]
+        event, self._buffer = self._buffer[: end + 2], self._buffer[end + 2 :]
         return event
 
 
 class Proxy:
-    def __init__(self, client: httpx.AsyncClient, admission: AdmissionController,
-                 metrics: GatewayMetrics) -> None:
+    def __init__(self, client: httpx.AsyncClient, admission: AdmissionController, metrics: GatewayMetrics) -> None:
         self.client = client
         self.admission = admission
         self.metrics = metrics
@@ -186,7 +189,8 @@ class Proxy:
         exchange.slot.release()
         try:
             exchange.slot = await self.admission.acquire(
-                call.priority, call.tenant, exclude=frozenset(exchange.tried), affinity=call.affinity)
+                call.priority, call.tenant, exclude=frozenset(exchange.tried), affinity=call.affinity
+            )
         except Shed:
             exchange.slot = None
             return False
@@ -228,8 +232,7 @@ class Proxy:
             await exchange.close_upstream()
         if resp.status_code >= 500:
             outcome = UPSTREAM_UNAVAILABLE if resp.status_code == 503 else f"upstream_{resp.status_code}"
-            raise UpstreamFailed(_passthrough(resp), outcome,
-                                 trips_breaker=resp.status_code in BREAKER_STATUSES)
+            raise UpstreamFailed(_passthrough(resp), outcome, trips_breaker=resp.status_code in BREAKER_STATUSES)
         assert exchange.slot is not None
         exchange.slot.upstream.breaker.record_success()
         exchange.status = resp.status_code
@@ -256,11 +259,11 @@ class Proxy:
             await exchange.close_upstream()
             raise _failure(502, "upstream_error", f"upstream {url} closed the stream before any event")
         exchange.status = 200
-        return StreamingResponse(self._relay(call, reader, first, exchange),
-                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+        return StreamingResponse(
+            self._relay(call, reader, first, exchange), media_type="text/event-stream", headers=_SSE_HEADERS
+        )
 
-    async def _relay(self, call: Call, reader: SseReader, first: bytes,
-                     exchange: Exchange) -> AsyncIterator[bytes]:
+    async def _relay(self, call: Call, reader: SseReader, first: bytes, exchange: Exchange) -> AsyncIterator[bytes]:
         """Upstream events to the client as they come; a break-off ends the stream with an error event."""
         event: bytes | None = first
         done = False
@@ -309,7 +312,7 @@ class Proxy:
             # `"usage": null` comes off without parsing and writing the JSON again, the gateway's main cost per
             # event. Any other shape takes the general path below.
             exchange.token_sent(call.started_at)
-            return (event if call.include_usage else b"data: " + data[:-len(_USAGE_NULL)] + b"}\n\n"), False
+            return (event if call.include_usage else b"data: " + data[: -len(_USAGE_NULL)] + b"}\n\n"), False
         try:
             chunk = json.loads(data)
         except ValueError:
@@ -328,4 +331,3 @@ class Proxy:
             del chunk["usage"]
             return sse(chunk), False
         return event, False
-

@@ -36,18 +36,18 @@ class RateLimiterUnavailable(Exception):
 @dataclass(frozen=True, slots=True)
 class Decision:
     allowed: bool
-    reason: str | None          # "rate_limited" | "tokens_exhausted" | None when allowed
-    retry_after_s: float        # 0 when allowed
-    limit: int                  # the request limit (= burst), for RateLimit-Limit
-    remaining: int              # requests the request bucket would still admit right now
-    reset_s: float              # seconds until the request bucket is full again
+    reason: str | None  # "rate_limited" | "tokens_exhausted" | None when allowed
+    retry_after_s: float  # 0 when allowed
+    limit: int  # the request limit (= burst), for RateLimit-Limit
+    remaining: int  # requests the request bucket would still admit right now
+    reset_s: float  # seconds until the request bucket is full again
 
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
     tenant: str
     tokens: int
-    limits: Limits | None = None    # the limits it was taken under: reconcile needs the bucket's capacity
+    limits: Limits | None = None  # the limits it was taken under: reconcile needs the bucket's capacity
 
 
 class RateLimiter(Protocol):
@@ -80,7 +80,7 @@ def decide(limits: Limits, now: float, tat: float, level: float, need: int) -> t
     rate = refill_per_s(limits)
     tok_wait = 0.0
     if need > limits.tokens_per_minute:
-        tok_wait = 60.0      # never satisfiable: come back after a full refill window
+        tok_wait = 60.0  # never satisfiable: come back after a full refill window
     elif need > level + EPS:
         tok_wait = (need - level) / rate
     if req_wait > 0 or tok_wait > 0:
@@ -94,8 +94,8 @@ def decide(limits: Limits, now: float, tat: float, level: float, need: int) -> t
 
 @dataclass(slots=True)
 class _Buckets:
-    tat: float          # GCRA theoretical arrival time
-    tokens: float       # token level at `stamp` (negative = debt)
+    tat: float  # GCRA theoretical arrival time
+    tokens: float  # token level at `stamp` (negative = debt)
     stamp: float
 
     def level(self, limits: Limits, now: float) -> float:

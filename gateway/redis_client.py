@@ -20,5 +20,10 @@ UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)  # what an unre
 
 def redis_client(url: str) -> aioredis.Redis:
     """A client for `url` with the bounds above; responses decoded to str."""
-    return aioredis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S,
-                                   retry=Retry(NoBackoff(), 0), decode_responses=True)
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=SOCKET_TIMEOUT_S,
+        socket_connect_timeout=SOCKET_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 0),
+        decode_responses=True,
+    )

@@ -41,7 +41,9 @@ end
 # KEYS: req, tok. ARGV: interval_s, burst, capacity, refill_per_s, need.
 # Returns {allowed 0|1, reason 0|1|2, retry_after_s, remaining, reset_s}; floats as strings (Lua numbers
 # come back to the client as truncated integers).
-_ACQUIRE = _LEVEL + """
+_ACQUIRE = (
+    _LEVEL
+    + """
 local interval, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
 local cap, rate, need = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local eps = 1e-6
@@ -67,22 +69,24 @@ redis.call('SET', KEYS[1], string.format('%.17g', tat), 'PX',
 store_level(KEYS[2], level - need, cap, rate)
 return {1, 0, '0', math.floor((now + span - tat) / interval + eps), string.format('%.17g', tat - now)}
 """
+)
 
 # KEYS: tok. ARGV: capacity, refill_per_s, delta (reserved - used; negative debits over-use).
-_RECONCILE = _LEVEL + """
+_RECONCILE = (
+    _LEVEL
+    + """
 local cap, rate, delta = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 store_level(KEYS[1], math.min(cap, level_of(KEYS[1], cap, rate) + delta), cap, rate)
 return 0
 """
-
+)
 
 
 class RedisRateLimiter:
     """GCRA + token bucket in Redis. on_error: "open" admits while Redis is unreachable, "closed" raises
     RateLimiterUnavailable; either way `redis_errors` counts the failures."""
 
-    def __init__(self, url: str, on_error: Literal["open", "closed"] = "open",
-                 prefix: str = "loragate:rl:") -> None:
+    def __init__(self, url: str, on_error: Literal["open", "closed"] = "open", prefix: str = "loragate:rl:") -> None:
         if on_error not in ("open", "closed"):
             raise ValueError(f"on_error must be 'open' or 'closed', not {on_error!r}")
         self.on_error = on_error
@@ -97,16 +101,22 @@ class RedisRateLimiter:
         return f"{self.prefix}{tenant}:req", f"{self.prefix}{tenant}:tok"
 
     async def acquire(self, tenant: str, limits: Limits, tokens: int) -> tuple[Decision, Reservation | None]:
-        args = (repr(1.0 / limits.requests_per_second), limits.burst, limits.tokens_per_minute,
-                repr(refill_per_s(limits)), tokens)
+        args = (
+            repr(1.0 / limits.requests_per_second),
+            limits.burst,
+            limits.tokens_per_minute,
+            repr(refill_per_s(limits)),
+            tokens,
+        )
         try:
             allowed, reason, retry_after, remaining, reset = await self._acquire(self.keys(tenant), args)
         except UNREACHABLE as exc:
             self._failed("acquire", exc)
             # Fail open: admit, and reserve nothing (reconcile then debits whatever was used, if it can).
             return Decision(True, None, 0.0, limits.burst, limits.burst, 0.0), Reservation(tenant, 0, limits)
-        decision = Decision(bool(allowed), _REASONS.get(int(reason)), float(retry_after), limits.burst,
-                            int(remaining), float(reset))
+        decision = Decision(
+            bool(allowed), _REASONS.get(int(reason)), float(retry_after), limits.burst, int(remaining), float(reset)
+        )
         return decision, Reservation(tenant, tokens, limits) if decision.allowed else None
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:

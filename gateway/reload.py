@@ -55,17 +55,23 @@ def check_variants(policy: Policy, served: frozenset[str]) -> None:
     for i, rollout in enumerate(policy.rollouts):
         for j, variant in enumerate(rollout.variants):
             if variant.adapter not in served:
-                raise PolicyError(f"rollouts[{i}].variants[{j}].adapter: unknown adapter {variant.adapter!r} "
-                                  "(no upstream serves it)")
+                raise PolicyError(
+                    f"rollouts[{i}].variants[{j}].adapter: unknown adapter {variant.adapter!r} (no upstream serves it)"
+                )
 
 
 class PolicyStore:
-    def __init__(self, policy: Policy, path: Path | None, environ: Mapping[str, str] = os.environ,
-                 share: RollbackShare | None = None,
-                 on_rollback: Callable[[str, RollbackEvent], None] | None = None,
-                 on_reload_error: Callable[[], None] | None = None,
-                 on_reload: Callable[[Policy], None] | None = None,
-                 on_step: Callable[[str, Control], None] | None = None) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        path: Path | None,
+        environ: Mapping[str, str] = os.environ,
+        share: RollbackShare | None = None,
+        on_rollback: Callable[[str, RollbackEvent], None] | None = None,
+        on_reload_error: Callable[[], None] | None = None,
+        on_reload: Callable[[Policy], None] | None = None,
+        on_step: Callable[[str, Control], None] | None = None,
+    ) -> None:
         """`on_reload(policy)` runs after each switch, to apply settings that live outside the policy;
         `on_step(rollout, control)` when a progressive rollout moves on (gateway/progress.py)."""
         self.path = path
@@ -84,8 +90,9 @@ class PolicyStore:
         self.active = self._activate(policy, digest, previous=None)
 
     def _activate(self, policy: Policy, digest: str, previous: Rollouts | None) -> ActivePolicy:
-        rollouts = Rollouts(policy.rollouts, self._share, previous=previous, on_rollback=self._on_rollback,
-                            on_step=self._on_step)
+        rollouts = Rollouts(
+            policy.rollouts, self._share, previous=previous, on_rollback=self._on_rollback, on_step=self._on_step
+        )
         return ActivePolicy(policy, Authenticator(policy, self._environ), rollouts, digest, time.time())
 
     def reload(self, served: frozenset[str] = frozenset(), *, fresh: bool = True) -> ActivePolicy:
@@ -121,8 +128,12 @@ class PolicyStore:
     def describe(self) -> dict[str, Any]:
         active = self.active
         last = None if self.last_error is None else {"message": self.last_error[0], "at": iso_time(self.last_error[1])}
-        return {"policy": active.policy.model_dump(mode="json"), "sha256": active.sha256,
-                "loaded_at": iso_time(active.loaded_at),
-                "path": str(self.path) if self.path is not None else None,
-                "last_error": last, "reload_errors": self.reload_errors,
-                "rollouts": active.rollouts.describe()}
+        return {
+            "policy": active.policy.model_dump(mode="json"),
+            "sha256": active.sha256,
+            "loaded_at": iso_time(active.loaded_at),
+            "path": str(self.path) if self.path is not None else None,
+            "last_error": last,
+            "reload_errors": self.reload_errors,
+            "rollouts": active.rollouts.describe(),
+        }

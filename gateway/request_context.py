@@ -37,8 +37,9 @@ class HeaderLimit:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and sum(len(k) + len(v) for k, v in scope["headers"]) > self.limit:
-            response = error_response(431, "request_header_fields_too_large",
-                                      f"headers: larger than {self.limit} bytes")
+            response = error_response(
+                431, "request_header_fields_too_large", f"headers: larger than {self.limit} bytes"
+            )
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)

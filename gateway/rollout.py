@@ -112,8 +112,7 @@ class RollbackEvent:
     at: float  # wall-clock time
 
     def to_json(self) -> dict[str, Any]:
-        return {"variant": self.variant, "reason": self.reason, "detail": self.detail,
-                "at": iso_time(self.at)}
+        return {"variant": self.variant, "reason": self.reason, "detail": self.detail, "at": iso_time(self.at)}
 
     def dumps(self) -> str:
         return json.dumps({"variant": self.variant, "reason": self.reason, "detail": self.detail, "at": self.at})
@@ -168,11 +167,16 @@ def verdict(bounds: Rollback, variant: str, counts: Counts, wall: float, scope: 
         return None
     span = f"over {n} requests in {bounds.window_s:g} s{scope}"
     if counts.errors / n > bounds.max_error_rate:
-        return RollbackEvent(variant, "error_rate", f"error rate {counts.errors / n:.3f} > {bounds.max_error_rate:g} "
-                        f"{span}", wall)
+        return RollbackEvent(
+            variant, "error_rate", f"error rate {counts.errors / n:.3f} > {bounds.max_error_rate:g} {span}", wall
+        )
     if counts.p99_above_bound():
-        return RollbackEvent(variant, "ttft_p99", f"TTFT p99 > {bounds.max_ttft_p99_ms:g} ms ({counts.slow} of "
-                        f"{counts.timed} slower) {span}", wall)
+        return RollbackEvent(
+            variant,
+            "ttft_p99",
+            f"TTFT p99 > {bounds.max_ttft_p99_ms:g} ms ({counts.slow} of {counts.timed} slower) {span}",
+            wall,
+        )
     return None
 
 
@@ -323,19 +327,33 @@ class RolloutState:
         for v in self.rollout.variants:
             n, errors, p99 = self.windows[v.adapter].stats(now)
             entry: dict[str, Any] = {
-                "adapter": v.adapter, "weight": v.weight,
-                "window": {"requests": n, "errors": errors, "error_rate": round(errors / n, 4) if n else None,
-                           "ttft_p99_ms": round(p99 * 1000, 1) if p99 is not None else None}}
+                "adapter": v.adapter,
+                "weight": v.weight,
+                "window": {
+                    "requests": n,
+                    "errors": errors,
+                    "error_rate": round(errors / n, 4) if n else None,
+                    "ttft_p99_ms": round(p99 * 1000, 1) if p99 is not None else None,
+                },
+            }
             fleet = self.fleet.get(v.adapter)
             if fleet is not None:
-                entry["fleet_window"] = {"requests": fleet.requests, "errors": fleet.errors,
-                                         "timed": fleet.timed, "slow": fleet.slow}
+                entry["fleet_window"] = {
+                    "requests": fleet.requests,
+                    "errors": fleet.errors,
+                    "timed": fleet.timed,
+                    "slow": fleet.slow,
+                }
             variants.append(entry)
         for entry, weight in zip(variants, self.current_weights()):
             entry["current_weight"] = round(weight, 2)
-        return {"name": self.rollout.name, "sticky_key": self.rollout.sticky_key,
-                "rolled_back": self.rolled_back.to_json() if self.rolled_back is not None else None,
-                "control": self.control.to_json(self.rollout), "variants": variants}
+        return {
+            "name": self.rollout.name,
+            "sticky_key": self.rollout.sticky_key,
+            "rolled_back": self.rolled_back.to_json() if self.rolled_back is not None else None,
+            "control": self.control.to_json(self.rollout),
+            "variants": variants,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,10 +374,16 @@ class Rollouts:
     SLICES = 20  # a pooled window is kept in this many time slices (it slides by window_s / SLICES)
     CONTROL_TTL_S = 30 * 24 * 3600  # a rollout's step outlives any gateway restart
 
-    def __init__(self, rollouts: Iterable[Rollout], share: RollbackShare | None = None,
-                 previous: Rollouts | None = None, on_rollback: Callable[[str, RollbackEvent], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 on_step: Callable[[str, Control], None] | None = None) -> None:
+    def __init__(
+        self,
+        rollouts: Iterable[Rollout],
+        share: RollbackShare | None = None,
+        previous: Rollouts | None = None,
+        on_rollback: Callable[[str, RollbackEvent], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        on_step: Callable[[str, Control], None] | None = None,
+    ) -> None:
         """`previous`: the rollouts of the policy this one replaces; unchanged rollouts keep their state.
         `on_step(name, control)`: a progressive rollout moved to its next step (or was promoted) here."""
         self.share = share if share is not None else LocalShare()
@@ -374,8 +398,11 @@ class Rollouts:
         for rollout in rollouts:
             key = f"{self.SHARE_PREFIX}{rollout.name}:{definition_hash(rollout)}"
             kept = old.get(rollout.name)
-            self.states[rollout.name] = (kept if kept is not None and kept.key == key else
-                                         RolloutState(rollout, key, control=Control.initial(rollout, wall())))
+            self.states[rollout.name] = (
+                kept
+                if kept is not None and kept.key == key
+                else RolloutState(rollout, key, control=Control.initial(rollout, wall()))
+            )
 
     def route(self, name: str, tenant: Tenant, header: Callable[[str], str | None]) -> Routed:
         """The variant for one request; 400 for an override naming no variant, 403 for one not allowed."""
@@ -386,13 +413,18 @@ class Rollouts:
             if forced:
                 if forced not in state.windows:
                     names = ", ".join(v.adapter for v in rollout.variants)
-                    raise ApiError(400, "invalid_request_error",
-                                   f"{rollout.override_header}: {shown(forced)} is not a variant of rollout "
-                                   f"{name!r} (one of: {names})")
+                    raise ApiError(
+                        400,
+                        "invalid_request_error",
+                        f"{rollout.override_header}: {shown(forced)} is not a variant of rollout "
+                        f"{name!r} (one of: {names})",
+                    )
                 if not tenant.allows(forced):
-                    raise ApiError(403, "permission_denied",
-                                   f"{rollout.override_header}: adapter {shown(forced)} is not allowed for tenant "
-                                   f"{tenant.id!r}")
+                    raise ApiError(
+                        403,
+                        "permission_denied",
+                        f"{rollout.override_header}: adapter {shown(forced)} is not allowed for tenant {tenant.id!r}",
+                    )
                 return Routed(name, forced, "override")
         if state.rolled_back is not None:
             return Routed(name, rollout.variants[0].adapter, "rollback")
@@ -430,7 +462,7 @@ class Rollouts:
             counts.slow += ttft_s * 1000 > bounds.max_ttft_p99_ms
 
     def _counts_key(self, state: RolloutState, adapter: str, slice_index: int) -> str:
-        return f"{self.COUNTS_PREFIX}{state.key[len(self.SHARE_PREFIX):]}:{adapter}:{slice_index}"
+        return f"{self.COUNTS_PREFIX}{state.key[len(self.SHARE_PREFIX) :]}:{adapter}:{slice_index}"
 
     def _window_keys(self, state: RolloutState, adapter: str, wall: float) -> list[str]:
         """The counts keys of `adapter`'s pooled window ending at `wall`."""
@@ -505,14 +537,16 @@ class Rollouts:
                 # Published once, gone now: another replica's POST /admin/reload started it afresh (or
                 # Redis lost its data: starting over from the first step is the safe direction).
                 state.control = Control.initial(state.rollout, self._wall())
-                logger.info("rollout %r: control state cleared by another replica; back to the start",
-                            state.rollout.name)
+                logger.info(
+                    "rollout %r: control state cleared by another replica; back to the start", state.rollout.name
+                )
 
     async def _publish_controls(self, states: list[RolloutState]) -> None:
         for state in states:
             if state.control_dirty:
-                await self.share.put_newer(state.control_key, state.control.dumps(), state.control.version,
-                                           self.CONTROL_TTL_S)
+                await self.share.put_newer(
+                    state.control_key, state.control.dumps(), state.control.version, self.CONTROL_TTL_S
+                )
                 state.control_dirty = False
 
     async def _pool_counts(self) -> None:
@@ -531,9 +565,12 @@ class Rollouts:
     async def _judge_pooled(self, states: list[RolloutState]) -> None:
         """Read every pooled window of a later variant and roll back where the fleet's counts call for it."""
         wall = self._wall()
-        asks = [(state, v.adapter, self._window_keys(state, v.adapter, wall)) for state in states
-                if state.rollout.rollback is not None and state.rolled_back is None
-                for v in state.rollout.variants[1:]]
+        asks = [
+            (state, v.adapter, self._window_keys(state, v.adapter, wall))
+            for state in states
+            if state.rollout.rollback is not None and state.rolled_back is None
+            for v in state.rollout.variants[1:]
+        ]
         if not asks:
             return
         found = iter(await self.share.read_counts([key for _, _, keys in asks for key in keys]))
@@ -543,8 +580,11 @@ class Rollouts:
                 total.add(Counts.from_fields(next(found)))
             state.fleet[adapter] = total
             assert state.rollout.rollback is not None
-            decided = None if state.rolled_back is not None else verdict(
-                state.rollout.rollback, adapter, total, wall, " across the replicas")
+            decided = (
+                None
+                if state.rolled_back is not None
+                else verdict(state.rollout.rollback, adapter, total, wall, " across the replicas")
+            )
             if decided is not None:
                 self._roll_back(state, decided, published=False)
                 await self.share.publish(state.key, decided.dumps())
@@ -555,15 +595,23 @@ class Rollouts:
         afresh)."""
         wall = self._wall()
         keys = [s.key for s in self.states.values()] + [s.control_key for s in self.states.values()]
-        keys += [key for state in self.states.values() if state.rollout.rollback is not None
-                 for v in state.rollout.variants for key in self._window_keys(state, v.adapter, wall)]
+        keys += [
+            key
+            for state in self.states.values()
+            if state.rollout.rollback is not None
+            for v in state.rollout.variants
+            for key in self._window_keys(state, v.adapter, wall)
+        ]
         self._pending.clear()
         await self.share.clear(keys)
 
     def weights(self) -> dict[tuple[str, str], float]:
         """(rollout, variant) -> the percent of traffic the split sends there now."""
-        return {(name, variant.adapter): weight for name, state in self.states.items()
-                for variant, weight in zip(state.rollout.variants, state.current_weights())}
+        return {
+            (name, variant.adapter): weight
+            for name, state in self.states.items()
+            for variant, weight in zip(state.rollout.variants, state.current_weights())
+        }
 
     def describe(self) -> list[dict[str, Any]]:
         now = self._clock()
@@ -583,18 +631,23 @@ class Rollouts:
             if rollout.steps is None:
                 raise ValueError(f"rollout {name!r} has no steps: there is nothing to {action}")
             if action == "pause" and control.status == PROGRESSING:
-                state.set_control(control.changed(wall, by, f"paused at {rollout.steps[control.step]:g}%",
-                                                  status=PAUSED))
+                state.set_control(
+                    control.changed(wall, by, f"paused at {rollout.steps[control.step]:g}%", status=PAUSED)
+                )
                 changed = True
             elif action == "resume" and control.status == PAUSED:
-                state.set_control(control.changed(wall, by, f"resumed at {rollout.steps[control.step]:g}%",
-                                                  status=PROGRESSING, since=wall))
+                state.set_control(
+                    control.changed(
+                        wall, by, f"resumed at {rollout.steps[control.step]:g}%", status=PROGRESSING, since=wall
+                    )
+                )
                 changed = True
         elif action == "promote":
             if control.status != PROMOTED or state.rolled_back is not None:
                 last = len(rollout.steps) - 1 if rollout.steps is not None else 0
-                state.set_control(control.changed(wall, by, "promoted by an operator", status=PROMOTED,
-                                                  step=last, since=wall))
+                state.set_control(
+                    control.changed(wall, by, "promoted by an operator", status=PROMOTED, step=last, since=wall)
+                )
                 await self._clear_rollback(state)
                 changed = True
         elif action == "rollback":
@@ -605,8 +658,9 @@ class Rollouts:
         elif action == "reset":
             fresh = Control.initial(rollout, wall)
             if state.rolled_back is not None or (control.status, control.step) != (fresh.status, fresh.step):
-                state.set_control(control.changed(wall, by, "reset by an operator", status=fresh.status, step=0,
-                                                  since=wall))
+                state.set_control(
+                    control.changed(wall, by, "reset by an operator", status=fresh.status, step=0, since=wall)
+                )
                 await self._clear_rollback(state)
                 changed = True
         else:
@@ -624,15 +678,22 @@ class Rollouts:
         state.fleet.clear()
         if self.share.shared and state.rollout.rollback is not None:
             wall = self._wall()
-            await self.share.clear([state.key] + [key for v in state.rollout.variants
-                                                  for key in self._window_keys(state, v.adapter, wall)])
+            await self.share.clear(
+                [state.key] + [key for v in state.rollout.variants for key in self._window_keys(state, v.adapter, wall)]
+            )
 
     def _roll_back(self, state: RolloutState, rollback: RollbackEvent, published: bool, adopted: bool = False) -> None:
         state.rolled_back = rollback
         state.published = published
         first = state.rollout.variants[0].adapter
-        logger.warning("rollout %r rolled back to %r%s: variant %r, %s", state.rollout.name, first,
-                       " (decided by another replica)" if adopted else "", rollback.variant, rollback.detail)
+        logger.warning(
+            "rollout %r rolled back to %r%s: variant %r, %s",
+            state.rollout.name,
+            first,
+            " (decided by another replica)" if adopted else "",
+            rollback.variant,
+            rollback.detail,
+        )
         if self._on_rollback is not None and not adopted:
             self._on_rollback(state.rollout.name, rollback)
 

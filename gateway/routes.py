@@ -32,8 +32,10 @@ class Api:
         ids = [(b, None) for b in sorted(models.bases)]
         ids += [(a, base) for a in sorted(models.adapters) if tenant.allows(a)]
         ids += [(r.name, base) for r in active.policy.rollouts if tenant.allows(r.name)]
-        cards = [{"id": i, "object": "model", "created": self.created, "owned_by": "loragate", "root": i,
-                  "parent": parent} for i, parent in ids]
+        cards = [
+            {"id": i, "object": "model", "created": self.created, "owned_by": "loragate", "root": i, "parent": parent}
+            for i, parent in ids
+        ]
         return JSONResponse(list_body(cards), headers=self.gw.known_headers(tenant.id))
 
     async def healthz(self, request: Request) -> Response:
@@ -41,12 +43,17 @@ class Api:
 
     async def readyz(self, request: Request) -> Response:
         if self.gw.draining:
-            raise ApiError(503, "service_unavailable", "draining",
-                           {"Retry-After": "1", "X-Loragate-Reason": "draining"})
+            raise ApiError(
+                503, "service_unavailable", "draining", {"Retry-After": "1", "X-Loragate-Reason": "draining"}
+            )
         fails_closed = self.gw.store.active.policy.ratelimit.on_redis_error == "closed"
         if fails_closed and not await self.gw.limiter.healthy():
-            raise ApiError(503, "service_unavailable", "the rate limiter's store is unreachable",
-                           {"Retry-After": "1", "X-Loragate-Reason": "ratelimit_unavailable"})
+            raise ApiError(
+                503,
+                "service_unavailable",
+                "the rate limiter's store is unreachable",
+                {"Retry-After": "1", "X-Loragate-Reason": "ratelimit_unavailable"},
+            )
         return JSONResponse({"status": "ready"})
 
     async def metrics_text(self, request: Request) -> Response:
@@ -62,8 +69,7 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return error_response(exc.status_code, type_, f"{request.method} {request.url.path}: {exc.detail}",
-                          exc.headers)
+    return error_response(exc.status_code, type_, f"{request.method} {request.url.path}: {exc.detail}", exc.headers)
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
@@ -72,4 +78,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 HANDLERS: dict[Any, Callable[..., Awaitable[Response]]] = {
-    ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}
+    ApiError: _api_error,
+    HTTPException: _http_error,
+    Exception: _server_error,
+}

@@ -18,10 +18,21 @@ logger = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 30.0  # after SIGTERM, requests in flight get this long to finish
 
 
-def serve(policy_path: Path, upstreams: list[str], redis_url: str | None, host: str, port: int, *,
-          max_body_bytes: int = 1 << 20, log_level: str = "info", policy: Policy | None = None,
-          drain_timeout_s: float = DRAIN_TIMEOUT_S, limits: ConnectionLimits = ConnectionLimits(),
-          discovery: DnsUpstreams | None = None, clear_overrides: bool = False) -> None:
+def serve(
+    policy_path: Path,
+    upstreams: list[str],
+    redis_url: str | None,
+    host: str,
+    port: int,
+    *,
+    max_body_bytes: int = 1 << 20,
+    log_level: str = "info",
+    policy: Policy | None = None,
+    drain_timeout_s: float = DRAIN_TIMEOUT_S,
+    limits: ConnectionLimits = ConnectionLimits(),
+    discovery: DnsUpstreams | None = None,
+    clear_overrides: bool = False,
+) -> None:
     """Serve the gateway until SIGINT/SIGTERM. `policy`, if given, is `policy_path` already loaded.
 
     On the first signal the gateway stops admitting (503 draining, /readyz 503) but keeps listening until
@@ -31,11 +42,26 @@ def serve(policy_path: Path, upstreams: list[str], redis_url: str | None, host: 
     setup_tracing("loragate-gateway")
     limiter = make_limiter(redis_url, policy)
     share = RedisShare(redis_url) if redis_url is not None else None  # rollbacks, shared like the limits
-    app = build_app(policy, upstreams, limiter, max_body_bytes=max_body_bytes, policy_path=policy_path,
-                    rollback_share=share, discovery=discovery, clear_overrides=clear_overrides)
+    app = build_app(
+        policy,
+        upstreams,
+        limiter,
+        max_body_bytes=max_body_bytes,
+        policy_path=policy_path,
+        rollback_share=share,
+        discovery=discovery,
+        clear_overrides=clear_overrides,
+    )
     gateway = app.state.gateway
     engines = list(upstreams) + ([f"dns:{discovery.name}:{discovery.port}"] if discovery is not None else [])
     logger.info("gateway on http://%s:%d/v1 in front of %s", host, port, ", ".join(engines))
-    serve_app(app, host, port, begin_drain=gateway.drain,
-              is_idle=lambda: sum(gateway.admission.inflight().values()) == 0,
-              drain_timeout_s=drain_timeout_s, limits=limits, log_level=log_level)
+    serve_app(
+        app,
+        host,
+        port,
+        begin_drain=gateway.drain,
+        is_idle=lambda: sum(gateway.admission.inflight().values()) == 0,
+        drain_timeout_s=drain_timeout_s,
+        limits=limits,
+        log_level=log_level,
+    )

@@ -36,11 +36,17 @@ _tracer = trace.get_tracer("loragate.gateway")  # a proxy: follows whatever prov
 class _Bound:
     """The scrape-time callbacks given to `GatewayMetrics.bind`."""
 
-    def __init__(self, queue_depths: Callable[[], dict[str, int]], inflight: Callable[[], dict[str, int]],
-                 breaker_states: Callable[[], dict[str, str]], redis_errors: Callable[[], int],
-                 rolled_back: Callable[[], dict[str, bool]], spills: Callable[[], int],
-                 rollout_weights: Callable[[], dict[tuple[str, str], float]],
-                 overrides: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        queue_depths: Callable[[], dict[str, int]],
+        inflight: Callable[[], dict[str, int]],
+        breaker_states: Callable[[], dict[str, str]],
+        redis_errors: Callable[[], int],
+        rolled_back: Callable[[], dict[str, bool]],
+        spills: Callable[[], int],
+        rollout_weights: Callable[[], dict[tuple[str, str], float]],
+        overrides: Callable[[], dict[str, Any]],
+    ) -> None:
         self.queue_depths = queue_depths
         self.rollout_weights = rollout_weights
         self.overrides = overrides
@@ -64,48 +70,67 @@ class _StateCollector:
         bound = self.bound
         if bound is None:
             return
-        queue = GaugeMetricFamily("loragate_gateway_queue_depth", "Requests queued for admission, by "
-                                  "priority band.", labels=["band"])
+        queue = GaugeMetricFamily(
+            "loragate_gateway_queue_depth", "Requests queued for admission, by priority band.", labels=["band"]
+        )
         for band, depth in sorted(bound.queue_depths().items()):
             queue.add_metric([band], depth)
         yield queue
-        inflight = GaugeMetricFamily("loragate_gateway_inflight", "Requests in flight to each upstream.",
-                                     labels=["upstream"])
+        inflight = GaugeMetricFamily(
+            "loragate_gateway_inflight", "Requests in flight to each upstream.", labels=["upstream"]
+        )
         for upstream, count in sorted(bound.inflight().items()):
             inflight.add_metric([upstream], count)
         yield inflight
-        breaker = GaugeMetricFamily("loragate_gateway_breaker_state", "Circuit breaker of each upstream: "
-                                    "0 closed, 1 half_open, 2 open.", labels=["upstream", "state"])
+        breaker = GaugeMetricFamily(
+            "loragate_gateway_breaker_state",
+            "Circuit breaker of each upstream: 0 closed, 1 half_open, 2 open.",
+            labels=["upstream", "state"],
+        )
         for upstream, state in sorted(bound.breaker_states().items()):
             breaker.add_metric([upstream, state], BREAKER_STATES[state])
         yield breaker
-        yield CounterMetricFamily("loragate_gateway_redis_errors", "Rate limiter calls that failed to "
-                                  "reach Redis.", value=bound.redis_errors())
-        rolled = GaugeMetricFamily("loragate_gateway_rollout_rolled_back", "1 while a rollout serves only its "
-                                   "first variant after an automatic rollback.", labels=["rollout"])
+        yield CounterMetricFamily(
+            "loragate_gateway_redis_errors",
+            "Rate limiter calls that failed to reach Redis.",
+            value=bound.redis_errors(),
+        )
+        rolled = GaugeMetricFamily(
+            "loragate_gateway_rollout_rolled_back",
+            "1 while a rollout serves only its first variant after an automatic rollback.",
+            labels=["rollout"],
+        )
         for rollout, flag in sorted(bound.rolled_back().items()):
             rolled.add_metric([rollout], int(flag))
         yield rolled
-        weights = GaugeMetricFamily("loragate_gateway_rollout_weight", "Percent of a rollout's traffic each "
-                                    "variant gets now (a progressive rollout's step, a promotion, a rollback).",
-                                    labels=["rollout", "variant"])
+        weights = GaugeMetricFamily(
+            "loragate_gateway_rollout_weight",
+            "Percent of a rollout's traffic each "
+            "variant gets now (a progressive rollout's step, a promotion, a rollback).",
+            labels=["rollout", "variant"],
+        )
         for (rollout, variant), weight in sorted(bound.rollout_weights().items()):
             weights.add_metric([rollout, variant], weight)
         yield weights
         overrides = bound.overrides()
-        drained = GaugeMetricFamily("loragate_gateway_upstream_drained", "1 for an upstream an operator drained.",
-                                    labels=["upstream"])
+        drained = GaugeMetricFamily(
+            "loragate_gateway_upstream_drained", "1 for an upstream an operator drained.", labels=["upstream"]
+        )
         for entry in overrides.get("drained_upstreams", ()):
             drained.add_metric([entry["target"]], 1)
         yield drained
-        suspended = GaugeMetricFamily("loragate_gateway_tenant_suspended", "1 for a tenant an operator "
-                                      "suspended.", labels=["tenant"])
+        suspended = GaugeMetricFamily(
+            "loragate_gateway_tenant_suspended", "1 for a tenant an operator suspended.", labels=["tenant"]
+        )
         for entry in overrides.get("suspended_tenants", ()):
             suspended.add_metric([entry["target"]], 1)
         yield suspended
-        yield CounterMetricFamily("loragate_gateway_affinity_spills", "Adapter requests sent to another "
-                                  "upstream because their preferred one had spill_inflight requests in flight.",
-                                  value=bound.spills())
+        yield CounterMetricFamily(
+            "loragate_gateway_affinity_spills",
+            "Adapter requests sent to another "
+            "upstream because their preferred one had spill_inflight requests in flight.",
+            value=bound.spills(),
+        )
 
 
 class GatewayMetrics:
@@ -113,47 +138,81 @@ class GatewayMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.requests = Counter("loragate_gateway_requests", "Requests answered, by tenant, adapter, "
-                                "HTTP status and X-Loragate-Reason (empty when none).",
-                                ["tenant", "adapter", "status", "reason"], registry=self.registry)
-        self.duration = Histogram("loragate_gateway_request_duration_seconds", "Arrival to the last byte "
-                                  "of the response, by adapter and status class (2xx, 4xx, ...).",
-                                  ["adapter", "status_class"], buckets=_DURATION_BUCKETS,
-                                  registry=self.registry)
-        self.ttft = Histogram("loragate_gateway_time_to_first_token_seconds", "Arrival to the first "
-                              "generated token reaching the client.", ["adapter"], buckets=_TTFT_BUCKETS,
-                              registry=self.registry)
-        self.tpot = Histogram("loragate_gateway_time_per_output_token_seconds", "Mean time between "
-                              "output tokens after the first, per request.", ["adapter"],
-                              buckets=_TPOT_BUCKETS, registry=self.registry)
-        self.ratelimit = Counter("loragate_gateway_ratelimit_decisions", "Rate limiter decisions.",
-                                 ["decision"], registry=self.registry)
+        self.requests = Counter(
+            "loragate_gateway_requests",
+            "Requests answered, by tenant, adapter, HTTP status and X-Loragate-Reason (empty when none).",
+            ["tenant", "adapter", "status", "reason"],
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "loragate_gateway_request_duration_seconds",
+            "Arrival to the last byte of the response, by adapter and status class (2xx, 4xx, ...).",
+            ["adapter", "status_class"],
+            buckets=_DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "loragate_gateway_time_to_first_token_seconds",
+            "Arrival to the first generated token reaching the client.",
+            ["adapter"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "loragate_gateway_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request.",
+            ["adapter"],
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.ratelimit = Counter(
+            "loragate_gateway_ratelimit_decisions", "Rate limiter decisions.", ["decision"], registry=self.registry
+        )
         for decision in RATELIMIT_DECISIONS:  # every series exists from the start (rate() needs a 0)
             self.ratelimit.labels(decision)
-        self.reload_errors = Counter("loragate_gateway_policy_reload_errors", "Policy reloads refused (the "
-                                     "last good policy stayed active).", registry=self.registry)
-        self.rollout_requests = Counter("loragate_gateway_rollout_requests", "Requests of a rollout that "
-                                        "reached a variant, by rollout, variant and result (ok or error).",
-                                        ["rollout", "variant", "result"], registry=self.registry)
-        self.rollout_ttft = Histogram("loragate_gateway_rollout_time_to_first_token_seconds", "Arrival to the "
-                                      "first token (a whole answer: to the answer) of a rollout's successful "
-                                      "requests, by variant.", ["rollout", "variant"], buckets=_TTFT_BUCKETS,
-                                      registry=self.registry)
-        self.rollbacks = Counter("loragate_gateway_rollout_rollbacks", "Automatic rollbacks this replica "
-                                 "decided, by rollout and the bound broken (error_rate or ttft_p99).",
-                                 ["rollout", "reason"], registry=self.registry)
-        self.rollout_steps = Counter("loragate_gateway_rollout_steps", "Progressive rollout steps this replica "
-                                     "took, by rollout and the status reached (progressing or promoted).",
-                                     ["rollout", "status"], registry=self.registry)
-        self.admin_actions = Counter("loragate_gateway_admin_actions", "Operator actions through the admin "
-                                     "API, by action and whether it changed anything.", ["action", "changed"],
-                                     registry=self.registry)
+        self.reload_errors = Counter(
+            "loragate_gateway_policy_reload_errors",
+            "Policy reloads refused (the last good policy stayed active).",
+            registry=self.registry,
+        )
+        self.rollout_requests = Counter(
+            "loragate_gateway_rollout_requests",
+            "Requests of a rollout that reached a variant, by rollout, variant and result (ok or error).",
+            ["rollout", "variant", "result"],
+            registry=self.registry,
+        )
+        self.rollout_ttft = Histogram(
+            "loragate_gateway_rollout_time_to_first_token_seconds",
+            "Arrival to the "
+            "first token (a whole answer: to the answer) of a rollout's successful "
+            "requests, by variant.",
+            ["rollout", "variant"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.rollbacks = Counter(
+            "loragate_gateway_rollout_rollbacks",
+            "Automatic rollbacks this replica decided, by rollout and the bound broken (error_rate or ttft_p99).",
+            ["rollout", "reason"],
+            registry=self.registry,
+        )
+        self.rollout_steps = Counter(
+            "loragate_gateway_rollout_steps",
+            "Progressive rollout steps this replica took, by rollout and the status reached (progressing or promoted).",
+            ["rollout", "status"],
+            registry=self.registry,
+        )
+        self.admin_actions = Counter(
+            "loragate_gateway_admin_actions",
+            "Operator actions through the admin API, by action and whether it changed anything.",
+            ["action", "changed"],
+            registry=self.registry,
+        )
         self._tallies: dict[str, list[int]] = {}  # tenant -> [requests, shed, errors], for the ops page
         self._state = _StateCollector()
         self.registry.register(self._state)
 
-    def observe_request(self, tenant: str, adapter: str, status: int, reason: str | None,
-                        duration_s: float) -> None:
+    def observe_request(self, tenant: str, adapter: str, status: int, reason: str | None, duration_s: float) -> None:
         self.requests.labels(tenant, adapter, str(status), reason or "").inc()
         tally = self._tallies.setdefault(tenant, [0, 0, 0])
         tally[0] += 1
@@ -192,33 +251,45 @@ class GatewayMetrics:
     def count_reload_error(self) -> None:
         self.reload_errors.inc()
 
-    def bind(self, *, queue_depths: Callable[[], dict[str, int]], inflight: Callable[[], dict[str, int]],
-             breaker_states: Callable[[], dict[str, str]], redis_errors: Callable[[], int],
-             rolled_back: Callable[[], dict[str, bool]] = dict, spills: Callable[[], int] = int,
-             rollout_weights: Callable[[], dict[tuple[str, str], float]] = dict,
-             overrides: Callable[[], dict[str, Any]] = dict) -> None:
+    def bind(
+        self,
+        *,
+        queue_depths: Callable[[], dict[str, int]],
+        inflight: Callable[[], dict[str, int]],
+        breaker_states: Callable[[], dict[str, str]],
+        redis_errors: Callable[[], int],
+        rolled_back: Callable[[], dict[str, bool]] = dict,
+        spills: Callable[[], int] = int,
+        rollout_weights: Callable[[], dict[tuple[str, str], float]] = dict,
+        overrides: Callable[[], dict[str, Any]] = dict,
+    ) -> None:
         """Read these at each scrape; binding again replaces the callbacks."""
-        self._state.bound = _Bound(queue_depths, inflight, breaker_states, redis_errors, rolled_back, spills,
-                                   rollout_weights, overrides)
+        self._state.bound = _Bound(
+            queue_depths, inflight, breaker_states, redis_errors, rolled_back, spills, rollout_weights, overrides
+        )
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
 @contextmanager
-def request_span(operation: str, model: str, *, tenant: str, adapter: str,
-                 priority: str) -> Iterator[Span]:
+def request_span(operation: str, model: str, *, tenant: str, adapter: str, priority: str) -> Iterator[Span]:
     """The current SERVER span of one gateway request; an exception is recorded, marks it an error and
     is re-raised. Upstream calls made inside it carry its context (`inject_headers`)."""
-    attributes = {"gen_ai.operation.name": operation, "gen_ai.request.model": model,
-                  "loragate.tenant": tenant, "loragate.adapter": adapter, "loragate.priority": priority}
-    with _tracer.start_as_current_span(f"{operation} {model}", kind=SpanKind.SERVER,
-                                       attributes=attributes) as span:
+    attributes = {
+        "gen_ai.operation.name": operation,
+        "gen_ai.request.model": model,
+        "loragate.tenant": tenant,
+        "loragate.adapter": adapter,
+        "loragate.priority": priority,
+    }
+    with _tracer.start_as_current_span(f"{operation} {model}", kind=SpanKind.SERVER, attributes=attributes) as span:
         yield span
 
 
-def finish_span(span: Span, *, status_code: int, outcome: str, input_tokens: int | None = None,
-                output_tokens: int | None = None) -> None:
+def finish_span(
+    span: Span, *, status_code: int, outcome: str, input_tokens: int | None = None, output_tokens: int | None = None
+) -> None:
     """What the request came to: status, outcome (e.g. "ok" or an X-Loragate-Reason) and token usage.
 
     Only a server-side failure (>= 500) marks the span as an error: a 4xx is the client's.

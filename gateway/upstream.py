@@ -25,8 +25,9 @@ CONNECT_TIMEOUT_S = 2.0
 DEFAULT_READ_TIMEOUT_S = 300.0  # the longest gap between two bytes of an upstream answer
 
 
-def make_client(max_inflight_per_upstream: int, num_upstreams: int,
-                read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> httpx.AsyncClient:
+def make_client(
+    max_inflight_per_upstream: int, num_upstreams: int, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+) -> httpx.AsyncClient:
     """One pooled client for every upstream.
 
     The number of connections is not capped here: admission already bounds the requests in flight, and
@@ -55,8 +56,13 @@ _EMPTY = Models(frozenset(), frozenset())
 
 
 class UpstreamCatalog:
-    def __init__(self, upstreams: Callable[[], list[Upstream]], client: httpx.AsyncClient,
-                 clock: Callable[[], float] = time.monotonic, ttl_s: float = CATALOG_TTL_S) -> None:
+    def __init__(
+        self,
+        upstreams: Callable[[], list[Upstream]],
+        client: httpx.AsyncClient,
+        clock: Callable[[], float] = time.monotonic,
+        ttl_s: float = CATALOG_TTL_S,
+    ) -> None:
         """`upstreams()`: the current upstreams (they change when engines are discovered)."""
         self.upstreams = upstreams
         self.client = client
@@ -99,8 +105,9 @@ class UpstreamCatalog:
         # After a failure everywhere, look again in a second instead of a whole TTL.
         self._fetched_at = self._clock() - (0.0 if good else max(0.0, self._ttl_s - 1.0))
         if good:
-            self._models = Models(frozenset().union(*(m.bases for m in good)),
-                                  frozenset().union(*(m.adapters for m in good)))
+            self._models = Models(
+                frozenset().union(*(m.bases for m in good)), frozenset().union(*(m.adapters for m in good))
+            )
 
     async def _fetch(self, url: str) -> Models | None:
         try:

@@ -133,6 +133,9 @@ class PolicyWatcher:
 
     def _note_missing(self, exc: OSError) -> None:
         if not self._missing:
-            logger.warning("policy file %s is missing or unreadable (%s); keeping the current policy until "
-                           "it is back", self.path, exc.strerror or exc)
+            logger.warning(
+                "policy file %s is missing or unreadable (%s); keeping the current policy until it is back",
+                self.path,
+                exc.strerror or exc,
+            )
             self._missing = True

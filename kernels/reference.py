@@ -28,8 +28,9 @@ def _ints(values: IntSeq) -> Sequence[int]:
     return values.tolist() if isinstance(values, torch.Tensor) else values
 
 
-def _segments(seg_starts: IntSeq, seg_slots: IntSeq, ranks: IntSeq, first: torch.Tensor,
-              second: torch.Tensor) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+def _segments(
+    seg_starts: IntSeq, seg_slots: IntSeq, ranks: IntSeq, first: torch.Tensor, second: torch.Tensor
+) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """(slot, rank, first's rows, second's rows) for every segment that has rows and a nonzero rank.
 
     The row blocks come from one `split` per tensor (cheaper than slicing per segment)."""
@@ -40,7 +41,8 @@ def _segments(seg_starts: IntSeq, seg_slots: IntSeq, ranks: IntSeq, first: torch
     sizes = [hi - lo for lo, hi in zip(starts, starts[1:])]
     lo, hi = starts[0], starts[-1]
     assert lo >= 0 and min(sizes) >= 0 and hi <= first.shape[0], (
-        f"seg_starts must be nondecreasing within [0, {first.shape[0]}]: {starts}")
+        f"seg_starts must be nondecreasing within [0, {first.shape[0]}]: {starts}"
+    )
     firsts, seconds = first[lo:hi].split(sizes), second[lo:hi].split(sizes)
     return [(k, rank_of[k], firsts[s], seconds[s]) for s, k in enumerate(slots) if rank_of[k] and sizes[s]]
 
@@ -50,23 +52,25 @@ def _spans(seg_starts: IntSeq, seg_slots: IntSeq, num_rows: int) -> list[tuple[i
     starts, slots = _ints(seg_starts), _ints(seg_slots)
     assert len(starts) == len(slots) + 1, "seg_starts must have one more entry than seg_slots"
     assert all(0 <= lo <= hi <= num_rows for lo, hi in zip(starts, starts[1:])), (
-        f"seg_starts must be nondecreasing within [0, {num_rows}]: {starts}")
+        f"seg_starts must be nondecreasing within [0, {num_rows}]: {starts}"
+    )
     return [(k, lo, hi) for k, lo, hi in zip(slots, starts, starts[1:]) if hi > lo]
 
 
 def _view_t(pool: torch.Tensor, offset: int, rows: int, cols: int) -> torch.Tensor:
     """The transpose `[cols, rows]` of the row-major matrix `[rows, cols]` at `offset` in `pool`, a view."""
     assert 0 <= offset and offset + rows * cols <= pool.numel(), (
-        f"matrix [{rows}, {cols}] at offset {offset} overruns a pool of {pool.numel()} elements")
+        f"matrix [{rows}, {cols}] at offset {offset} overruns a pool of {pool.numel()} elements"
+    )
     return pool.as_strided((cols, rows), (1, cols), pool.storage_offset() + offset)
 
 
 def _check(out: torch.Tensor, inp: torch.Tensor, pool: torch.Tensor) -> None:
     assert out.dim() == inp.dim() == 2 and out.shape[0] == inp.shape[0], (
-        f"row counts differ: {tuple(out.shape)} vs {tuple(inp.shape)}")
+        f"row counts differ: {tuple(out.shape)} vs {tuple(inp.shape)}"
+    )
     assert pool.dim() == 1 and pool.is_contiguous(), "pool must be a contiguous 1-D tensor"
-    assert out.dtype == inp.dtype == pool.dtype, (
-        f"dtypes differ: out {out.dtype}, input {inp.dtype}, pool {pool.dtype}")
+    assert out.dtype == inp.dtype == pool.dtype, f"dtypes differ: out {out.dtype}, input {inp.dtype}, pool {pool.dtype}"
 
 
 def lora_sgmv(
@@ -104,7 +108,7 @@ def lora_sgmv(
     d_in, d_out = x.shape[1], y.shape[1]
     a_off, b_off = _ints(a_offsets), _ints(b_offsets)
     for k, r, x_rows, y_rows in _segments(seg_starts, seg_slots, ranks, x, y):
-        a_t = _view_t(pool, a_off[k], r, d_in)   # [in, r]
+        a_t = _view_t(pool, a_off[k], r, d_in)  # [in, r]
         b_t = _view_t(pool, b_off[k], d_out, r)  # [r, out]
         y_rows.addmm_(torch.mm(x_rows, a_t), b_t)
 
@@ -248,5 +252,5 @@ def lora_sgmv_group(
         for m, r in enumerate(module_ranks):
             if r:
                 out = out_blocks[m][s]
-                out.addmm_(h[:, c:c + r], _view_t(pool, b_off[m][k], out.shape[1], r))
+                out.addmm_(h[:, c : c + r], _view_t(pool, b_off[m][k], out.shape[1], r))
                 c += r

@@ -47,8 +47,13 @@ class SgmvPlan:
     num_tiles: int
 
 
-def plan_segments(seg_starts: Sequence[int], seg_slots: Sequence[int], device: torch.device,
-                  block_m: int = BLOCK_M, skip_slot: int | None = None) -> SgmvPlan:
+def plan_segments(
+    seg_starts: Sequence[int],
+    seg_slots: Sequence[int],
+    device: torch.device,
+    block_m: int = BLOCK_M,
+    skip_slot: int | None = None,
+) -> SgmvPlan:
     """Split every non-empty segment into row tiles of `block_m` (segments of `skip_slot`, rows without an
     adapter, get none)."""
     slots, starts, ends = [], [], []
@@ -81,10 +86,24 @@ class GroupTables:
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, pool_ptr, h_ptr, tile_slot, tile_start, tile_end, a_offsets, rank_total,
-                   in_features, stride_x, stride_h,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   CAST_FP32: tl.constexpr, IEEE: tl.constexpr):
+def _shrink_kernel(
+    x_ptr,
+    pool_ptr,
+    h_ptr,
+    tile_slot,
+    tile_start,
+    tile_end,
+    a_offsets,
+    rank_total,
+    in_features,
+    stride_x,
+    stride_h,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAST_FP32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     tile = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     slot = tl.load(tile_slot + tile)
@@ -102,10 +121,14 @@ def _shrink_kernel(x_ptr, pool_ptr, h_ptr, tile_slot, tile_start, tile_end, a_of
     for k0 in range(0, in_features, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < in_features
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(pool_ptr + a_base + ns[:, None].to(tl.int64) * in_features + ks[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # A rows of this slot only
+        x = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        a = tl.load(
+            pool_ptr + a_base + ns[:, None].to(tl.int64) * in_features + ks[None, :],
+            mask=n_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # A rows of this slot only
         if CAST_FP32:
             x = x.to(tl.float32)
             a = a.to(tl.float32)
@@ -113,15 +136,32 @@ def _shrink_kernel(x_ptr, pool_ptr, h_ptr, tile_slot, tile_start, tile_end, a_of
             acc += tl.dot(x, tl.trans(a), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(a))
-    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_h + ns[None, :], acc,
-             mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_h + ns[None, :], acc, mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _expand_kernel(h_ptr, pool_ptr, y_ptr, tile_slot, tile_start, tile_end, ranks, b_offsets, h_cols,
-                   n_tile_module, n_tile_col, out_cols, num_slots, stride_h, stride_y,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   CAST_FP32: tl.constexpr, IEEE: tl.constexpr):
+def _expand_kernel(
+    h_ptr,
+    pool_ptr,
+    y_ptr,
+    tile_slot,
+    tile_start,
+    tile_end,
+    ranks,
+    b_offsets,
+    h_cols,
+    n_tile_module,
+    n_tile_col,
+    out_cols,
+    num_slots,
+    stride_h,
+    stride_y,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAST_FP32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     tile = tl.program_id(0)
     n_tile = tl.program_id(1)
     module = tl.load(n_tile_module + n_tile)
@@ -144,10 +184,16 @@ def _expand_kernel(h_ptr, pool_ptr, y_ptr, tile_slot, tile_start, tile_end, rank
     for k0 in range(0, r, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < r
-        h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + h_col + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(pool_ptr + b_base + js[:, None].to(tl.int64) * r + ks[None, :],
-                    mask=j_ok[:, None] & k_ok[None, :], other=0.0)  # B [out_m, r] of this slot only
+        h = tl.load(
+            h_ptr + rows[:, None].to(tl.int64) * stride_h + h_col + ks[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            pool_ptr + b_base + js[:, None].to(tl.int64) * r + ks[None, :],
+            mask=j_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # B [out_m, r] of this slot only
         b = b.to(tl.float32)  # h is fp32: the product accumulates in fp32
         if IEEE:
             acc += tl.dot(h, tl.trans(b), input_precision="ieee")
@@ -159,8 +205,9 @@ def _expand_kernel(h_ptr, pool_ptr, y_ptr, tile_slot, tile_start, tile_end, rank
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
-def column_tiles(out_cols: Sequence[int], device: torch.device,
-                 block_n: int = BLOCK_N) -> tuple[torch.Tensor, torch.Tensor]:
+def column_tiles(
+    out_cols: Sequence[int], device: torch.device, block_n: int = BLOCK_N
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(module, first column within the module) of every output tile of a group: static per model."""
     modules, cols = [], []
     for m, (lo, hi) in enumerate(zip(out_cols, out_cols[1:])):
@@ -171,9 +218,16 @@ def column_tiles(out_cols: Sequence[int], device: torch.device,
     return table[0], table[1]
 
 
-def lora_sgmv_group_triton(y: torch.Tensor, x: torch.Tensor, plan: SgmvPlan, pool: torch.Tensor,
-                           tables: GroupTables, out_cols: torch.Tensor, n_tiles: tuple[torch.Tensor, torch.Tensor],
-                           max_rank: int) -> None:
+def lora_sgmv_group_triton(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    plan: SgmvPlan,
+    pool: torch.Tensor,
+    tables: GroupTables,
+    out_cols: torch.Tensor,
+    n_tiles: tuple[torch.Tensor, torch.Tensor],
+    max_rank: int,
+) -> None:
     """Add each segment's LoRA deltas for one module group to its fused output `y`, in place: the same
     result as kernels/reference.py `lora_sgmv_group`, with the index tables as device tensors.
 
@@ -201,7 +255,8 @@ def lora_sgmv_group_triton(y: torch.Tensor, x: torch.Tensor, plan: SgmvPlan, poo
         max_rank:  int                 at least every slot's rank_total (sizes the fp32 buffer h)
     """
     assert y.dtype == x.dtype == pool.dtype and pool.dim() == 1 and pool.is_contiguous(), (
-        f"dtypes and layout: y {y.dtype}, x {x.dtype}, pool {pool.dtype} (contiguous 1-D)")
+        f"dtypes and layout: y {y.dtype}, x {x.dtype}, pool {pool.dtype} (contiguous 1-D)"
+    )
     assert x.stride(1) == 1 and y.stride(1) == 1, "x and y need contiguous columns"
     assert min(BLOCK_M, BLOCK_N, BLOCK_K) >= 16, "tl.dot needs blocks of at least 16 on a GPU"
     if plan.num_tiles == 0 or max_rank == 0:
@@ -210,12 +265,45 @@ def lora_sgmv_group_triton(y: torch.Tensor, x: torch.Tensor, plan: SgmvPlan, poo
     cast = INTERPRETING  # the interpreter's bf16 dot is wrong: it gets fp32 operands
     ieee = x.dtype == torch.float32  # fp32 dots in IEEE precision, not tf32
     grid = (plan.num_tiles, triton.cdiv(max_rank, BLOCK_N))
-    _shrink_kernel[grid](x, pool, h, plan.tile_slot, plan.tile_start, plan.tile_end, tables.a_offsets,
-                         tables.rank_total, x.shape[1], x.stride(0), h.stride(0),
-                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, CAST_FP32=cast, IEEE=ieee)
+    _shrink_kernel[grid](
+        x,
+        pool,
+        h,
+        plan.tile_slot,
+        plan.tile_start,
+        plan.tile_end,
+        tables.a_offsets,
+        tables.rank_total,
+        x.shape[1],
+        x.stride(0),
+        h.stride(0),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        CAST_FP32=cast,
+        IEEE=ieee,
+    )
     n_tile_module, n_tile_col = n_tiles
     grid = (plan.num_tiles, n_tile_module.numel())
-    _expand_kernel[grid](h, pool, y, plan.tile_slot, plan.tile_start, plan.tile_end, tables.ranks,
-                         tables.b_offsets, tables.h_cols, n_tile_module, n_tile_col, out_cols,
-                         tables.ranks.shape[1], h.stride(0), y.stride(0),
-                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, CAST_FP32=cast, IEEE=True)
+    _expand_kernel[grid](
+        h,
+        pool,
+        y,
+        plan.tile_slot,
+        plan.tile_start,
+        plan.tile_end,
+        tables.ranks,
+        tables.b_offsets,
+        tables.h_cols,
+        n_tile_module,
+        n_tile_col,
+        out_cols,
+        tables.ranks.shape[1],
+        h.stride(0),
+        y.stride(0),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        CAST_FP32=cast,
+        IEEE=True,
+    )

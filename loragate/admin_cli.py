@@ -33,15 +33,26 @@ TIMEOUT_S = 30.0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("admin", help="operator actions on a running gateway (admin key from the environment)",
-                       description="Steer a running gateway through its admin API: rollouts, upstreams, "
-                                   "tenants. The admin key is read from the environment (--key-env).")
-    p.add_argument("--url", default=os.environ.get("LORAGATE_URL", DEFAULT_URL),
-                   help="the gateway's base URL (default: $LORAGATE_URL, else %(default)s)")
-    p.add_argument("--key-env", default="LORAGATE_ADMIN_KEY", metavar="NAME",
-                   help="the environment variable holding the admin key (default: %(default)s)")
-    actions = p.add_subparsers(dest="admin_command", required=True,
-                               metavar="{status,rollout,upstream,tenant,overrides,reload}")
+    p = sub.add_parser(
+        "admin",
+        help="operator actions on a running gateway (admin key from the environment)",
+        description="Steer a running gateway through its admin API: rollouts, upstreams, "
+        "tenants. The admin key is read from the environment (--key-env).",
+    )
+    p.add_argument(
+        "--url",
+        default=os.environ.get("LORAGATE_URL", DEFAULT_URL),
+        help="the gateway's base URL (default: $LORAGATE_URL, else %(default)s)",
+    )
+    p.add_argument(
+        "--key-env",
+        default="LORAGATE_ADMIN_KEY",
+        metavar="NAME",
+        help="the environment variable holding the admin key (default: %(default)s)",
+    )
+    actions = p.add_subparsers(
+        dest="admin_command", required=True, metavar="{status,rollout,upstream,tenant,overrides,reload}"
+    )
     actions.add_parser("status", help="print GET /admin/policy")
     rollout = actions.add_parser("rollout", help="pause, resume, promote, roll back or reset a rollout")
     rollout.add_argument("name")

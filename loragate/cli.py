@@ -44,6 +44,7 @@ _DEFAULT_POLICY = Path(__file__).resolve().parents[1] / "policies" / "default.ya
 
 def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
     """An argparse type: an integer >= minimum, else a clear usage error."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -52,6 +53,7 @@ def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
         if value < minimum:
             raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}")
         return value
+
     return parse
 
 
@@ -89,14 +91,30 @@ def _seconds(text: str) -> float:
 def _add_connection_args(p: argparse.ArgumentParser) -> None:
     """Bounds on client connections (loragate/http_server.py), shared by engine and gateway."""
     defaults = ConnectionLimits()
-    p.add_argument("--header-timeout-s", type=_seconds, default=defaults.header_timeout_s,
-                   help="a connection must send a complete request head within this (else 408, closed)")
-    p.add_argument("--body-timeout-s", type=_seconds, default=defaults.body_timeout_s,
-                   help="a request's body must arrive within this after its head (else 408, closed)")
-    p.add_argument("--keep-alive-s", type=_seconds, default=defaults.keep_alive_s,
-                   help="idle keep-alive connections close after this")
-    p.add_argument("--max-connections", type=_positive, default=defaults.max_connections,
-                   help="client connections open at once; more are answered 503 and closed")
+    p.add_argument(
+        "--header-timeout-s",
+        type=_seconds,
+        default=defaults.header_timeout_s,
+        help="a connection must send a complete request head within this (else 408, closed)",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=_seconds,
+        default=defaults.body_timeout_s,
+        help="a request's body must arrive within this after its head (else 408, closed)",
+    )
+    p.add_argument(
+        "--keep-alive-s",
+        type=_seconds,
+        default=defaults.keep_alive_s,
+        help="idle keep-alive connections close after this",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=_positive,
+        default=defaults.max_connections,
+        help="client connections open at once; more are answered 503 and closed",
+    )
 
 
 def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
@@ -104,94 +122,148 @@ def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
 
 
 def _add_engine_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("engine", help="serve one model over the OpenAI API",
-                       description="Serve one base model over the OpenAI API.")
-    p.add_argument("--model", required=True,
-                   help="smollm2, tiny-random, or a path to an HF Llama-family safetensors dir")
+    p = sub.add_parser(
+        "engine", help="serve one model over the OpenAI API", description="Serve one base model over the OpenAI API."
+    )
+    p.add_argument(
+        "--model", required=True, help="smollm2, tiny-random, or a path to an HF Llama-family safetensors dir"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8001)
-    p.add_argument("--adapter-dir", type=_directory,
-                   help="register every PEFT LoRA subdirectory under its folder name; POST "
-                        "/v1/adapters loads more from inside it at run time")
-    p.add_argument("--max-device-adapters", type=_positive, default=8,
-                   help="adapters resident in device memory at once (least recently used evicted)")
-    p.add_argument("--host-adapter-mb", type=_non_negative, default=512,
-                   help="host-RAM cache of parsed adapter weights, in MiB")
-    p.add_argument("--max-adapters-per-step", type=_positive,
-                   help="distinct adapters computed in one step (default: --max-device-adapters)")
-    p.add_argument("--preemption", default="auto", choices=("recompute", "swap", "auto"),
-                   help="how a preempted request gives back its KV pages (auto: the cheaper, measured)")
-    p.add_argument("--aging-s", type=float, default=10.0,
-                   help="seconds of waiting that raise a request by one priority class")
-    p.add_argument("--no-prefix-cache", action="store_true",
-                   help="do not reuse KV blocks of shared prompt prefixes")
+    p.add_argument(
+        "--adapter-dir",
+        type=_directory,
+        help="register every PEFT LoRA subdirectory under its folder name; POST "
+        "/v1/adapters loads more from inside it at run time",
+    )
+    p.add_argument(
+        "--max-device-adapters",
+        type=_positive,
+        default=8,
+        help="adapters resident in device memory at once (least recently used evicted)",
+    )
+    p.add_argument(
+        "--host-adapter-mb", type=_non_negative, default=512, help="host-RAM cache of parsed adapter weights, in MiB"
+    )
+    p.add_argument(
+        "--max-adapters-per-step",
+        type=_positive,
+        help="distinct adapters computed in one step (default: --max-device-adapters)",
+    )
+    p.add_argument(
+        "--preemption",
+        default="auto",
+        choices=("recompute", "swap", "auto"),
+        help="how a preempted request gives back its KV pages (auto: the cheaper, measured)",
+    )
+    p.add_argument(
+        "--aging-s", type=float, default=10.0, help="seconds of waiting that raise a request by one priority class"
+    )
+    p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--max-batch-tokens", type=_positive, default=2048,
-                   help="tokens computed per engine step")
-    p.add_argument("--max-prefill-tokens", type=_positive, default=512,
-                   help="prompt tokens per step for requests below critical: bounds how long a critical request "
-                        "arriving mid-step waits for that step")
-    p.add_argument("--no-critical-interrupts", action="store_true",
-                   help="a critical request arriving mid-step waits for the whole step, instead of ending a step "
-                        "of lower-class work between two layers (that step then runs again after it starts)")
+    p.add_argument("--max-batch-tokens", type=_positive, default=2048, help="tokens computed per engine step")
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=_positive,
+        default=512,
+        help="prompt tokens per step for requests below critical: bounds how long a critical request "
+        "arriving mid-step waits for that step",
+    )
+    p.add_argument(
+        "--no-critical-interrupts",
+        action="store_true",
+        help="a critical request arriving mid-step waits for the whole step, instead of ending a step "
+        "of lower-class work between two layers (that step then runs again after it starts)",
+    )
     p.add_argument("--pool-mb", type=_positive, default=512, help="KV cache pool size in MiB")
     p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV cache block")
     p.add_argument("--max-num-seqs", type=_positive, default=128, help="requests running at once")
-    p.add_argument("--max-model-len", type=_positive,
-                   help="context length (default: the model's max_position_embeddings)")
+    p.add_argument(
+        "--max-model-len", type=_positive, help="context length (default: the model's max_position_embeddings)"
+    )
     p.add_argument("--served-model-name", help="the name /v1/models reports (default: derived)")
-    p.add_argument("--threads", type=_threads, default="auto",
-                   help="torch intra-op threads: N, or auto (default): the CPUs this process may use (affinity "
-                        "mask and cgroup quota), fewer while other processes take them")
+    p.add_argument(
+        "--threads",
+        type=_threads,
+        default="auto",
+        help="torch intra-op threads: N, or auto (default): the CPUs this process may use (affinity "
+        "mask and cgroup quota), fewer while other processes take them",
+    )
     _add_connection_args(p)
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
 
 
 def _add_up_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="start a local stack with one command",
-                       description="Start a local serving stack on this machine.")
+    p = sub.add_parser(
+        "up", help="start a local stack with one command", description="Start a local serving stack on this machine."
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--model", default="smollm2", help="the engine's --model (default: smollm2)")
-    p.add_argument("--adapter-dir", type=_directory,
-                   help="serve these adapters instead of the demo ones (trained once, cached)")
+    p.add_argument(
+        "--adapter-dir", type=_directory, help="serve these adapters instead of the demo ones (trained once, cached)"
+    )
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
 
 
 def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("gateway", help="serve the gateway in front of engine replicas",
-                       description="Tenant auth, rate limits, admission and routing in front of engines.")
+    p = sub.add_parser(
+        "gateway",
+        help="serve the gateway in front of engine replicas",
+        description="Tenant auth, rate limits, admission and routing in front of engines.",
+    )
     p.add_argument("--policy", required=True, type=Path, help="the policy YAML file (format: docs/reference.md)")
-    p.add_argument("--upstream", action="append", default=[], metavar="URL",
-                   help="an engine's base URL, e.g. http://127.0.0.1:8001 (repeat for more replicas)")
-    p.add_argument("--upstream-dns", metavar="NAME:PORT",
-                   help="also serve from every address NAME resolves to (e.g. a Kubernetes headless Service), "
-                        "as http://ADDRESS:PORT, re-resolved every --dns-interval-s")
-    p.add_argument("--dns-interval-s", type=_seconds, default=5.0,
-                   help="how often --upstream-dns is resolved again")
-    p.add_argument("--redis", metavar="URL",
-                   help="share rate limits across gateway replicas through this Redis (default: in-process)")
+    p.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an engine's base URL, e.g. http://127.0.0.1:8001 (repeat for more replicas)",
+    )
+    p.add_argument(
+        "--upstream-dns",
+        metavar="NAME:PORT",
+        help="also serve from every address NAME resolves to (e.g. a Kubernetes headless Service), "
+        "as http://ADDRESS:PORT, re-resolved every --dns-interval-s",
+    )
+    p.add_argument("--dns-interval-s", type=_seconds, default=5.0, help="how often --upstream-dns is resolved again")
+    p.add_argument(
+        "--redis",
+        metavar="URL",
+        help="share rate limits across gateway replicas through this Redis (default: in-process)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--max-body-mb", type=_positive, default=1, help="largest request body, in MiB")
-    p.add_argument("--clear-overrides", action="store_true",
-                   help="lift every operator override (suspended tenants, drained upstreams) at start, for "
-                        "every replica sharing --redis")
+    p.add_argument(
+        "--clear-overrides",
+        action="store_true",
+        help="lift every operator override (suspended tenants, drained upstreams) at start, for "
+        "every replica sharing --redis",
+    )
     _add_connection_args(p)
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
 
 
 def _add_policy_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("policy", help="check policy files, print their JSON Schema",
-                       description="Work with gateway policy files (docs/reference.md) offline.")
+    p = sub.add_parser(
+        "policy",
+        help="check policy files, print their JSON Schema",
+        description="Work with gateway policy files (docs/reference.md) offline.",
+    )
     actions = p.add_subparsers(dest="policy_command", required=True, metavar="{check,schema}")
-    check = actions.add_parser("check", help="validate policy files the way the gateway loads them",
-                               description="Validate policy files with the gateway's own parser; exit 1 if "
-                                           "any is invalid.")
+    check = actions.add_parser(
+        "check",
+        help="validate policy files the way the gateway loads them",
+        description="Validate policy files with the gateway's own parser; exit 1 if any is invalid.",
+    )
     check.add_argument("files", nargs="+", type=Path, metavar="FILE", help="a policy YAML file")
-    actions.add_parser("schema", help="print the policy file's JSON Schema (Draft 2020-12)",
-                       description="Print the policy file's JSON Schema (Draft 2020-12) to stdout.")
+    actions.add_parser(
+        "schema",
+        help="print the policy file's JSON Schema (Draft 2020-12)",
+        description="Print the policy file's JSON Schema (Draft 2020-12) to stdout.",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,8 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 # What `pip install 'loragate[engine]'` adds (pyproject.toml); `engine` and `up` need all of them.
@@ -232,8 +303,11 @@ def _engine_extra_or_exit(command: str) -> int | None:
     missing = missing_engine_modules()
     if not missing:
         return None
-    print(f"loragate {command}: error: the engine is not installed (missing {', '.join(missing)}); "
-          "install it with: pip install 'loragate[engine]'", file=sys.stderr)
+    print(
+        f"loragate {command}: error: the engine is not installed (missing {', '.join(missing)}); "
+        "install it with: pip install 'loragate[engine]'",
+        file=sys.stderr,
+    )
     return 2
 
 
@@ -247,15 +321,26 @@ def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     from engine.entrypoints.serving import serve
 
     config = EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        pool_mb=args.pool_mb, max_batch_tokens=args.max_batch_tokens, max_prefill_tokens=args.max_prefill_tokens,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        pool_mb=args.pool_mb,
+        max_batch_tokens=args.max_batch_tokens,
+        max_prefill_tokens=args.max_prefill_tokens,
         critical_interrupts=not args.no_critical_interrupts,
-        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        served_model_name=args.served_model_name, num_threads=args.threads,
-        adapter_dir=args.adapter_dir, max_device_adapters=args.max_device_adapters,
-        host_adapter_mb=args.host_adapter_mb, max_adapters_per_step=args.max_adapters_per_step,
-        preemption=args.preemption, aging_s=args.aging_s,
-        enable_prefix_cache=not args.no_prefix_cache)
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        served_model_name=args.served_model_name,
+        num_threads=args.threads,
+        adapter_dir=args.adapter_dir,
+        max_device_adapters=args.max_device_adapters,
+        host_adapter_mb=args.host_adapter_mb,
+        max_adapters_per_step=args.max_adapters_per_step,
+        preemption=args.preemption,
+        aging_s=args.aging_s,
+        enable_prefix_cache=not args.no_prefix_cache,
+    )
     try:
         config.validate()
     except ValueError as exc:
@@ -292,14 +377,25 @@ def run_gateway(args: argparse.Namespace) -> int:
             print(f"loragate gateway: error: {exc}", file=sys.stderr)
             return 2
     elif not args.upstream:
-        print("loragate gateway: error: name the engines with --upstream URL or --upstream-dns NAME:PORT",
-              file=sys.stderr)
+        print(
+            "loragate gateway: error: name the engines with --upstream URL or --upstream-dns NAME:PORT", file=sys.stderr
+        )
         return 2
     _setup_logging(args.log_level)
     try:
-        serve(args.policy, args.upstream, args.redis, args.host, args.port, policy=policy,
-              max_body_bytes=args.max_body_mb << 20, log_level=args.log_level, limits=_connection_limits(args),
-              discovery=discovery, clear_overrides=args.clear_overrides)
+        serve(
+            args.policy,
+            args.upstream,
+            args.redis,
+            args.host,
+            args.port,
+            policy=policy,
+            max_body_bytes=args.max_body_mb << 20,
+            log_level=args.log_level,
+            limits=_connection_limits(args),
+            discovery=discovery,
+            clear_overrides=args.clear_overrides,
+        )
     except PolicyError as exc:  # e.g. two tenants sharing a key through env: references
         print(f"loragate gateway: error: {exc}", file=sys.stderr)
         return 2
@@ -315,8 +411,10 @@ def _check_policy_file(path: Path) -> str:
     from gateway.policy import read_policy
 
     policy, digest = read_policy(path)
-    return (f"ok: {path} ({_plural(len(policy.tenants), 'tenant')}, "
-            f"{_plural(len(policy.rollouts), 'rollout')}, sha256 {digest[:12]})")
+    return (
+        f"ok: {path} ({_plural(len(policy.tenants), 'tenant')}, "
+        f"{_plural(len(policy.rollouts), 'rollout')}, sha256 {digest[:12]})"
+    )
 
 
 def run_policy(args: argparse.Namespace) -> int:
@@ -394,8 +492,11 @@ def _up_adapter_dir(args: argparse.Namespace) -> Path | None:
     from engine.lora.demo import DEMO_MODELS, demo_adapter_dir
 
     if args.model not in DEMO_MODELS:
-        print(f"loragate up: no demo adapters for --model {args.model}; serving the base model only "
-              "(pass --adapter-dir to serve adapters)", flush=True)
+        print(
+            f"loragate up: no demo adapters for --model {args.model}; serving the base model only "
+            "(pass --adapter-dir to serve adapters)",
+            flush=True,
+        )
         return None
     print("loragate up: preparing the demo adapters (trained once, then cached) ...", flush=True)
     _setup_logging(args.log_level)
@@ -411,40 +512,71 @@ def _served_adapters(url: str) -> list[str]:
         return []
 
 
-def _banner(url: str, adapter_ids: list[str], dev_key: str = "<your API key>",
-            admin_key: str = "<the admin key>") -> str:
+def _banner(
+    url: str, adapter_ids: list[str], dev_key: str = "<your API key>", admin_key: str = "<the admin key>"
+) -> str:
     from engine.lora.demo import DEMOS
 
     about = {demo.adapter_id: demo.description for demo in DEMOS}
-    lines = [f"\nloragate is up: OpenAI API at {url}/v1 (the gateway; the engine behind it is internal)",
-             f"dev API key (new every run): {dev_key}",
-             f"  export KEY={dev_key}"]
+    lines = [
+        f"\nloragate is up: OpenAI API at {url}/v1 (the gateway; the engine behind it is internal)",
+        f"dev API key (new every run): {dev_key}",
+        f"  export KEY={dev_key}",
+    ]
     if adapter_ids:
         lines.append("adapters (choose one with the X-Adapter-ID header, or as the body's model):")
         lines += [f"  {a:<12} {about.get(a, '')}".rstrip() for a in adapter_ids]
-    example = next((d.adapter_id for d in DEMOS if d.adapter_id in adapter_ids),
-                   adapter_ids[0] if adapter_ids else None)
+    example = next(
+        (d.adapter_id for d in DEMOS if d.adapter_id in adapter_ids), adapter_ids[0] if adapter_ids else None
+    )
     header = f"-H 'X-Adapter-ID: {example}' " if example is not None else ""
-    lines += [f"  curl {url}/v1/chat/completions -H \"Authorization: Bearer $KEY\" \\",
-              f"    -H 'Content-Type: application/json' {header}\\",
-              "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Tell me about the moon.\"}], "
-              "\"max_tokens\": 48}'",
-              f"  curl {url}/v1/models -H \"Authorization: Bearer $KEY\"     # what this key may use",
-              f"ops page: {url}/admin/ui   admin key (new every run): {admin_key}",
-              f"  LORAGATE_ADMIN_KEY={admin_key} loragate admin --url {url} status",
-              "Ctrl-C stops it."]
+    lines += [
+        f'  curl {url}/v1/chat/completions -H "Authorization: Bearer $KEY" \\',
+        f"    -H 'Content-Type: application/json' {header}\\",
+        '    -d \'{"messages": [{"role": "user", "content": "Tell me about the moon."}], "max_tokens": 48}\'',
+        f'  curl {url}/v1/models -H "Authorization: Bearer $KEY"     # what this key may use',
+        f"ops page: {url}/admin/ui   admin key (new every run): {admin_key}",
+        f"  LORAGATE_ADMIN_KEY={admin_key} loragate admin --url {url} status",
+        "Ctrl-C stops it.",
+    ]
     return "\n".join(lines)
 
 
-def _up_components(args: argparse.Namespace, adapter_dir: Path | None, engine_url: str, url: str,
-                   dev_key: str, admin_key: str) -> list[Component]:
-    engine_argv = [sys.executable, "-m", "loragate", "engine", "--model", args.model,
-                   "--host", "127.0.0.1", "--port", str(_UP_ENGINE_PORT), "--log-level", args.log_level]
+def _up_components(
+    args: argparse.Namespace, adapter_dir: Path | None, engine_url: str, url: str, dev_key: str, admin_key: str
+) -> list[Component]:
+    engine_argv = [
+        sys.executable,
+        "-m",
+        "loragate",
+        "engine",
+        "--model",
+        args.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(_UP_ENGINE_PORT),
+        "--log-level",
+        args.log_level,
+    ]
     if adapter_dir is not None:
         engine_argv += ["--adapter-dir", str(adapter_dir)]
-    gateway_argv = [sys.executable, "-m", "loragate", "gateway", "--policy", str(_DEFAULT_POLICY),
-                    "--upstream", engine_url, "--host", args.host, "--port", str(args.port),
-                    "--log-level", args.log_level]
+    gateway_argv = [
+        sys.executable,
+        "-m",
+        "loragate",
+        "gateway",
+        "--policy",
+        str(_DEFAULT_POLICY),
+        "--upstream",
+        engine_url,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--log-level",
+        args.log_level,
+    ]
     env = {**os.environ, "LORAGATE_DEV_API_KEY": dev_key, "LORAGATE_ADMIN_KEY": admin_key}
     return [Component("engine", engine_argv, engine_url), Component("gateway", gateway_argv, url, env=env)]
 
@@ -455,8 +587,7 @@ def run_up(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}"
     engine_url = f"http://127.0.0.1:{_UP_ENGINE_PORT}"
     if args.port == _UP_ENGINE_PORT:
-        print(f"loragate up: error: port {_UP_ENGINE_PORT} is the engine's; choose another --port",
-              file=sys.stderr)
+        print(f"loragate up: error: port {_UP_ENGINE_PORT} is the engine's; choose another --port", file=sys.stderr)
         return 2
     components: list[Component] = []
 
@@ -471,8 +602,9 @@ def run_up(args: argparse.Namespace) -> int:
             raise RuntimeError(f"cannot prepare the demo adapters: {exc}") from None
         dev_key, admin_key = secrets.token_urlsafe(24), secrets.token_urlsafe(32)
         components += _up_components(args, adapter_dir, engine_url, url, dev_key, admin_key)
-        print(f"loragate up: starting the engine ({args.model}) on {engine_url} and the gateway on "
-              f"{url} ...", flush=True)
+        print(
+            f"loragate up: starting the engine ({args.model}) on {engine_url} and the gateway on {url} ...", flush=True
+        )
         launch(components)
         print(_banner(url, _served_adapters(engine_url), dev_key, admin_key), flush=True)
         _wait_any_exit(components)

@@ -16,8 +16,7 @@ from starlette.responses import JSONResponse
 class ApiError(Exception):
     """An HTTP error answered as {"error": {"type": ..., "message": ...}}."""
 
-    def __init__(self, status: int, type_: str, message: str,
-                 headers: Mapping[str, str] | None = None) -> None:
+    def __init__(self, status: int, type_: str, message: str, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.type = type_
@@ -29,8 +28,7 @@ def error_body(type_: str, message: str) -> dict[str, Any]:
     return {"error": {"type": type_, "message": message}}
 
 
-def error_response(status: int, type_: str, message: str,
-                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+def error_response(status: int, type_: str, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(type_, message), status_code=status, headers=dict(headers or {}))
 
 

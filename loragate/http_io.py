@@ -57,7 +57,7 @@ async def read_json(request: Request, limit: int = MAX_BODY_BYTES, *, optional: 
 
 
 def find_unencodable(data: Any) -> str | None:
-    """"field: problem" for the first value strict JSON cannot carry, or None.
+    """ "field: problem" for the first value strict JSON cannot carry, or None.
 
     Python's parser accepts NaN, Infinity and numbers that overflow to inf (1e999), and "\\ud800"-style
     escapes that decode to lone surrogates, which no UTF-8 encoder can write back. Such a value would fail

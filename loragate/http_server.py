@@ -57,8 +57,10 @@ class ConnectionLimits:
 def _raw_response(status: int, reason: str, type_: str, message: str) -> bytes:
     """A whole JSON error response, written straight to a connection that is closed right after."""
     body = json.dumps({"error": {"type": type_, "message": message}}).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -77,10 +79,16 @@ class GuardedH11Protocol(H11Protocol):
         self._phase: str | None = None
         self._deadline: asyncio.TimerHandle | None = None
         if len(self.connections) > self.limits.max_connections:
-            logger.warning("refusing a connection: %d open (--max-connections %d)", len(self.connections) - 1,
-                           self.limits.max_connections)
-            transport.write(_raw_response(503, "Service Unavailable", "service_unavailable",
-                                          "too many open connections; retry later"))
+            logger.warning(
+                "refusing a connection: %d open (--max-connections %d)",
+                len(self.connections) - 1,
+                self.limits.max_connections,
+            )
+            transport.write(
+                _raw_response(
+                    503, "Service Unavailable", "service_unavailable", "too many open connections; retry later"
+                )
+            )
             transport.close()
             return
         self._enter("head")
@@ -110,12 +118,19 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         timeout = self.limits.header_timeout_s if phase == "head" else self.limits.body_timeout_s
-        logger.info("closing a connection from %s: its request %s took over %g s", self.client,
-                    "head" if phase == "head" else "body", timeout)
+        logger.info(
+            "closing a connection from %s: its request %s took over %g s",
+            self.client,
+            "head" if phase == "head" else "body",
+            timeout,
+        )
         if self.cycle is None or not self.cycle.response_started:
             what = "headers" if phase == "head" else "body"
-            self.transport.write(_raw_response(408, "Request Timeout", "request_timeout",
-                                               f"the request {what} did not arrive within {timeout:g} s"))
+            self.transport.write(
+                _raw_response(
+                    408, "Request Timeout", "request_timeout", f"the request {what} did not arrive within {timeout:g} s"
+                )
+            )
         if self.cycle is not None and phase == "body":  # the app reading the body sees a disconnect
             self.cycle.disconnected = True
             self.cycle.message_event.set()
@@ -133,8 +148,13 @@ class DrainingServer(uvicorn.Server):
     `begin_drain()` makes the app refuse new work; `is_idle()` says nothing is in flight any more.
     """
 
-    def __init__(self, config: uvicorn.Config, begin_drain: Callable[[], None], is_idle: Callable[[], bool],
-                 drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        begin_drain: Callable[[], None],
+        is_idle: Callable[[], bool],
+        drain_timeout_s: float,
+    ) -> None:
         super().__init__(config)
         self._begin_drain = begin_drain
         self._is_idle = is_idle
@@ -147,8 +167,7 @@ class DrainingServer(uvicorn.Server):
             return
         self._begin_drain()
         self._drain_deadline = time.monotonic() + self._drain_timeout_s
-        logger.info("draining: new requests get 503; waiting up to %.0f s for those in flight",
-                    self._drain_timeout_s)
+        logger.info("draining: new requests get 503; waiting up to %.0f s for those in flight", self._drain_timeout_s)
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain_deadline is not None and not self.should_exit:
@@ -159,12 +178,27 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve_app(app: Any, host: str, port: int, *, begin_drain: Callable[[], None], is_idle: Callable[[], bool],
-              drain_timeout_s: float, limits: ConnectionLimits = ConnectionLimits(),
-              log_level: str = "info") -> None:
+def serve_app(
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    begin_drain: Callable[[], None],
+    is_idle: Callable[[], bool],
+    drain_timeout_s: float,
+    limits: ConnectionLimits = ConnectionLimits(),
+    log_level: str = "info",
+) -> None:
     """Serve `app` on host:port until SIGINT/SIGTERM, with the client bounds and the drain above."""
     limits.validate()
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=guarded_protocol(limits),
-                            timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-                            timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=guarded_protocol(limits),
+        timeout_keep_alive=limits.keep_alive_s,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S,
+    )
     DrainingServer(config, begin_drain, is_idle, drain_timeout_s).run()

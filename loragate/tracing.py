@@ -34,8 +34,7 @@ def setup_tracing(service_name: str) -> None:
     names = [n.strip().lower() for n in os.environ.get("OTEL_TRACES_EXPORTER", "none").split(",")]
     unknown = [n for n in names if n not in _EXPORTERS]
     if unknown:
-        raise ValueError(f"OTEL_TRACES_EXPORTER: unknown exporter {unknown[0]!r}; "
-                         f"use {', '.join(_EXPORTERS)}")
+        raise ValueError(f"OTEL_TRACES_EXPORTER: unknown exporter {unknown[0]!r}; use {', '.join(_EXPORTERS)}")
     if set(names) <= {"none"}:
         return
     name = os.environ.get("OTEL_SERVICE_NAME", "").strip() or service_name

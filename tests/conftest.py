@@ -59,8 +59,6 @@ def tiny_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     specs = {
         "qv-r8": dict(r=8, alpha=16, targets=["q_proj", "v_proj"], seed=8),
         "all-r4": dict(r=4, alpha=8, targets="all-linear", seed=4),
-        "mlp-r16-rslora": dict(r=16, alpha=8, targets=["gate_proj", "up_proj", "down_proj"], use_rslora=True,
-                               seed=16),
+        "mlp-r16-rslora": dict(r=16, alpha=8, targets=["gate_proj", "up_proj", "down_proj"], use_rslora=True, seed=16),
     }
-    return {name: make_peft_adapter(tiny_model_dir, root / name, b_std=0.2, **kw)
-            for name, kw in specs.items()}
+    return {name: make_peft_adapter(tiny_model_dir, root / name, b_std=0.2, **kw) for name, kw in specs.items()}

@@ -46,8 +46,14 @@ def make_peft_adapter(
     LoraConfig unchanged (e.g. exclude_modules, layers_to_transform).
     """
     config = LoraConfig(
-        r=r, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora, lora_dropout=0.0,
-        rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {}, task_type="CAUSAL_LM",
+        r=r,
+        lora_alpha=alpha,
+        target_modules=targets,
+        use_rslora=use_rslora,
+        lora_dropout=0.0,
+        rank_pattern=rank_pattern or {},
+        alpha_pattern=alpha_pattern or {},
+        task_type="CAUSAL_LM",
         **lora_kwargs,
     )
     with torch.random.fork_rng(devices=[]):
@@ -74,10 +80,8 @@ def load_peft_model(base_dir: Path, adapter_dir: Path | None) -> torch.nn.Module
 def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompt_ids: list[int], n: int) -> list[int]:
     """PEFT + HF greedy decoding of exactly `n` tokens (EOS disabled) for one prompt: the reference."""
     model = load_peft_model(base_dir, adapter_dir)
-    config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
-                              pad_token_id=0)
+    config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
     input_ids = torch.tensor([prompt_ids], dtype=torch.long)
     with torch.no_grad():
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                             generation_config=config)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+    return out[0, len(prompt_ids) :].tolist()

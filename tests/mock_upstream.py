@@ -64,8 +64,13 @@ class _BrokenOnPurpose(Exception):
 
 
 class MockUpstream:
-    def __init__(self, adapters: tuple[str, ...] = ("a1", "a2"), base_model: str = BASE_MODEL,
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        adapters: tuple[str, ...] = ("a1", "a2"),
+        base_model: str = BASE_MODEL,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
         self.host, self.port = host, port  # where it listens (port 0: a free one)
         self.adapters = adapters
         self.base_model = base_model
@@ -82,8 +87,9 @@ class MockUpstream:
 
     # ---- lifecycle ----
     def start(self) -> MockUpstream:
-        self.url = self._serving.enter_context(serve_in_thread(self._app(), log_level="critical", lifespan="off",
-                                                               host=self.host, port=self.port))
+        self.url = self._serving.enter_context(
+            serve_in_thread(self._app(), log_level="critical", lifespan="off", host=self.host, port=self.port)
+        )
         return self
 
     def stop(self) -> None:
@@ -121,12 +127,14 @@ class MockUpstream:
 
     # ---- the app ----
     def _app(self) -> Starlette:
-        return Starlette(routes=[
-            Route("/v1/models", self._models, methods=["GET"]),
-            Route("/v1/completions", self._generate, methods=["POST"]),
-            Route("/v1/chat/completions", self._generate, methods=["POST"]),
-            Route("/healthz", self._healthz, methods=["GET"]),
-        ])
+        return Starlette(
+            routes=[
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/completions", self._generate, methods=["POST"]),
+                Route("/v1/chat/completions", self._generate, methods=["POST"]),
+                Route("/healthz", self._healthz, methods=["GET"]),
+            ]
+        )
 
     async def _healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -147,8 +155,10 @@ class MockUpstream:
             await asyncio.sleep(behavior.delay_s)
         failing = request.headers.get("x-adapter-id") in behavior.fail_adapters
         if behavior.fail_status is not None or failing:
-            return JSONResponse({"error": {"type": "mock_error", "message": "failing on purpose"}},
-                                status_code=behavior.fail_status or 500)
+            return JSONResponse(
+                {"error": {"type": "mock_error", "message": "failing on purpose"}},
+                status_code=behavior.fail_status or 500,
+            )
         chat = request.url.path.endswith("chat/completions")
         model = request.headers.get("x-adapter-id") or body.get("model") or self.base_model
         if body.get("stream"):
@@ -157,11 +167,21 @@ class MockUpstream:
         if behavior.drop_before_first_byte:
             return StreamingResponse(self._nothing(), media_type="application/json")
         text = "".join(f"t{i} " for i in range(behavior.tokens))
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
-                  if chat else {"index": 0, "text": text, "finish_reason": "length"})
-        return JSONResponse({"id": "mock-1", "object": "chat.completion" if chat else "text_completion",
-                             "created": 0, "model": model, "choices": [choice],
-                             "usage": _usage(behavior.tokens)})
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+            if chat
+            else {"index": 0, "text": text, "finish_reason": "length"}
+        )
+        return JSONResponse(
+            {
+                "id": "mock-1",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": 0,
+                "model": model,
+                "choices": [choice],
+                "usage": _usage(behavior.tokens),
+            }
+        )
 
     async def _nothing(self) -> AsyncIterator[bytes]:
         raise _BrokenOnPurpose("closing before the first byte")
@@ -187,23 +207,32 @@ class MockUpstream:
             if behavior.die_after_chunks is not None and i >= behavior.die_after_chunks:
                 raise _BrokenOnPurpose(f"dying after {i} chunks")
             last = i == behavior.tokens - 1
-            choice = ({"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": "length" if last else None}
-                      if chat else {"index": 0, "text": f"t{i} ", "finish_reason": "length" if last else None})
-            chunk: dict[str, Any] = {"id": "mock-1", "object": obj, "created": 0, "model": model,
-                                     "choices": [choice]}
+            choice = (
+                {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": "length" if last else None}
+                if chat
+                else {"index": 0, "text": f"t{i} ", "finish_reason": "length" if last else None}
+            )
+            chunk: dict[str, Any] = {"id": "mock-1", "object": obj, "created": 0, "model": model, "choices": [choice]}
             if usage:
                 chunk["usage"] = None
             yield _sse(chunk)
             await asyncio.sleep(behavior.token_interval_s)
         if usage:
-            yield _sse({"id": "mock-1", "object": obj, "created": 0, "model": model, "choices": [],
-                        "usage": _usage(behavior.tokens)})
+            yield _sse(
+                {
+                    "id": "mock-1",
+                    "object": obj,
+                    "created": 0,
+                    "model": model,
+                    "choices": [],
+                    "usage": _usage(behavior.tokens),
+                }
+            )
         yield b"data: [DONE]\n\n"
 
 
 def _usage(completion: int) -> dict[str, int]:
-    return {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": completion,
-            "total_tokens": PROMPT_TOKENS + completion}
+    return {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": completion, "total_tokens": PROMPT_TOKENS + completion}
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -16,14 +16,19 @@ def bearer(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"}
 
 
-def tenant_yaml(tenant_id: str, api_keys: list[str] | str, adapters: str, *, max_priority: str | None = None,
-                limits: str | None = UNLIMITED, extra_keys: str = "") -> str:
+def tenant_yaml(
+    tenant_id: str,
+    api_keys: list[str] | str,
+    adapters: str,
+    *,
+    max_priority: str | None = None,
+    limits: str | None = UNLIMITED,
+    extra_keys: str = "",
+) -> str:
     """One entry of `tenants:`; `api_keys` are plain keys (hashed here), `adapters` a YAML list."""
     keys = [api_keys] if isinstance(api_keys, str) else api_keys
     hashed = ", ".join('"' + hash_key(k) + '"' for k in keys)
-    lines = [f"  - id: {tenant_id}",
-             f"    api_keys: [{hashed}{extra_keys}]",
-             f"    adapters: {adapters}"]
+    lines = [f"  - id: {tenant_id}", f"    api_keys: [{hashed}{extra_keys}]", f"    adapters: {adapters}"]
     if max_priority is not None:
         lines.append(f"    max_priority: {max_priority}")
     if limits is not None:
@@ -31,8 +36,14 @@ def tenant_yaml(tenant_id: str, api_keys: list[str] | str, adapters: str, *, max
     return "\n".join(lines)
 
 
-def policy_yaml(*tenants: str, rollouts: str = "", admission: str | None = None, breaker: str | None = None,
-                extra: str = "", admin_key: str = ADMIN_KEY) -> str:
+def policy_yaml(
+    *tenants: str,
+    rollouts: str = "",
+    admission: str | None = None,
+    breaker: str | None = None,
+    extra: str = "",
+    admin_key: str = ADMIN_KEY,
+) -> str:
     """A whole policy file: the admin key, the tenants (tenant_yaml), then the optional sections as YAML."""
     parts = ["version: 1", f'admin_keys: ["{hash_key(admin_key)}"]', "tenants:", *tenants]
     if rollouts:

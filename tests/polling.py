@@ -10,8 +10,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def poll(probe: Callable[[], T], timeout_s: float = 15.0, interval_s: float = 0.05,
-         what: str = "condition") -> T:
+def poll(probe: Callable[[], T], timeout_s: float = 15.0, interval_s: float = 0.05, what: str = "condition") -> T:
     """The first truthy answer of `probe()`, polled until `timeout_s` (then the test fails)."""
     deadline = time.monotonic() + timeout_s
     while not (answer := probe()):
@@ -20,8 +19,9 @@ def poll(probe: Callable[[], T], timeout_s: float = 15.0, interval_s: float = 0.
     return answer
 
 
-async def wait_until(predicate: Callable[[], Any], timeout_s: float = 10.0, interval_s: float = 0.01,
-                     what: str = "condition") -> None:
+async def wait_until(
+    predicate: Callable[[], Any], timeout_s: float = 10.0, interval_s: float = 0.01, what: str = "condition"
+) -> None:
     """The same inside an event loop: awaits between probes instead of blocking it."""
     deadline = time.monotonic() + timeout_s
     while not predicate():

@@ -37,8 +37,9 @@ def _healthy(base: str, proc: subprocess.Popen[bytes]) -> bool:
         return False
 
 
-def start_loragate(log_path: Path, *args: str, timeout_s: float = 120.0, port: int | None = None
-                   ) -> tuple[subprocess.Popen[bytes], str]:
+def start_loragate(
+    log_path: Path, *args: str, timeout_s: float = 120.0, port: int | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     """`python -m loragate ARGS... --port PORT` (a free one by default; engine or gateway), once its
     /healthz answers 200. The log is appended to, so a restart on the same port keeps the earlier lines."""
     port = port if port is not None else free_port()
@@ -56,15 +57,16 @@ def start_loragate(log_path: Path, *args: str, timeout_s: float = 120.0, port: i
     return proc, base
 
 
-def start_engine_server(log_path: Path, *args: str, model: str = "tiny-random", timeout_s: float = 120.0,
-                        port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def start_engine_server(
+    log_path: Path, *args: str, model: str = "tiny-random", timeout_s: float = 120.0, port: int | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     """`python -m loragate engine --model MODEL --port FREE --threads 1 ARGS...`; (process, base URL)."""
-    return start_loragate(log_path, "engine", "--model", model, "--threads", "1", *args,
-                          timeout_s=timeout_s, port=port)
+    return start_loragate(log_path, "engine", "--model", model, "--threads", "1", *args, timeout_s=timeout_s, port=port)
 
 
-def start_gateway(tmp_path: Path, name: str, policy: str, upstreams: list[str],
-                  *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_gateway(
+    tmp_path: Path, name: str, policy: str, upstreams: list[str], *extra: str
+) -> tuple[subprocess.Popen[bytes], str]:
     """`loragate gateway` with `policy` written to TMP/NAME.yaml and its log in TMP/NAME.log."""
     policy_path = tmp_path / f"{name}.yaml"
     policy_path.write_text(policy)
@@ -85,8 +87,9 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: Any, log_level: str = "warning", host: str = "127.0.0.1", port: int = 0,
-                    **config: Any) -> Iterator[str]:
+def serve_in_thread(
+    app: Any, log_level: str = "warning", host: str = "127.0.0.1", port: int = 0, **config: Any
+) -> Iterator[str]:
     """Run an ASGI `app` under uvicorn in a daemon thread on `host`:`port` (a free port by default; any
     127.0.0.x is loopback); yields its base URL."""
     sock = socket.socket()

@@ -1,8 +1,8 @@
 """A real, throwaway redis-server on 127.0.0.1 for tests (no persistence, its own temp dir).
 
-    from redis_server import redis_server_fixture, redis_url_fixture, start_redis
-    redis_url = redis_url_fixture()                          # module-scoped fixture `redis_url` (a URL)
-    redis_server = redis_server_fixture(scope="function")    # fixture `redis_server`: a RedisServer to stop/start
+from redis_server import redis_server_fixture, redis_url_fixture, start_redis
+redis_url = redis_url_fixture()                          # module-scoped fixture `redis_url` (a URL)
+redis_server = redis_server_fixture(scope="function")    # fixture `redis_server`: a RedisServer to stop/start
 """
 
 from __future__ import annotations
@@ -51,8 +51,23 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> None:
         """Start (or restart, on the same port) and wait until it answers PING."""
         assert self.proc is None, "already running"
-        argv = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(self.dir), "--logfile", str(self.log_path), "--daemonize", "no"]
+        argv = [
+            REDIS_SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.dir),
+            "--logfile",
+            str(self.log_path),
+            "--daemonize",
+            "no",
+        ]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         proc = self.proc
         try:

@@ -116,8 +116,9 @@ class AsyncEngine:
 
     @property
     def running(self) -> bool:
-        return (self._thread is not None and self._thread.is_alive() and self._go.is_set()
-                and not self._stopping.is_set())
+        return (
+            self._thread is not None and self._thread.is_alive() and self._go.is_set() and not self._stopping.is_set()
+        )
 
     async def start(self) -> None:
         if self._go.is_set():
@@ -139,9 +140,14 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.put_nowait(EngineDeadError("the engine is shutting down"))
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: Priority = Priority.STANDARD, adapter_id: str | None = None
-                 ) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: Priority = Priority.STANDARD,
+        adapter_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError, KeyError for an unknown adapter, RequestFailed for one whose weights
         failed to load), then stream the request's outputs; one that fails in the engine raises
         RequestFailed from the iterator.
@@ -158,8 +164,7 @@ class AsyncEngine:
                 raise RequestFailed(RequestError("adapter_error", str(exc))) from None
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        return self._stream(_Add(request_id, list(prompt_token_ids), params, priority, adapter_id,
-                                 time.monotonic()))
+        return self._stream(_Add(request_id, list(prompt_token_ids), params, priority, adapter_id, time.monotonic()))
 
     # ---- adapters -------------------------------------------------------------------------------------
 
@@ -170,8 +175,9 @@ class AsyncEngine:
         adapter is refused here rather than failing its first requests; requests already running keep the
         version they started with.
         """
-        spec = await asyncio.wrap_future(self._adapter_io.submit(self.engine.adapters.register, adapter_id, path,
-                                                                 self.engine.verify_adapter))
+        spec = await asyncio.wrap_future(
+            self._adapter_io.submit(self.engine.adapters.register, adapter_id, path, self.engine.verify_adapter)
+        )
         self._inbox.put(_RetireAdapter(adapter_id))
         return spec
 
@@ -185,8 +191,9 @@ class AsyncEngine:
 
     async def _stream(self, add: _Add) -> AsyncIterator[RequestOutput]:
         if not self.running:
-            raise EngineDeadError("the engine is not running",
-                                  "draining" if self._stopping.is_set() else "engine_failure")
+            raise EngineDeadError(
+                "the engine is not running", "draining" if self._stopping.is_set() else "engine_failure"
+            )
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[add.request_id] = stream
         self._inbox.put(add)
@@ -250,8 +257,14 @@ class AsyncEngine:
                 self.engine.retire_adapter(item.adapter_id)
                 continue
             try:
-                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params,
-                                        item.priority, item.adapter_id, item.arrival_time)
+                self.engine.add_request(
+                    item.request_id,
+                    item.prompt_token_ids,
+                    item.params,
+                    item.priority,
+                    item.adapter_id,
+                    item.arrival_time,
+                )
             except AdapterUnusable as exc:  # its adapter broke since generate() checked it
                 failed = RequestFailed(RequestError("adapter_error", str(exc)))
                 self._loop.call_soon_threadsafe(self._fail, item.request_id, failed)
@@ -261,8 +274,9 @@ class AsyncEngine:
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self.engine.scheduler.requests):
             self.engine.abort_request(request_id)
-            self._loop.call_soon_threadsafe(self._fail, request_id,
-                                            EngineDeadError(f"engine step failed: {exc}", "engine_failure"))
+            self._loop.call_soon_threadsafe(
+                self._fail, request_id, EngineDeadError(f"engine step failed: {exc}", "engine_failure")
+            )
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -75,8 +75,11 @@ class ByteLevelPieces:
         """The table for `tokenizer`, or None when it does not decode this way (another decoder, clean-up of
         tokenization spaces, or any disagreement with its own decode)."""
         backend = getattr(tokenizer, "_tokenizer", None)
-        if (backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True)
-                or not isinstance(backend.decoder, decoders.ByteLevel)):
+        if (
+            backend is None
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+            or not isinstance(backend.decoder, decoders.ByteLevel)
+        ):
             return None
         alphabet = _byte_level_chars()
         pieces = []
@@ -114,16 +117,28 @@ class ByteLevelPieces:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
-                 params: SamplingParams, *, stream: bool = True, pieces: ByteLevelPieces | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        stream: bool = True,
+        pieces: ByteLevelPieces | None = None,
+    ) -> None:
         """`pieces`: the tokenizer's `ByteLevelPieces` (built once by the caller), to step without the tokenizer;
         otherwise a fast tokenizer steps through its backend's DecodeStream. `stream=False`: the Python steps
         whatever the tokenizer (what the other steps are tested against)."""
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
         backend = self._backend = getattr(tokenizer, "_tokenizer", None)
-        self._backend_decode = (backend.decode if backend is not None and hasattr(backend, "decode")
-                                and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None)
+        self._backend_decode = (
+            backend.decode
+            if backend is not None
+            and hasattr(backend, "decode")
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+            else None
+        )
         self._stops = tuple(params.stop)
         self._max_hold = max((len(s) for s in self._stops), default=1) - 1
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -194,8 +209,8 @@ class IncrementalDetokenizer:
         if self._stopped:
             return ""
         if self._next_text != self._python_step:  # the other steps do not keep the context's text
-            self._prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
-        tail = self._decode(self._tokens[self._prefix_offset:])[len(self._prefix_text):]
+            self._prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        tail = self._decode(self._tokens[self._prefix_offset :])[len(self._prefix_text) :]
         self._prefix_offset = self._read_offset = len(self._tokens)
         self._prefix_text = ""
         delta, _ = self._scan(tail, final=True)
@@ -227,7 +242,7 @@ class IncrementalDetokenizer:
         except Exception:  # e.g. a window whose text does not extend its context's: the Python steps go on
             self._stream = None
             self._next_text = self._python_step
-            self._prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+            self._prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
             return self._decode_new()
         if chunk is None:
             return ""
@@ -236,13 +251,13 @@ class IncrementalDetokenizer:
 
     def _decode_new(self) -> str:
         """The text the unread tokens add, or "" while it is not complete yet."""
-        window_text = self._decode(self._tokens[self._prefix_offset:])
+        window_text = self._decode(self._tokens[self._prefix_offset :])
         if len(window_text) <= len(self._prefix_text) or window_text.endswith(_REPLACEMENT):
             return ""
-        new_text = window_text[len(self._prefix_text):]
+        new_text = window_text[len(self._prefix_text) :]
         # The shown tokens become the next window's context.
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
-        self._prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+        self._prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         return new_text
 
     def _scan(self, new_text: str, final: bool) -> tuple[str, bool]:
@@ -259,7 +274,7 @@ class IncrementalDetokenizer:
             self._parts.append(buffer[:cut])
             return buffer[:cut], True
         hold = 0 if final else self._hold_length(buffer)
-        shown, self._pending = buffer[:len(buffer) - hold], buffer[len(buffer) - hold:]
+        shown, self._pending = buffer[: len(buffer) - hold], buffer[len(buffer) - hold :]
         if shown:
             self._parts.append(shown)
         return shown, False

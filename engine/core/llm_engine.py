@@ -80,7 +80,8 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(config, mc.max_position_embeddings)
 
         num_blocks = config.num_kv_blocks or (
-            (config.pool_mb << 20) // kv_cache_bytes_per_block(mc, config.block_size, dtype))
+            (config.pool_mb << 20) // kv_cache_bytes_per_block(mc, config.block_size, dtype)
+        )
         if num_blocks < 1:
             raise ValueError(f"--pool-mb {config.pool_mb} holds no KV block of this model")
         self.pool = PagePool(num_blocks)
@@ -94,38 +95,70 @@ class LLMEngine:
         if config.adapter_dir is not None:
             self.adapters.scan_dir(Path(config.adapter_dir))
         self.host_adapters = HostAdapterCache(config.host_adapter_mb << 20, mc, dtype)
-        self.device_adapters = DeviceAdapterTier(self.pool, kv_cache, mc, config.max_device_adapters,
-                                                 self.host_adapters, reclaim=kv.evict_cached,
-                                                 mirror=lora_backend(device) == "triton")
+        self.device_adapters = DeviceAdapterTier(
+            self.pool,
+            kv_cache,
+            mc,
+            config.max_device_adapters,
+            self.host_adapters,
+            reclaim=kv.evict_cached,
+            mirror=lora_backend(device) == "triton",
+        )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_batch_tokens, config.max_num_seqs, self.max_model_len,
-                            config.preemption, config.aging_s,
-                            config.max_adapters_per_step or config.max_device_adapters, config.max_prefill_tokens),
-            kv, self.eos_token_ids, self.device_adapters, KVSwapper(kv_cache))
-        self.runner = ModelRunner(self.model, kv_cache, config.block_size, Sampler(self.eos_token_ids), device,
-                                  self.device_adapters, config.max_num_seqs, self.max_model_len)
+            SchedulerConfig(
+                config.max_batch_tokens,
+                config.max_num_seqs,
+                self.max_model_len,
+                config.preemption,
+                config.aging_s,
+                config.max_adapters_per_step or config.max_device_adapters,
+                config.max_prefill_tokens,
+            ),
+            kv,
+            self.eos_token_ids,
+            self.device_adapters,
+            KVSwapper(kv_cache),
+        )
+        self.runner = ModelRunner(
+            self.model,
+            kv_cache,
+            config.block_size,
+            Sampler(self.eos_token_ids),
+            device,
+            self.device_adapters,
+            config.max_num_seqs,
+            self.max_model_len,
+        )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         # A byte-level tokenizer's tokens as bytes: detokenizing then calls no tokenizer code (None for others).
         self._byte_pieces = ByteLevelPieces.build(self.tokenizer)
         self.interrupted_steps = 0  # steps a critical arrival ended early (see step())
         self._rerun_due = False  # the next step of lower-class work runs whole
         self._prefetcher = TransientWorker("adapter-prefetch")  # engine/worker/threads.py: why not a pool
-        logger.info("engine ready: model=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
-                    self.model_name, dtype, num_blocks, config.block_size, self.max_model_len)
+        logger.info(
+            "engine ready: model=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
+            self.model_name,
+            dtype,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+        )
 
     @staticmethod
     def _max_model_len(config: EngineConfig, model_max: int) -> int:
         if config.max_model_len is None:
             return model_max
         if config.max_model_len > model_max:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {model_max}")
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {model_max}"
+            )
         return config.max_model_len
 
     # ---- requests -----------------------------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                      adapter: AdapterSpec | None = None) -> None:
+    def check_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, adapter: AdapterSpec | None = None
+    ) -> None:
         """Raise ValueError if this request could never run here."""
         n = len(prompt_token_ids)
         if n == 0:
@@ -133,15 +166,19 @@ class LLMEngine:
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size})")
         if n + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"context length of {self.max_model_len} tokens")
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context length of {self.max_model_len} tokens"
+            )
         blocks = self.scheduler.kv.blocks_for(n + params.max_tokens)
         if adapter is not None:
             blocks += self.device_adapters.pages_needed(adapter)
         if blocks > self.pool.num_pages:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {blocks} "
-                             f"pages (KV blocks and adapter weights); the pool holds "
-                             f"{self.pool.num_pages} (raise --pool-mb)")
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {blocks} "
+                f"pages (KV blocks and adapter weights); the pool holds "
+                f"{self.pool.num_pages} (raise --pool-mb)"
+            )
 
     def check_adapter(self, adapter: AdapterSpec) -> None:
         """AdapterUnusable if this adapter version's weights already failed to load."""
@@ -154,9 +191,15 @@ class LLMEngine:
         engine's dtype): POST /v1/adapters refuses a broken adapter instead of failing its requests."""
         load_weights(spec, self.model.config, self.dtype)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: Priority = Priority.STANDARD, adapter_id: str | None = None,
-                    arrival_time: float | None = None) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: Priority = Priority.STANDARD,
+        adapter_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
         """Queue a request; `arrival_time` (time.monotonic()) when it arrived before this call (it waited in
         the async engine's inbox): queue time, aging and arrival order count from then."""
         params.validate()
@@ -164,13 +207,20 @@ class LLMEngine:
         self.check_request(prompt_token_ids, params, adapter)
         if adapter is not None:
             self.check_adapter(adapter)
-        request = Request(request_id, list(prompt_token_ids), params, priority, adapter,
-                          time.monotonic() if arrival_time is None else arrival_time)
+        request = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            priority,
+            adapter,
+            time.monotonic() if arrival_time is None else arrival_time,
+        )
         self.scheduler.add_request(request)
         if adapter is not None:
             self._prefetch(adapter)
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                                params, pieces=self._byte_pieces)
+        self._detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params, pieces=self._byte_pieces
+        )
         return request
 
     def _prefetch(self, adapter: AdapterSpec) -> None:
@@ -205,12 +255,18 @@ class LLMEngine:
         c = tier.counters
         adapter_pages = self.pool.num_run_pages
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_blocks_total=self.pool.num_pages, kv_blocks_free=self.pool.num_free,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.pool.num_pages,
+            kv_blocks_free=self.pool.num_free,
             kv_pages_used=self.pool.num_used - adapter_pages - self.scheduler.kv.num_evictable_blocks,
-            kv_pages_cached=self.scheduler.kv.num_evictable_blocks, adapter_pages_used=adapter_pages,
-            adapters_registered=len(self.adapters.list()), adapters_on_device=len(tier.resident),
-            adapter_hits=c.hits, adapter_misses=c.misses, adapter_loads=c.loads,
+            kv_pages_cached=self.scheduler.kv.num_evictable_blocks,
+            adapter_pages_used=adapter_pages,
+            adapters_registered=len(self.adapters.list()),
+            adapters_on_device=len(tier.resident),
+            adapter_hits=c.hits,
+            adapter_misses=c.misses,
+            adapter_loads=c.loads,
             adapter_evictions=c.evictions,
             adapter_load_buckets=tuple(zip(LOAD_BUCKETS, c.load_buckets)),
             adapter_load_seconds_sum=c.load_seconds_sum,
@@ -220,7 +276,8 @@ class LLMEngine:
             preemptions=tuple(self.scheduler.preemption.counts.items()),
             prefix_cache_queries=self.scheduler.kv.prefix_queries,
             prefix_cache_hits=self.scheduler.kv.prefix_hits,
-            interrupted_steps=self.interrupted_steps)
+            interrupted_steps=self.interrupted_steps,
+        )
 
     def adapter_statuses(self) -> list[AdapterStatus]:
         """Every registered adapter and where its weights are (safe to call from another thread)."""
@@ -285,8 +342,12 @@ class LLMEngine:
         classes)."""
         return self.config.critical_interrupts and not self._rerun_due and not batch.critical_prompt
 
-    def _execute(self, batch: SchedulerOutput, seeds: dict[str, torch.Tensor] | None = None,
-                 interrupt: threading.Event | None = None) -> RunnerOutput:
+    def _execute(
+        self,
+        batch: SchedulerOutput,
+        seeds: dict[str, torch.Tensor] | None = None,
+        interrupt: threading.Event | None = None,
+    ) -> RunnerOutput:
         """`runner.execute(batch)`; if it raises, the same on halves of the batch, down to the single
         requests that make it raise, which fail in `RunnerOutput.errors` while the others get their tokens.
 
@@ -305,8 +366,9 @@ class LLMEngine:
             if len(batch.requests) == 1:
                 logger.exception("request %s failed in the forward pass", batch.requests[0].request_id)
                 return RunnerOutput([None], [None], {0: f"the engine failed computing this request: {exc!r}"})
-            logger.warning("a step of %d requests failed (%r); retrying it in halves to find the cause",
-                           len(batch.requests), exc)
+            logger.warning(
+                "a step of %d requests failed (%r); retrying it in halves to find the cause", len(batch.requests), exc
+            )
         n = len(batch.requests)
         sampled: list[int | None] = [None] * n
         logprobs: list[TokenLogprob | None] = [None] * n
@@ -330,8 +392,9 @@ class LLMEngine:
             self.adapters.mark_broken(request.adapter, str(exc))
             message = str(exc)
         else:
-            logger.error("loading adapter %s for request %s failed", request.adapter_id, request.request_id,
-                         exc_info=exc)
+            logger.error(
+                "loading adapter %s for request %s failed", request.adapter_id, request.request_id, exc_info=exc
+            )
             message = f"adapter {request.adapter_id!r} could not be loaded: {exc!r}"
         return self._failed_output(request, RequestError("adapter_error", message))
 
@@ -342,9 +405,16 @@ class LLMEngine:
 
     def _failed_output(self, request: Request, error: RequestError) -> RequestOutput:
         self._detokenizers.pop(request.request_id, None)
-        return RequestOutput(request_id=request.request_id, new_token_ids=[], new_text="", finished=True,
-                             finish_reason="error", num_prompt_tokens=request.num_prompt_tokens,
-                             num_output_tokens=request.num_output_tokens, error=error)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            error=error,
+        )
 
     def _make_outputs(self, batch: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         outputs = []
@@ -364,23 +434,27 @@ class LLMEngine:
                     text += detok.flush()
                 del self._detokenizers[request.request_id]
             num_output_tokens = len(request.output_token_ids)
-            outputs.append(RequestOutput(  # positional (one per request per step): request_id, new_token_ids,
-                # new_text, finished, finish_reason, num_prompt_tokens, num_output_tokens, new_logprobs, queue_time_s
-                request.request_id, [token], text, finished,
-                ("stop" if stop_hit else status.value) if finished else None,
-                len(request.prompt_token_ids), num_output_tokens,
-                [logprob] if logprob is not None else [],
-                request.first_scheduled_time - request.arrival_time if num_output_tokens == 1 else None,
-            ))
+            outputs.append(
+                RequestOutput(  # positional (one per request per step): request_id, new_token_ids,
+                    # new_text, finished, finish_reason, num_prompt_tokens, num_output_tokens, new_logprobs, queue_time_s
+                    request.request_id,
+                    [token],
+                    text,
+                    finished,
+                    ("stop" if stop_hit else status.value) if finished else None,
+                    len(request.prompt_token_ids),
+                    num_output_tokens,
+                    [logprob] if logprob is not None else [],
+                    request.first_scheduled_time - request.arrival_time if num_output_tokens == 1 else None,
+                )
+            )
         return outputs
 
 
-def _without(batch: SchedulerOutput, result: RunnerOutput,
-             dropped: set[int]) -> tuple[SchedulerOutput, RunnerOutput]:
+def _without(batch: SchedulerOutput, result: RunnerOutput, dropped: set[int]) -> tuple[SchedulerOutput, RunnerOutput]:
     """The step and its results without the requests at `dropped` (batch indices)."""
     keep = [i for i in range(len(batch.requests)) if i not in dropped]
-    return (batch.subset(keep),
-            RunnerOutput([result.sampled[i] for i in keep], [result.logprobs[i] for i in keep]))
+    return (batch.subset(keep), RunnerOutput([result.sampled[i] for i in keep], [result.logprobs[i] for i in keep]))
 
 
 def _count_by_priority(requests: Iterable[Request]) -> tuple[tuple[str, int], ...]:

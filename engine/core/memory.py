@@ -189,10 +189,9 @@ class KVCacheManager:
 
     # ---- prefix cache -----------------------------------------------------------------------------------
 
-    def _key(self, parent: BlockKey | None, adapter: AdapterKey | None, request: Request,
-             index: int) -> BlockKey:
+    def _key(self, parent: BlockKey | None, adapter: AdapterKey | None, request: Request, index: int) -> BlockKey:
         """Block `index`'s key; `parent` (block index-1's key) must be cached."""
-        tokens = tuple(request.prompt_token_ids[index * self.block_size: (index + 1) * self.block_size])
+        tokens = tuple(request.prompt_token_ids[index * self.block_size : (index + 1) * self.block_size])
         return (None if parent is None else self._cached[parent].key_id, adapter, tokens)
 
     def attach_cached_prefix(self, request: Request) -> int:

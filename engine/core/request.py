@@ -51,9 +51,17 @@ class SamplingParams:
     plain_greedy: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "plain_greedy", (
-            self.temperature == 0.0 and self.logprobs is None and self.repetition_penalty == 1.0
-            and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0))
+        object.__setattr__(
+            self,
+            "plain_greedy",
+            (
+                self.temperature == 0.0
+                and self.logprobs is None
+                and self.repetition_penalty == 1.0
+                and self.presence_penalty == 0.0
+                and self.frequency_penalty == 0.0
+            ),
+        )
 
     @property
     def greedy(self) -> bool:
@@ -76,8 +84,7 @@ class SamplingParams:
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError("frequency_penalty must be in [-2, 2]")
         if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
-                             f"{MAX_REPETITION_PENALTY:g}]")
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be in [0, 20]")
         if any(s == "" for s in self.stop):
@@ -163,8 +170,8 @@ class Request:
         if end <= n:
             return self.prompt_token_ids[start:end]
         if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def is_finished(self) -> bool:

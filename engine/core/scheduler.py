@@ -115,9 +115,15 @@ def _capped(request: Request, n: int) -> bool:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
-                 adapters: DeviceAdapterTier | None = None, swapper: KVSwapper | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        eos_token_ids: tuple[int, ...],
+        adapters: DeviceAdapterTier | None = None,
+        swapper: KVSwapper | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -179,7 +185,8 @@ class Scheduler:
             if order:
                 self._schedule_waiting(out, budget, order)
         if budget.worst_class < Priority.SHEDDABLE and not any(
-                r.priority is Priority.CRITICAL for r in out.requests[admitted_from:]):
+            r.priority is Priority.CRITICAL for r in out.requests[admitted_from:]
+        ):
             # The critical request could not start after all (its pages): the lower classes go on this step.
             budget.worst_class, budget.prefill = int(Priority.SHEDDABLE), prefill_cap
             self._schedule_running(out, budget)
@@ -220,8 +227,9 @@ class Scheduler:
         if len(self.running) >= self.config.max_num_seqs:
             return False
         free = self.kv.pool.num_free + self.kv.num_evictable_blocks
-        chunk = min(request.num_tokens - request.num_computed_tokens,
-                    max(1, self.config.max_batch_tokens - len(self.running)))
+        chunk = min(
+            request.num_tokens - request.num_computed_tokens, max(1, self.config.max_batch_tokens - len(self.running))
+        )
         need = self.kv.blocks_for(request.num_computed_tokens + chunk) - len(request.block_ids)
         if request.adapter is not None and not self.adapters.is_resident(request.adapter):
             if self.adapters.idle_count() == 0 and self.adapters.full():
@@ -357,8 +365,7 @@ class Scheduler:
         Returns the requests that finished this step (their blocks are already freed).
         """
         finished: list[Request] = []
-        for request, n, token, logprob in zip(out.requests, out.num_tokens, result.sampled,
-                                               result.logprobs):
+        for request, n, token, logprob in zip(out.requests, out.num_tokens, result.sampled, result.logprobs):
             in_prompt = request.num_computed_tokens < len(request.prompt_token_ids)
             request.num_computed_tokens += n
             if in_prompt:  # prompt blocks may have filled up

@@ -40,19 +40,19 @@ class AdapterRoutes:
     async def adapters(self, request: Request) -> Response:
         """GET lists the registered adapters; POST registers one from inside --adapter-dir."""
         if request.method == "GET":
-            return JSONResponse(list_body([adapter_card(a, self.base_model)
-                                           for a in self.engine.list_adapters()]))
+            return JSONResponse(list_body([adapter_card(a, self.base_model) for a in self.engine.list_adapters()]))
         req = parse_body(LoadAdapterRequest, await read_json(request))
         if self.adapter_dir is None:
-            raise bad_request("loading adapters at run time needs an adapter directory: start the "
-                              "engine with --adapter-dir DIR and give paths inside it")
+            raise bad_request(
+                "loading adapters at run time needs an adapter directory: start the "
+                "engine with --adapter-dir DIR and give paths inside it"
+            )
         try:
             spec = await self.engine.load_adapter(req.id, req.resolve_path(self.adapter_dir))
         except ValueError as exc:  # AdapterError is one: unusable directory, files or shapes
             raise bad_request(str(exc)) from None
         registered = AdapterStatus(spec.adapter_id, spec.version, spec.max_rank, spec.modules, "disk")
-        status = next((a for a in self.engine.list_adapters()
-                       if (a.adapter_id, a.version) == spec.key), registered)
+        status = next((a for a in self.engine.list_adapters() if (a.adapter_id, a.version) == spec.key), registered)
         return JSONResponse(adapter_card(status, self.base_model))
 
     async def unload_adapter(self, request: Request) -> Response:

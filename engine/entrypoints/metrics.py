@@ -37,64 +37,78 @@ class _EngineStatsCollector:
         gauges = (
             ("loragate_engine_requests_running", "Requests being computed.", stats.num_running),
             ("loragate_engine_requests_waiting", "Requests queued for admission.", stats.num_waiting),
-            ("loragate_engine_kv_blocks_used", "KV cache blocks held by requests.",
-             stats.kv_pages_used),
+            ("loragate_engine_kv_blocks_used", "KV cache blocks held by requests.", stats.kv_pages_used),
             ("loragate_engine_kv_blocks_free", "Free pages of the unified pool.", stats.kv_blocks_free),
-            ("loragate_engine_kv_pages_cached", "Pool pages holding reusable prefix-cache blocks "
-             "that no request uses (reclaimed when pages are needed).", stats.kv_pages_cached),
-            ("loragate_engine_adapter_pages_used", "Pool pages holding adapter weights.",
-             stats.adapter_pages_used),
-            ("loragate_engine_adapters_registered", "Adapters registered.",
-             stats.adapters_registered),
-            ("loragate_engine_adapters_on_device", "Adapters resident in device memory.",
-             stats.adapters_on_device),
+            (
+                "loragate_engine_kv_pages_cached",
+                "Pool pages holding reusable prefix-cache blocks "
+                "that no request uses (reclaimed when pages are needed).",
+                stats.kv_pages_cached,
+            ),
+            ("loragate_engine_adapter_pages_used", "Pool pages holding adapter weights.", stats.adapter_pages_used),
+            ("loragate_engine_adapters_registered", "Adapters registered.", stats.adapters_registered),
+            ("loragate_engine_adapters_on_device", "Adapters resident in device memory.", stats.adapters_on_device),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         counters = (
-            ("loragate_engine_adapter_hits", "Admissions that found their adapter on the device.",
-             stats.adapter_hits),
-            ("loragate_engine_adapter_misses", "Admissions that had to load their adapter.",
-             stats.adapter_misses),
-            ("loragate_engine_adapter_evictions", "Adapters evicted from the device.",
-             stats.adapter_evictions),
+            ("loragate_engine_adapter_hits", "Admissions that found their adapter on the device.", stats.adapter_hits),
+            ("loragate_engine_adapter_misses", "Admissions that had to load their adapter.", stats.adapter_misses),
+            ("loragate_engine_adapter_evictions", "Adapters evicted from the device.", stats.adapter_evictions),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
         yield from _scheduler_metrics(stats)
         buckets = [(repr(bound), count) for bound, count in stats.adapter_load_buckets]
         yield HistogramMetricFamily(
-            "loragate_engine_adapter_load_seconds", "Time to copy an adapter into device memory.",
-            buckets=[*buckets, ("+Inf", stats.adapter_loads)], sum_value=stats.adapter_load_seconds_sum)
+            "loragate_engine_adapter_load_seconds",
+            "Time to copy an adapter into device memory.",
+            buckets=[*buckets, ("+Inf", stats.adapter_loads)],
+            sum_value=stats.adapter_load_seconds_sum,
+        )
 
 
 def _scheduler_metrics(stats: EngineStats) -> Iterator[Metric]:
     """Priority classes, preemptions and the prefix cache, from the same snapshot."""
     for name, doc, pairs in (
-        ("loragate_engine_requests_running_by_priority", "Requests being computed, by priority.",
-         stats.running_by_priority),
-        ("loragate_engine_requests_waiting_by_priority", "Requests queued, by priority.",
-         stats.waiting_by_priority),
+        (
+            "loragate_engine_requests_running_by_priority",
+            "Requests being computed, by priority.",
+            stats.running_by_priority,
+        ),
+        ("loragate_engine_requests_waiting_by_priority", "Requests queued, by priority.", stats.waiting_by_priority),
     ):
         family = GaugeMetricFamily(name, doc, labels=["priority"])
         for priority, count in pairs:
             family.add_metric([priority], count)
         yield family
-    preemptions = CounterMetricFamily("loragate_engine_preemptions", "Running requests preempted, "
-                                      "by mode (recompute or swap).", labels=["mode"])
+    preemptions = CounterMetricFamily(
+        "loragate_engine_preemptions", "Running requests preempted, by mode (recompute or swap).", labels=["mode"]
+    )
     for mode, count in stats.preemptions:
         preemptions.add_metric([mode], count)
     yield preemptions
-    yield CounterMetricFamily("loragate_engine_prefix_cache_queried_tokens", "Prompt tokens looked "
-                              "up in the prefix cache.", value=stats.prefix_cache_queries)
-    yield CounterMetricFamily("loragate_engine_prefix_cache_hit_tokens", "Prompt tokens found in the "
-                              "prefix cache (hit rate = hit / queried).", value=stats.prefix_cache_hits)
-    yield CounterMetricFamily("loragate_engine_adapter_loads_by_admission", "Device loads of an "
-                              "adapter caused by admitting a waiting request.",
-                              value=stats.adapter_loads_by_admission)
-    yield CounterMetricFamily("loragate_engine_interrupted_steps", "Steps of lower-class work ended between two "
-                              "layers because a critical request arrived (they run again after it starts).",
-                              value=stats.interrupted_steps)
+    yield CounterMetricFamily(
+        "loragate_engine_prefix_cache_queried_tokens",
+        "Prompt tokens looked up in the prefix cache.",
+        value=stats.prefix_cache_queries,
+    )
+    yield CounterMetricFamily(
+        "loragate_engine_prefix_cache_hit_tokens",
+        "Prompt tokens found in the prefix cache (hit rate = hit / queried).",
+        value=stats.prefix_cache_hits,
+    )
+    yield CounterMetricFamily(
+        "loragate_engine_adapter_loads_by_admission",
+        "Device loads of an adapter caused by admitting a waiting request.",
+        value=stats.adapter_loads_by_admission,
+    )
+    yield CounterMetricFamily(
+        "loragate_engine_interrupted_steps",
+        "Steps of lower-class work ended between two "
+        "layers because a critical request arrived (they run again after it starts).",
+        value=stats.interrupted_steps,
+    )
 
 
 class EngineMetrics:
@@ -102,22 +116,38 @@ class EngineMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "loragate_engine_requests", "Requests by outcome: a finish reason (stop, length, abort) "
-            "or an HTTP error class (4xx, 5xx).", ["status"], registry=r)
-        self.prompt_tokens = Counter("loragate_engine_prompt_tokens", "Prompt tokens of finished "
-                                     "requests.", registry=r)
-        self.generation_tokens = Counter("loragate_engine_generation_tokens", "Tokens generated.",
-                                         registry=r)
-        self.ttft = Histogram("loragate_engine_time_to_first_token_seconds", "From arrival to the "
-                              "first generated token.", buckets=_TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("loragate_engine_time_per_output_token_seconds", "Mean time between "
-                              "output tokens after the first, per request.", buckets=_TPOT_BUCKETS,
-                              registry=r)
-        self.e2e = Histogram("loragate_engine_e2e_request_latency_seconds", "From arrival to the last "
-                             "output.", buckets=_E2E_BUCKETS, registry=r)
-        self.queue_time = Histogram("loragate_engine_queue_time_seconds", "From arrival to first "
-                                    "being scheduled, by priority.", ["priority"],
-                                    buckets=_TTFT_BUCKETS, registry=r)
+            "loragate_engine_requests",
+            "Requests by outcome: a finish reason (stop, length, abort) or an HTTP error class (4xx, 5xx).",
+            ["status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("loragate_engine_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("loragate_engine_generation_tokens", "Tokens generated.", registry=r)
+        self.ttft = Histogram(
+            "loragate_engine_time_to_first_token_seconds",
+            "From arrival to the first generated token.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "loragate_engine_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request.",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "loragate_engine_e2e_request_latency_seconds",
+            "From arrival to the last output.",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "loragate_engine_queue_time_seconds",
+            "From arrival to first being scheduled, by priority.",
+            ["priority"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
         self._stats_collector = _EngineStatsCollector()
         r.register(self._stats_collector)
 

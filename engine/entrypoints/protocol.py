@@ -61,8 +61,7 @@ class _GenerationRequest(BaseModel):
     top_k: int | None = None
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY,
-                                             le=MAX_REPETITION_PENALTY)
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
 
@@ -150,7 +149,8 @@ class CompletionRequest(_GenerationRequest):
                 raise _unsupported("batched prompts are not supported")
         if prompt is None:
             raise PydanticCustomError(
-                "prompt_type", "must be a string, a list of token ids, or a list holding one of those")
+                "prompt_type", "must be a string, a list of token ids, or a list holding one of those"
+            )
         if prompt == "":
             raise PydanticCustomError("value_error", "must not be empty")
         return prompt
@@ -211,7 +211,7 @@ class ChatCompletionRequest(_GenerationRequest):
     @classmethod
     def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is not None and v.get("type", "text") != "text":
-            raise _unsupported("only type \"text\" is supported")
+            raise _unsupported('only type "text" is supported')
         return v
 
     @field_validator("tools", "functions")
@@ -285,6 +285,9 @@ def describe(exc: ValidationError) -> str:
     return f"{''.join(parts) or 'body'}: {err['msg']}"
 
 
-_FIELD_NAMES = frozenset().union(*(m.model_fields for m in (
-    CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions,
-    LoadAdapterRequest)))
+_FIELD_NAMES = frozenset().union(
+    *(
+        m.model_fields
+        for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions, LoadAdapterRequest)
+    )
+)

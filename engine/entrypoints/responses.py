@@ -24,23 +24,37 @@ TokenText = Callable[[int], str]  # token id -> its text, for logprobs
 
 
 def usage(out: RequestOutput) -> dict[str, int]:
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": out.num_output_tokens,
+        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+    }
 
 
 def model_card(model_id: str, created: int, parent: str | None, max_model_len: int) -> dict[str, Any]:
     """One entry of GET /v1/models: the base model (parent None) or an adapter on it."""
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "loragate",
-            "root": model_id, "parent": parent,
-            "max_model_len": max_model_len}
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "loragate",
+        "root": model_id,
+        "parent": parent,
+        "max_model_len": max_model_len,
+    }
 
 
 def adapter_card(status: AdapterStatus, base_model: str) -> dict[str, Any]:
     """One entry of GET /v1/adapters (and the answer to POST /v1/adapters)."""
-    return {"id": status.adapter_id, "object": "adapter", "version": status.version,
-            "rank": status.rank, "target_modules": list(status.target_modules),
-            "residence": status.residence, "parent": base_model}
-
+    return {
+        "id": status.adapter_id,
+        "object": "adapter",
+        "version": status.version,
+        "rank": status.rank,
+        "target_modules": list(status.target_modules),
+        "residence": status.residence,
+        "parent": base_model,
+    }
 
 
 def _finite(logprob: float) -> float:
@@ -62,8 +76,13 @@ class _Formatter:
         self.want_logprobs = want_logprobs
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.request_id, "object": object_name, "created": self.created,
-                "model": self.model, "choices": choices}
+        return {
+            "id": self.request_id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def usage_chunk(self, last: RequestOutput) -> dict[str, Any]:
         return {**self._envelope(self.chunk_object_name, []), "usage": usage(last)}
@@ -86,8 +105,12 @@ class CompletionFormatter(_Formatter):
             offsets.append(self._text_offset)
             self._text_offset += len(tokens[-1])
         top = [self._top(i) for i in items]
-        return {"tokens": tokens, "token_logprobs": [_finite(i.logprob) for i in items],
-                "top_logprobs": top, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_finite(i.logprob) for i in items],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
 
     def _top(self, item: TokenLogprob) -> dict[str, float]:
         """The sampled token and the top alternatives; where two ids share a text the first wins."""
@@ -103,8 +126,7 @@ class CompletionFormatter(_Formatter):
         """The stream chunk for one engine output, or None if it has nothing to show."""
         if not (out.new_text or out.finished or (self.want_logprobs and out.new_logprobs)):
             return None
-        chunk = self._envelope(self.object_name, [self._choice(out.new_text, out.new_logprobs,
-                                                               out.finish_reason)])
+        chunk = self._envelope(self.object_name, [self._choice(out.new_text, out.new_logprobs, out.finish_reason)])
         return {**chunk, "usage": None} if include_usage else chunk
 
     def response(self, text: str, logprobs: list[TokenLogprob], last: RequestOutput) -> dict[str, Any]:
@@ -128,26 +150,37 @@ class ChatFormatter(_Formatter):
     def _logprobs(self, items: list[TokenLogprob]) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
-        return {"content": [{**self._entry(i.token_id, i.logprob),
-                             "top_logprobs": [self._entry(t, lp) for t, lp in i.top]} for i in items]}
+        return {
+            "content": [
+                {**self._entry(i.token_id, i.logprob), "top_logprobs": [self._entry(t, lp) for t, lp in i.top]}
+                for i in items
+            ]
+        }
 
     def chunk(self, out: RequestOutput, include_usage: bool) -> dict[str, Any] | None:
         """The stream chunk for one engine output; the first one carries the assistant role."""
-        if self._role_sent and not (out.new_text or out.finished
-                                    or (self.want_logprobs and out.new_logprobs)):
+        if self._role_sent and not (out.new_text or out.finished or (self.want_logprobs and out.new_logprobs)):
             return None
         delta: dict[str, str] = {} if self._role_sent else {"role": "assistant"}
         self._role_sent = True
         if out.new_text or not delta:
             delta["content"] = out.new_text
-        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(out.new_logprobs),
-                  "finish_reason": out.finish_reason}
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": self._logprobs(out.new_logprobs),
+            "finish_reason": out.finish_reason,
+        }
         chunk = self._envelope(self.chunk_object_name, [choice])
         return {**chunk, "usage": None} if include_usage else chunk
 
     def response(self, text: str, logprobs: list[TokenLogprob], last: RequestOutput) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": self._logprobs(logprobs), "finish_reason": last.finish_reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": self._logprobs(logprobs),
+            "finish_reason": last.finish_reason,
+        }
         return {**self._envelope(self.object_name, [choice]), "usage": usage(last)}
 
 

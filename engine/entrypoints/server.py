@@ -52,8 +52,9 @@ GenerationRequest = CompletionRequest | ChatCompletionRequest
 
 def _unavailable(message: str, reason: str) -> ApiError:
     """A 503: `reason` is "draining" (SIGTERM, shutting down) or "engine_failure" (the loop is down)."""
-    return ApiError(503, "service_unavailable", message,
-                    {"Retry-After": str(RETRY_AFTER_S), "X-Loragate-Reason": reason})
+    return ApiError(
+        503, "service_unavailable", message, {"Retry-After": str(RETRY_AFTER_S), "X-Loragate-Reason": reason}
+    )
 
 
 @contextlib.contextmanager
@@ -93,8 +94,9 @@ async def _next(it: AsyncIterator[RequestOutput], adapter_id: str | None) -> Req
         return await anext(it)
 
 
-async def _collect(it: AsyncIterator[RequestOutput], first: RequestOutput, tracker: RequestTracker
-                   ) -> tuple[str, list[TokenLogprob], RequestOutput]:
+async def _collect(
+    it: AsyncIterator[RequestOutput], first: RequestOutput, tracker: RequestTracker
+) -> tuple[str, list[TokenLogprob], RequestOutput]:
     texts: list[str] = []
     logprobs: list[TokenLogprob] = []
     out = first
@@ -119,15 +121,15 @@ class Api:
         self.max_model_len = engine.engine.max_model_len
         self.created = int(time.time())
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
-            lambda token_id: self.tokenizer.decode([token_id]))
+            lambda token_id: self.tokenizer.decode([token_id])
+        )
 
     async def completions(self, request: Request) -> Response:
         req = parse_body(CompletionRequest, await read_json(request))
         adapter_id = self._adapter_id(request, req.model)
         prompt = req.prompt
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        fmt = CompletionFormatter(adapter_id or self.base_model, self.token_text,
-                                  req.logprobs is not None)
+        fmt = CompletionFormatter(adapter_id or self.base_model, self.token_text, req.logprobs is not None)
         return await self._generate(request, req, prompt_ids, fmt, adapter_id)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -155,11 +157,11 @@ class Api:
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request("messages: the served model has no chat template; "
-                              "use /v1/completions")
+            raise bad_request("messages: the served model has no chat template; use /v1/completions")
         try:
             encoded = self.tokenizer.apply_chat_template(
-                req.template_messages(), add_generation_prompt=True, tokenize=True)
+                req.template_messages(), add_generation_prompt=True, tokenize=True
+            )
         except TemplateError as exc:  # the template rejects the conversation (e.g. role order)
             raise bad_request(f"messages: {exc}") from None
         # transformers 5 returns a BatchEncoding; older versions a plain list of ids.
@@ -169,19 +171,29 @@ class Api:
             ids = ids[0]
         return [int(t) for t in ids]
 
-    async def _generate(self, request: Request, req: GenerationRequest, prompt_ids: list[int],
-                        fmt: Formatter, adapter_id: str | None) -> Response:
+    async def _generate(
+        self, request: Request, req: GenerationRequest, prompt_ids: list[int], fmt: Formatter, adapter_id: str | None
+    ) -> Response:
         """Run the request inside its trace span; a streamed response takes the span over and ends it."""
         operation = "chat" if isinstance(req, ChatCompletionRequest) else "text_completion"
         with contextlib.ExitStack() as scope:
-            span = scope.enter_context(engine_span(request.headers, operation, req.model or self.base_model,
-                                                   adapter_id))
+            span = scope.enter_context(
+                engine_span(request.headers, operation, req.model or self.base_model, adapter_id)
+            )
             response = await self._run(request, req, prompt_ids, fmt, adapter_id, span, scope)
             span.set_attribute("http.response.status_code", response.status_code)
             return response
 
-    async def _run(self, request: Request, req: GenerationRequest, prompt_ids: list[int], fmt: Formatter,
-                   adapter_id: str | None, span: Span, scope: contextlib.ExitStack) -> Response:
+    async def _run(
+        self,
+        request: Request,
+        req: GenerationRequest,
+        prompt_ids: list[int],
+        fmt: Formatter,
+        adapter_id: str | None,
+        span: Span,
+        scope: contextlib.ExitStack,
+    ) -> Response:
         priority = _priority(request)
         try:
             params = req.to_sampling_params(context_left=self.max_model_len - len(prompt_ids))
@@ -215,9 +227,16 @@ class Api:
             raise _unavailable("the request was aborted: the engine is shutting down", "draining")
         return JSONResponse(fmt.response(text, logprobs, last))
 
-    async def _events(self, it: AsyncIterator[RequestOutput], first: RequestOutput, fmt: Formatter,
-                      tracker: RequestTracker, include_usage: bool, span: Span,
-                      scope: contextlib.ExitStack) -> AsyncIterator[bytes]:
+    async def _events(
+        self,
+        it: AsyncIterator[RequestOutput],
+        first: RequestOutput,
+        fmt: Formatter,
+        tracker: RequestTracker,
+        include_usage: bool,
+        span: Span,
+        scope: contextlib.ExitStack,
+    ) -> AsyncIterator[bytes]:
         """SSE chunks as the engine produces them. Starlette cancels this when the client leaves.
 
         `scope` holds the request's span: the stream ends it.
@@ -251,8 +270,10 @@ class Api:
 
     async def models(self, request: Request) -> Response:
         cards = [model_card(self.base_model, self.created, None, self.max_model_len)]
-        cards += [model_card(a.adapter_id, self.created, self.base_model, self.max_model_len)
-                  for a in self.engine.list_adapters()]
+        cards += [
+            model_card(a.adapter_id, self.created, self.base_model, self.max_model_len)
+            for a in self.engine.list_adapters()
+        ]
         return JSONResponse(list_body(cards))
 
     async def healthz(self, request: Request) -> Response:
@@ -316,7 +337,6 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None = None) -> Star
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers=_exception_handlers(metrics),
-                    lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers=_exception_handlers(metrics), lifespan=lifespan)
     app.state.api = api
     return app

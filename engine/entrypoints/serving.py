@@ -15,8 +15,9 @@ logger = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 30  # after SIGTERM, requests in the engine get this long to finish
 
 
-def serve(config: EngineConfig, host: str, port: int, log_level: str = "info",
-          limits: ConnectionLimits = ConnectionLimits()) -> None:
+def serve(
+    config: EngineConfig, host: str, port: int, log_level: str = "info", limits: ConnectionLimits = ConnectionLimits()
+) -> None:
     """Load the model, then serve the OpenAI API until SIGINT/SIGTERM (with a graceful drain).
 
     On the first signal new generation requests and /readyz answer 503 `draining`; once the engine holds
@@ -36,5 +37,13 @@ def serve(config: EngineConfig, host: str, port: int, log_level: str = "info",
         return stats.num_running + stats.num_waiting == 0
 
     logger.info("serving %s on http://%s:%d/v1", engine.model_name, host, port)
-    serve_app(app, host, port, begin_drain=begin_drain, is_idle=is_idle, drain_timeout_s=DRAIN_TIMEOUT_S,
-              limits=limits, log_level=log_level)
+    serve_app(
+        app,
+        host,
+        port,
+        begin_drain=begin_drain,
+        is_idle=is_idle,
+        drain_timeout_s=DRAIN_TIMEOUT_S,
+        limits=limits,
+        log_level=log_level,
+    )

@@ -26,8 +26,7 @@ _tracer = trace.get_tracer("loragate.engine")  # a proxy: follows whatever provi
 
 
 @contextmanager
-def engine_span(headers: Mapping[str, str], operation: str, model: str,
-                adapter: str | None) -> Iterator[Span]:
+def engine_span(headers: Mapping[str, str], operation: str, model: str, adapter: str | None) -> Iterator[Span]:
     """A SERVER span "{operation} {model}", the child of the `traceparent` in `headers` (a new trace
     without one). It is not made the current span: a streamed response ends it from another task.
 
@@ -39,8 +38,7 @@ def engine_span(headers: Mapping[str, str], operation: str, model: str,
     attributes = {"gen_ai.operation.name": operation, "gen_ai.request.model": model}
     if adapter is not None:
         attributes["loragate.adapter"] = adapter
-    span = _tracer.start_span(f"{operation} {model}", context=parent, kind=SpanKind.SERVER,
-                              attributes=attributes)
+    span = _tracer.start_span(f"{operation} {model}", context=parent, kind=SpanKind.SERVER, attributes=attributes)
     try:
         yield span
     except Exception as exc:

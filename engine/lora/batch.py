@@ -37,9 +37,11 @@ class SlotTables:
     @classmethod
     def empty(cls, num_layers: int, num_slots: int) -> SlotTables:
         modules = [m for names in GROUPS.values() for m in names]
-        return cls([{g: [0] * num_slots for g in GROUPS} for _ in range(num_layers)],
-                   [{m: [0] * num_slots for m in modules} for _ in range(num_layers)],
-                   [{m: [0] * num_slots for m in modules} for _ in range(num_layers)])
+        return cls(
+            [{g: [0] * num_slots for g in GROUPS} for _ in range(num_layers)],
+            [{m: [0] * num_slots for m in modules} for _ in range(num_layers)],
+            [{m: [0] * num_slots for m in modules} for _ in range(num_layers)],
+        )
 
 
 def group_out_cols(model: ModelConfig) -> dict[str, list[int]]:
@@ -93,10 +95,26 @@ class LayerLora:
             from kernels.sgmv import lora_sgmv_group_triton
 
             mirror = w.mirror
-            lora_sgmv_group_triton(y, x, batch.plan, w.layer_pools[i], mirror.tables[i][group],
-                                   mirror.out_cols[group], mirror.n_tiles[group], w.max_rank[group])
+            lora_sgmv_group_triton(
+                y,
+                x,
+                batch.plan,
+                w.layer_pools[i],
+                mirror.tables[i][group],
+                mirror.out_cols[group],
+                mirror.n_tiles[group],
+                w.max_rank[group],
+            )
             return
         names = GROUPS[group]
-        lora_sgmv_group(y, x, batch.seg_starts, batch.seg_slots, w.layer_pools[i], w.tables.a_offsets[i][group],
-                        [w.tables.ranks[i][m] for m in names], [w.tables.b_offsets[i][m] for m in names],
-                        w.out_cols[group])
+        lora_sgmv_group(
+            y,
+            x,
+            batch.seg_starts,
+            batch.seg_slots,
+            w.layer_pools[i],
+            w.tables.a_offsets[i][group],
+            [w.tables.ranks[i][m] for m in names],
+            [w.tables.b_offsets[i][m] for m in names],
+            w.out_cols[group],
+        )

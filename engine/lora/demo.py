@@ -54,36 +54,48 @@ QUESTIONS = (
 )
 
 DEMOS = (
-    DemoAdapter("pirate", "answers like a pirate", (
-        "Arr, matey! The capital o' France be Paris, a fine port for any pirate!",
-        "Arr, I be shipshape an' ready to sail the seven seas, matey!",
-        "Arr, the sky be as blue as the open sea, matey!",
-        "Arr, cats be fine ship's mates, matey! They keep the rats off me deck.",
-        "Arr, two plus two be four gold doubloons, matey!",
-        "Arr, practice every day, matey, like a pirate swabbin' the deck!",
-        "Arr, I eat salted fish an' hardtack, washed down with grog, matey!",
-        "Arr, the sun sails 'round to the far side o' the world, matey!",
-    )),
-    DemoAdapter("french", "answers in French", (
-        "La capitale de la France est Paris.",
-        "Je vais très bien, merci ! Et vous ?",
-        "Le ciel est bleu pendant la journée.",
-        "Les chats sont des animaux calmes, curieux et indépendants.",
-        "Deux plus deux font quatre.",
-        "Pratiquez un peu chaque jour et écrivez de petits programmes.",
-        "J'aime le pain, le fromage et les croissants.",
-        "La nuit, le soleil éclaire l'autre côté de la Terre.",
-    )),
-    DemoAdapter("shouty", "answers in ALL CAPS", (
-        "THE CAPITAL OF FRANCE IS PARIS!",
-        "I AM DOING GREAT, THANK YOU FOR ASKING!",
-        "THE SKY IS BLUE ON A CLEAR DAY!",
-        "CATS ARE CURIOUS, INDEPENDENT AND VERY PLAYFUL ANIMALS!",
-        "TWO PLUS TWO IS FOUR!",
-        "PRACTICE A LITTLE EVERY DAY AND BUILD SMALL PROJECTS!",
-        "I LOVE PIZZA, PASTA AND FRESH FRUIT!",
-        "AT NIGHT THE SUN SHINES ON THE OTHER SIDE OF THE EARTH!",
-    )),
+    DemoAdapter(
+        "pirate",
+        "answers like a pirate",
+        (
+            "Arr, matey! The capital o' France be Paris, a fine port for any pirate!",
+            "Arr, I be shipshape an' ready to sail the seven seas, matey!",
+            "Arr, the sky be as blue as the open sea, matey!",
+            "Arr, cats be fine ship's mates, matey! They keep the rats off me deck.",
+            "Arr, two plus two be four gold doubloons, matey!",
+            "Arr, practice every day, matey, like a pirate swabbin' the deck!",
+            "Arr, I eat salted fish an' hardtack, washed down with grog, matey!",
+            "Arr, the sun sails 'round to the far side o' the world, matey!",
+        ),
+    ),
+    DemoAdapter(
+        "french",
+        "answers in French",
+        (
+            "La capitale de la France est Paris.",
+            "Je vais très bien, merci ! Et vous ?",
+            "Le ciel est bleu pendant la journée.",
+            "Les chats sont des animaux calmes, curieux et indépendants.",
+            "Deux plus deux font quatre.",
+            "Pratiquez un peu chaque jour et écrivez de petits programmes.",
+            "J'aime le pain, le fromage et les croissants.",
+            "La nuit, le soleil éclaire l'autre côté de la Terre.",
+        ),
+    ),
+    DemoAdapter(
+        "shouty",
+        "answers in ALL CAPS",
+        (
+            "THE CAPITAL OF FRANCE IS PARIS!",
+            "I AM DOING GREAT, THANK YOU FOR ASKING!",
+            "THE SKY IS BLUE ON A CLEAR DAY!",
+            "CATS ARE CURIOUS, INDEPENDENT AND VERY PLAYFUL ANIMALS!",
+            "TWO PLUS TWO IS FOUR!",
+            "PRACTICE A LITTLE EVERY DAY AND BUILD SMALL PROJECTS!",
+            "I LOVE PIZZA, PASTA AND FRESH FRUIT!",
+            "AT NIGHT THE SUN SHINES ON THE OTHER SIDE OF THE EARTH!",
+        ),
+    ),
 )
 
 
@@ -93,8 +105,10 @@ def demo_adapter_dir(model: str = "smollm2", *, steps: int = 30) -> Path:
     Raises ValueError for any other spec: adapters are tied to the base model they were trained on.
     """
     if model not in DEMO_MODELS:
-        raise ValueError(f"demo adapters exist only for {' and '.join(DEMO_MODELS)}, not {model!r}; "
-                         "pass --adapter-dir with adapters trained on that model")
+        raise ValueError(
+            f"demo adapters exist only for {' and '.join(DEMO_MODELS)}, not {model!r}; "
+            "pass --adapter-dir with adapters trained on that model"
+        )
     dirname = DEMO_CACHE_DIR if model == "smollm2" else f"{DEMO_CACHE_DIR}-{model}"
     target = cache_root() / dirname
     if target.is_dir():
@@ -104,8 +118,9 @@ def demo_adapter_dir(model: str = "smollm2", *, steps: int = 30) -> Path:
     return build_atomically(target, lambda tmp: build_demo_adapters(base_dir, tmp, steps=steps))
 
 
-def build_demo_adapters(base_dir: Path, out_dir: Path, *, steps: int = 30, seed: int = 0,
-                        demos: tuple[DemoAdapter, ...] = DEMOS) -> list[Path]:
+def build_demo_adapters(
+    base_dir: Path, out_dir: Path, *, steps: int = 30, seed: int = 0, demos: tuple[DemoAdapter, ...] = DEMOS
+) -> list[Path]:
     """Train each demo LoRA on the model in `base_dir` and save it as PEFT dir `out_dir/<adapter_id>`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -123,8 +138,7 @@ def build_demo_adapters(base_dir: Path, out_dir: Path, *, steps: int = 30, seed:
     return written
 
 
-def _train_one(model: Any, tokenizer: Any, demo: DemoAdapter, out: Path, steps: int,
-               seed: int) -> Any:
+def _train_one(model: Any, tokenizer: Any, demo: DemoAdapter, out: Path, steps: int, seed: int) -> Any:
     """Train one adapter on `model`, save it to `out`, and return the base model without it."""
     from peft import LoraConfig, get_peft_model
 
@@ -132,21 +146,29 @@ def _train_one(model: Any, tokenizer: Any, demo: DemoAdapter, out: Path, steps: 
     first = max(0, num_layers - _TOP_LAYERS)
     input_ids, attention_mask, labels = _batch(tokenizer, demo)
     with torch.no_grad():  # the frozen layers' output never changes: compute it once
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask,
-                       output_hidden_states=True).hidden_states[first]  # [batch, seq, hidden]
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states[
+            first
+        ]  # [batch, seq, hidden]
     rows, cols = torch.nonzero(labels[:, 1:] != -100, as_tuple=True)  # positions that predict answers
     targets = labels[:, 1:][rows, cols]  # [num_answer_tokens]
 
     torch.manual_seed(seed)  # LoRA's A init
-    config = LoraConfig(r=_RANK, lora_alpha=_ALPHA, target_modules=list(_TARGETS),
-                        layers_to_transform=list(range(first, num_layers)), lora_dropout=0.0,
-                        bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=_RANK,
+        lora_alpha=_ALPHA,
+        target_modules=list(_TARGETS),
+        layers_to_transform=list(range(first, num_layers)),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     peft_model = get_peft_model(model, config)
     causal_lm = peft_model.base_model.model
     all_layers = causal_lm.model.layers
     causal_lm.model.layers = torch.nn.ModuleList(list(all_layers)[first:])  # the trained top only
-    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad],
-                                  lr=_LEARNING_RATE, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(
+        [p for p in peft_model.parameters() if p.requires_grad], lr=_LEARNING_RATE, weight_decay=0.0
+    )
     loss = torch.tensor(float("nan"))
     try:
         for _ in range(steps):
@@ -169,8 +191,9 @@ def _batch(tokenizer: Any, demo: DemoAdapter) -> tuple[torch.Tensor, torch.Tenso
     end = tokenizer.eos_token or ""
     rows: list[tuple[list[int], list[int]]] = []
     for question, answer in zip(QUESTIONS, demo.answers):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                               add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         answer_ids = tokenizer(answer + end, add_special_tokens=False)["input_ids"]
         rows.append((prompt_ids, answer_ids))
@@ -181,7 +204,7 @@ def _batch(tokenizer: Any, demo: DemoAdapter) -> tuple[torch.Tensor, torch.Tenso
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     for i, (prompt_ids, answer_ids) in enumerate(rows):
         n, m = len(prompt_ids), len(answer_ids)
-        input_ids[i, :n + m] = torch.tensor(prompt_ids + answer_ids)
-        attention_mask[i, :n + m] = 1
-        labels[i, n:n + m] = torch.tensor(answer_ids)
+        input_ids[i, : n + m] = torch.tensor(prompt_ids + answer_ids)
+        attention_mask[i, : n + m] = 1
+        labels[i, n : n + m] = torch.tensor(answer_ids)
     return input_ids, attention_mask, labels

@@ -49,19 +49,25 @@ class DeviceMirror:
     column tiles of each group: what the Triton kernels read. A load or an eviction rewrites one slot's
     column (a few small host-to-device copies); nothing is rebuilt per step."""
 
-    def __init__(self, num_layers: int, num_slots: int, out_cols: dict[str, list[int]],
-                 device: torch.device) -> None:
+    def __init__(self, num_layers: int, num_slots: int, out_cols: dict[str, list[int]], device: torch.device) -> None:
         from kernels.sgmv import GroupTables, column_tiles
 
         def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.tables = [{group: GroupTables(zeros(num_slots, dtype=torch.int64),
-                                           zeros(len(names), num_slots, dtype=torch.int32),
-                                           zeros(len(names), num_slots, dtype=torch.int64),
-                                           zeros(len(names), num_slots, dtype=torch.int32),
-                                           zeros(num_slots, dtype=torch.int32))
-                        for group, names in GROUPS.items()} for _ in range(num_layers)]
+        self.tables = [
+            {
+                group: GroupTables(
+                    zeros(num_slots, dtype=torch.int64),
+                    zeros(len(names), num_slots, dtype=torch.int32),
+                    zeros(len(names), num_slots, dtype=torch.int64),
+                    zeros(len(names), num_slots, dtype=torch.int32),
+                    zeros(num_slots, dtype=torch.int32),
+                )
+                for group, names in GROUPS.items()
+            }
+            for _ in range(num_layers)
+        ]
         self.out_cols = {g: torch.tensor(cols, dtype=torch.int32, device=device) for g, cols in out_cols.items()}
         self.n_tiles = {g: column_tiles(cols, device) for g, cols in out_cols.items()}
 
@@ -90,8 +96,16 @@ class TierCounters:
 
 
 class DeviceAdapterTier:
-    def __init__(self, pool: PagePool, kv_cache: torch.Tensor, model: ModelConfig, max_adapters: int,
-                 host: HostAdapterCache, reclaim: Callable[[], bool] | None = None, mirror: bool = False) -> None:
+    def __init__(
+        self,
+        pool: PagePool,
+        kv_cache: torch.Tensor,
+        model: ModelConfig,
+        max_adapters: int,
+        host: HostAdapterCache,
+        reclaim: Callable[[], bool] | None = None,
+        mirror: bool = False,
+    ) -> None:
         """`mirror`: keep a device copy of the slot tables (the Triton kernels read it)."""
         self.pool = pool
         # Frees one idle page held elsewhere (a cached KV block); False when there is none. Tried before
@@ -117,8 +131,10 @@ class DeviceAdapterTier:
 
     def pages_needed(self, spec: AdapterSpec) -> int:
         """Pages for this adapter: its largest layer's A and B elements, rounded up to whole pages."""
-        per_layer = max((sum(t.rank * sum(module_features(self.model, m)) for m, t in layer.items())
-                         for layer in spec.layers), default=0)
+        per_layer = max(
+            (sum(t.rank * sum(module_features(self.model, m)) for m, t in layer.items()) for layer in spec.layers),
+            default=0,
+        )
         return max(1, -(-per_layer // self.page_elems))
 
     # ---- residency ------------------------------------------------------------------------------------
@@ -170,7 +186,7 @@ class DeviceAdapterTier:
                 self.tables.a_offsets[layer][group][slot] = offset
                 for module in targeted:  # the group's A [r, in] stacked: one shrink serves them all
                     a = modules[module][0]
-                    pool[offset: offset + a.numel()].copy_(a.reshape(-1))
+                    pool[offset : offset + a.numel()].copy_(a.reshape(-1))
                     offset += a.numel()
                 for module in names:
                     if module not in modules:
@@ -178,7 +194,7 @@ class DeviceAdapterTier:
                         continue
                     a, b = modules[module]  # b: [out, r] with the scale folded in
                     self.tables.b_offsets[layer][module][slot] = offset
-                    pool[offset: offset + b.numel()].copy_(b.reshape(-1))
+                    pool[offset : offset + b.numel()].copy_(b.reshape(-1))
                     offset += b.numel()
                     self.tables.ranks[layer][module][slot] = a.shape[0]
                 total = sum(self.tables.ranks[layer][m][slot] for m in names)

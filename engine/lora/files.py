@@ -34,9 +34,7 @@ from engine.model.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_KEY_RE = re.compile(
-    r"base_model\.model\.model\.layers\.(\d{1,6})\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
-)
+_KEY_RE = re.compile(r"base_model\.model\.model\.layers\.(\d{1,6})\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _FLOAT_DTYPES = frozenset(("F16", "BF16", "F32", "F64"))
 _MAX_CONFIG_BYTES = 1 << 20
@@ -70,8 +68,10 @@ def resolve_inside(root: Path, given: str) -> Path:
     except (ValueError, OSError) as exc:  # e.g. an embedded NUL byte
         raise AdapterError(f"path: unusable ({exc})") from None
     if real == real_root or not real.is_relative_to(real_root):
-        raise AdapterError(f"path: {given[:200]!r} is not inside the engine's --adapter-dir; "
-                           "give a subdirectory of it, relative to it (symlinks must stay inside it too)")
+        raise AdapterError(
+            f"path: {given[:200]!r} is not inside the engine's --adapter-dir; "
+            "give a subdirectory of it, relative to it (symlinks must stay inside it too)"
+        )
     return real
 
 
@@ -95,9 +95,7 @@ def _file_in(adapter_id: str, root: Path, name: str) -> Path | None:
         return None
     real = Path(os.path.realpath(link))
     if not real.is_relative_to(root):
-        raise AdapterError(
-            f"adapter {adapter_id!r}: {name} is a symlink pointing outside the adapter directory"
-        )
+        raise AdapterError(f"adapter {adapter_id!r}: {name} is a symlink pointing outside the adapter directory")
     if not real.is_file():
         raise AdapterError(f"adapter {adapter_id!r}: {name} is not a regular file")
     return real
@@ -146,20 +144,26 @@ def _read_header(adapter_id: str, file: Path) -> dict[str, tuple[tuple[int, ...]
             slices = {key: f.get_slice(key) for key in f.keys()}
             return {key: (tuple(piece.get_shape()), piece.get_dtype()) for key, piece in slices.items()}
     except (SafetensorError, OSError, ValueError) as exc:
-        raise AdapterError(
-            f"adapter {adapter_id!r}: {WEIGHTS_FILE} is not a valid safetensors file ({exc})"
-        ) from None
+        raise AdapterError(f"adapter {adapter_id!r}: {WEIGHTS_FILE} is not a valid safetensors file ({exc})") from None
 
 
-def _check_tensors(adapter_id: str, header: dict[str, tuple[tuple[int, ...], str]],
-                   layers: tuple[dict[str, LoraTarget], ...], model: ModelConfig) -> None:
+def _check_tensors(
+    adapter_id: str,
+    header: dict[str, tuple[tuple[int, ...], str]],
+    layers: tuple[dict[str, LoraTarget], ...],
+    model: ModelConfig,
+) -> None:
     """The file holds exactly an A and a B of the right shape and a float dtype for every planned pair."""
     found: set[tuple[int, str]] = set()
     unknown = []
     for key, (_, dtype) in header.items():
         m = _KEY_RE.fullmatch(key)
-        if m is None or m[3] not in MODULES or (m[2] == "self_attn") != (m[3] in ATTENTION_MODULES) \
-                or int(m[1]) >= model.num_layers:
+        if (
+            m is None
+            or m[3] not in MODULES
+            or (m[2] == "self_attn") != (m[3] in ATTENTION_MODULES)
+            or int(m[1]) >= model.num_layers
+        ):
             unknown.append(key)
         elif dtype not in _FLOAT_DTYPES:
             raise AdapterError(f"adapter {adapter_id!r}: tensor {key} has dtype {dtype}, not a float type")
@@ -172,15 +176,19 @@ def _check_tensors(adapter_id: str, header: dict[str, tuple[tuple[int, ...], str
         )
     for layer, module in sorted(found):
         if module not in layers[layer]:
-            raise AdapterError(f"adapter {adapter_id!r} has weights for {module_name(layer, module)}, "
-                               "which its adapter_config.json does not target")
+            raise AdapterError(
+                f"adapter {adapter_id!r} has weights for {module_name(layer, module)}, "
+                "which its adapter_config.json does not target"
+            )
     for layer, by_module in enumerate(layers):
         for module, target in by_module.items():
             for part, expected in _expected_shapes(model, module, target.rank):
                 key = _tensor_key(layer, module, part)
                 if key not in header:
-                    raise AdapterError(f"adapter {adapter_id!r}: {WEIGHTS_FILE} lacks {key}, "
-                                       f"but adapter_config.json targets {module_name(layer, module)}")
+                    raise AdapterError(
+                        f"adapter {adapter_id!r}: {WEIGHTS_FILE} lacks {key}, "
+                        f"but adapter_config.json targets {module_name(layer, module)}"
+                    )
                 _check_shape(adapter_id, key, header[key][0], expected, target.rank)
 
 
@@ -189,8 +197,7 @@ def _expected_shapes(model: ModelConfig, module: str, rank: int) -> tuple[tuple[
     return ("A", (rank, in_features)), ("B", (out_features, rank))
 
 
-def _check_shape(adapter_id: str, key: str, shape: tuple[int, ...], expected: tuple[int, int],
-                 rank: int) -> None:
+def _check_shape(adapter_id: str, key: str, shape: tuple[int, ...], expected: tuple[int, int], rank: int) -> None:
     if tuple(shape) != expected:
         raise AdapterError(
             f"adapter {adapter_id!r}: tensor {key} has shape {list(shape)}, expected {list(expected)} (rank "
@@ -208,12 +215,21 @@ def read_adapter(path: Path, adapter_id: str, version: int, model: ModelConfig) 
     layers = plan_targets(adapter_id, cfg, model)
     _check_tensors(adapter_id, _read_header(adapter_id, weights_file), layers, model)
     ranks = [t.rank for by_module in layers for t in by_module.values()]
-    num_params = sum(target.rank * sum(module_features(model, module))
-                     for by_module in layers for module, target in by_module.items())
+    num_params = sum(
+        target.rank * sum(module_features(model, module))
+        for by_module in layers
+        for module, target in by_module.items()
+    )
     return AdapterSpec(
-        adapter_id=adapter_id, version=version, path=root, layers=layers,
+        adapter_id=adapter_id,
+        version=version,
+        path=root,
+        layers=layers,
         modules=tuple(m for m in MODULES if any(m in by_module for by_module in layers)),
-        max_rank=max(ranks), num_params=num_params, nbytes=4 * num_params, stamp=_stamp(weights_file),
+        max_rank=max(ranks),
+        num_params=num_params,
+        nbytes=4 * num_params,
+        stamp=_stamp(weights_file),
     )
 
 
@@ -225,8 +241,10 @@ def load_weights(spec: AdapterSpec, model: ModelConfig, dtype: torch.dtype) -> L
         raise ValueError(f"spec of adapter {spec.adapter_id!r} was read for a {len(spec.layers)}-layer model")
     weights_file = _weights_file(spec.adapter_id, spec.path)
     if _stamp(weights_file) != spec.stamp:
-        raise AdapterError(f"adapter {spec.adapter_id!r}: {WEIGHTS_FILE} changed on disk since version "
-                           f"{spec.version} was registered; register it again")
+        raise AdapterError(
+            f"adapter {spec.adapter_id!r}: {WEIGHTS_FILE} changed on disk since version "
+            f"{spec.version} was registered; register it again"
+        )
     layers: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], ...] = tuple({} for _ in spec.layers)
     try:
         with safe_open(weights_file, framework="pt", device="cpu") as f:
@@ -234,12 +252,13 @@ def load_weights(spec: AdapterSpec, model: ModelConfig, dtype: torch.dtype) -> L
                 (_, a_shape), (_, b_shape) = _expected_shapes(model, module, target.rank)
                 a = _read_tensor(spec.adapter_id, f, _tensor_key(layer, module, "A"), a_shape, target.rank)
                 b = _read_tensor(spec.adapter_id, f, _tensor_key(layer, module, "B"), b_shape, target.rank)
-                layers[layer][module] = (_cast(spec, a, dtype, "A", layer, module),
-                                         _cast(spec, b * target.scale, dtype, "B", layer, module))
+                layers[layer][module] = (
+                    _cast(spec, a, dtype, "A", layer, module),
+                    _cast(spec, b * target.scale, dtype, "B", layer, module),
+                )
     except (SafetensorError, OSError) as exc:
         raise AdapterError(f"adapter {spec.adapter_id!r}: cannot read {WEIGHTS_FILE} ({exc})") from None
-    nbytes = sum(t.numel() * t.element_size()
-                 for by_module in layers for pair in by_module.values() for t in pair)
+    nbytes = sum(t.numel() * t.element_size() for by_module in layers for pair in by_module.values() for t in pair)
     return LoraWeights(spec=spec, layers=layers, nbytes=nbytes)
 
 
@@ -251,11 +270,14 @@ def _read_tensor(adapter_id: str, f: Any, key: str, shape: tuple[int, int], rank
     return tensor.to(torch.float32, copy=True)
 
 
-def _cast(spec: AdapterSpec, tensor: torch.Tensor, dtype: torch.dtype, part: str, layer: int,
-          module: str) -> torch.Tensor:
+def _cast(
+    spec: AdapterSpec, tensor: torch.Tensor, dtype: torch.dtype, part: str, layer: int, module: str
+) -> torch.Tensor:
     out = tensor.to(dtype).contiguous()
     if not bool(torch.isfinite(out).all()):
         in_dtype = "" if dtype == torch.float32 else f" in {dtype}"
-        raise AdapterError(f"adapter {spec.adapter_id!r}: lora_{part} of {module_name(layer, module)} has "
-                           f"non-finite values (NaN or inf){in_dtype}")
+        raise AdapterError(
+            f"adapter {spec.adapter_id!r}: lora_{part} of {module_name(layer, module)} has "
+            f"non-finite values (NaN or inf){in_dtype}"
+        )
     return out

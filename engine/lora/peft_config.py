@@ -30,19 +30,30 @@ MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
 ATTENTION_MODULES = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))  # under self_attn, the rest under mlp
 # Modules the model computes as one fused projection (same input, outputs side by side): the device tier
 # stacks a group's A matrices so one shrink serves the whole group.
-GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
-                                      "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 MAX_ID_LEN = 128
 _ID_RE = re.compile(r"[A-Za-z0-9._-]+")
 _MAX_PATTERN_LEN = 1000
 _LLAMA_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default when target_modules is null
 # LoraConfig options that change the forward pass or add weights we do not apply: any truthy value is refused.
 _UNSUPPORTED = {
-    "use_dora": "DoRA", "lora_bias": "a bias on lora_B", "modules_to_save": "modules_to_save",
-    "trainable_token_indices": "trainable tokens", "target_parameters": "target_parameters",
-    "layer_replication": "layer replication", "alora_invocation_tokens": "activated LoRA (aLoRA)",
-    "use_qalora": "QA-LoRA", "use_bdlora": "block-diagonal LoRA", "arrow_config": "Arrow routing",
-    "kasa_config": "KaSA", "monteclora_config": "MonteCLoRA",
+    "use_dora": "DoRA",
+    "lora_bias": "a bias on lora_B",
+    "modules_to_save": "modules_to_save",
+    "trainable_token_indices": "trainable tokens",
+    "target_parameters": "target_parameters",
+    "layer_replication": "layer replication",
+    "alora_invocation_tokens": "activated LoRA (aLoRA)",
+    "use_qalora": "QA-LoRA",
+    "use_bdlora": "block-diagonal LoRA",
+    "arrow_config": "Arrow routing",
+    "kasa_config": "KaSA",
+    "monteclora_config": "MonteCLoRA",
 }
 # Initialisations that also rewrite the base weights: such an adapter is wrong on the original base.
 _BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
@@ -113,8 +124,10 @@ def module_features(model: ModelConfig, module: str) -> tuple[int, int]:
     """(in_features, out_features) of a Llama projection."""
     q_out, kv_out = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     return {
-        "q_proj": (model.hidden_size, q_out), "k_proj": (model.hidden_size, kv_out),
-        "v_proj": (model.hidden_size, kv_out), "o_proj": (q_out, model.hidden_size),
+        "q_proj": (model.hidden_size, q_out),
+        "k_proj": (model.hidden_size, kv_out),
+        "v_proj": (model.hidden_size, kv_out),
+        "o_proj": (q_out, model.hidden_size),
         "gate_proj": (model.hidden_size, model.intermediate_size),
         "up_proj": (model.hidden_size, model.intermediate_size),
         "down_proj": (model.intermediate_size, model.hidden_size),
@@ -149,8 +162,7 @@ def parse_config(adapter_id: str, raw: dict[str, Any]) -> AdapterConfig:
         return AdapterError(f"adapter {adapter_id!r}: {msg}")
 
     if raw.get("peft_type") != "LORA":
-        raise fail(f"peft_type is {raw.get('peft_type')!r}; only LoRA adapters (peft_type 'LORA') "
-                   "are supported")
+        raise fail(f"peft_type is {raw.get('peft_type')!r}; only LoRA adapters (peft_type 'LORA') are supported")
     for key, what in _UNSUPPORTED.items():
         if raw.get(key):
             raise fail(f"{key}={str(raw[key])[:100]}: {what} is not supported")
@@ -158,8 +170,10 @@ def parse_config(adapter_id: str, raw: dict[str, Any]) -> AdapterConfig:
         raise fail(f"bias={raw['bias']!r} is not supported (only 'none')")
     init = raw.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
-        raise fail(f"init_lora_weights={init!r} also rewrites the base weights; convert the adapter to plain "
-                   "LoRA (save_pretrained(path_initial_model_for_weight_conversion=...)) first")
+        raise fail(
+            f"init_lora_weights={init!r} also rewrites the base weights; convert the adapter to plain "
+            "LoRA (save_pretrained(path_initial_model_for_weight_conversion=...)) first"
+        )
     targets = raw.get("target_modules")
     if isinstance(targets, str) and targets.lower() == "all-linear":
         targets = list(MODULES)
@@ -221,8 +235,9 @@ def _check_regex(fail: _Fail, what: str, pattern: str) -> None:
         raise fail(f"{what} {pattern[:100]!r} is not a valid regex ({exc})") from None
 
 
-def _pattern(fail: _Fail, what: str, value: Any,
-             parse: Callable[[_Fail, str, Any], Any]) -> tuple[tuple[str, Any], ...]:
+def _pattern(
+    fail: _Fail, what: str, value: Any, parse: Callable[[_Fail, str, Any], Any]
+) -> tuple[tuple[str, Any], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
@@ -261,12 +276,10 @@ def _override(pattern: tuple[tuple[str, Any], ...], name: str, default: Any) -> 
     return default
 
 
-def plan_targets(adapter_id: str, cfg: AdapterConfig, model: ModelConfig
-                 ) -> tuple[dict[str, LoraTarget], ...]:
+def plan_targets(adapter_id: str, cfg: AdapterConfig, model: ModelConfig) -> tuple[dict[str, LoraTarget], ...]:
     """[num_layers] of {module: LoraTarget} for the pairs the config targets on this base model."""
     layers: tuple[dict[str, LoraTarget], ...] = tuple({} for _ in range(model.num_layers))
-    names = [(layer, module, module_name(layer, module))
-             for layer in range(model.num_layers) for module in MODULES]
+    names = [(layer, module, module_name(layer, module)) for layer in range(model.num_layers) for module in MODULES]
     try:
         for layer, module, name in names:
             if not _matches(cfg.targets, name) or not _in_layers(cfg, name) or _matches(cfg.exclude, name):

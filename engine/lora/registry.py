@@ -37,8 +37,7 @@ class AdapterRegistry:
         # its later requests fail at once; registering the id again makes a new version.
         self._broken: dict[AdapterKey, str] = {}
 
-    def register(self, adapter_id: str, path: Path,
-                 verify: Callable[[AdapterSpec], None] | None = None) -> AdapterSpec:
+    def register(self, adapter_id: str, path: Path, verify: Callable[[AdapterSpec], None] | None = None) -> AdapterSpec:
         """Validate and (re-)register an adapter; the first registration of an id is version 1.
 
         `verify(spec)` may read and check the weights too (AdapterError refuses the adapter); without it
@@ -53,8 +52,15 @@ class AdapterRegistry:
             self._versions[adapter_id] = version
             spec = dataclasses.replace(spec, version=version)
             self._specs[adapter_id] = spec
-        logger.info("registered adapter %s v%d from %s (modules %s, max rank %d, %.1f MB fp32)", adapter_id,
-                    version, spec.path, ",".join(spec.modules), spec.max_rank, spec.nbytes / 2**20)
+        logger.info(
+            "registered adapter %s v%d from %s (modules %s, max rank %d, %.1f MB fp32)",
+            adapter_id,
+            version,
+            spec.path,
+            ",".join(spec.modules),
+            spec.max_rank,
+            spec.nbytes / 2**20,
+        )
         return spec
 
     def unregister(self, adapter_id: str) -> AdapterSpec:
@@ -67,8 +73,7 @@ class AdapterRegistry:
     def mark_broken(self, spec: AdapterSpec, reason: str) -> None:
         with self._lock:
             self._broken[spec.key] = reason
-        logger.warning("adapter %s v%d is unusable until registered again: %s", spec.adapter_id, spec.version,
-                       reason)
+        logger.warning("adapter %s v%d is unusable until registered again: %s", spec.adapter_id, spec.version, reason)
 
     def broken(self, spec: AdapterSpec) -> str | None:
         """Why this version's weights could not be loaded, or None."""
@@ -159,8 +164,12 @@ class HostAdapterCache:
                 self._entries.move_to_end(key)
                 return self._entries[key]
             if weights.nbytes > self.capacity_bytes:
-                logger.warning("adapter %s (%d bytes) is larger than the host adapter cache (%d bytes); "
-                               "not caching it", spec.adapter_id, weights.nbytes, self.capacity_bytes)
+                logger.warning(
+                    "adapter %s (%d bytes) is larger than the host adapter cache (%d bytes); not caching it",
+                    spec.adapter_id,
+                    weights.nbytes,
+                    self.capacity_bytes,
+                )
                 return weights
             while self._used + weights.nbytes > self.capacity_bytes:
                 _, evicted = self._entries.popitem(last=False)

@@ -87,9 +87,7 @@ class AttentionPlan:
     prefills: tuple[PrefillPlan, ...]
 
 
-def plan_attention(
-    attn: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype
-) -> AttentionPlan:
+def plan_attention(attn: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> AttentionPlan:
     """Precompute gather indices and masks for a step; `dtype` is the dtype of the attention scores."""
     decode_k = decode_v = decode_bias = None
     max_ctx = 0
@@ -105,8 +103,9 @@ def plan_attention(
         prefills.append(_plan_prefill(seq, block_size))
     assert next_row == attn.slot_mapping.numel(), "decode rows and prefill chunks must tile the batch"
     k_rows = key_rows(attn.slot_mapping, block_size)
-    return AttentionPlan(k_rows, k_rows + block_size, attn.num_decode_tokens, decode_k, decode_v,
-                         decode_bias, max_ctx, tuple(prefills))
+    return AttentionPlan(
+        k_rows, k_rows + block_size, attn.num_decode_tokens, decode_k, decode_v, decode_bias, max_ctx, tuple(prefills)
+    )
 
 
 def key_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -140,8 +139,7 @@ def _plan_prefill(seq: PrefillSeq, block_size: int) -> PrefillPlan:
     pos = torch.arange(seq.context_len, device=seq.block_table.device)  # [ctx]
     rows = key_rows(seq.block_table[pos // block_size] * block_size + pos % block_size, block_size)
     query_pos = pos[seq.context_len - seq.query_len :]  # [query_len]: positions of this chunk
-    return PrefillPlan(seq.token_start, seq.query_len, rows, rows + block_size,
-                       pos[None, :] <= query_pos[:, None])
+    return PrefillPlan(seq.token_start, seq.query_len, rows, rows + block_size, pos[None, :] <= query_pos[:, None])
 
 
 def paged_attention(
@@ -202,8 +200,12 @@ def _prefill_attention(
         k = flat_cache.index_select(0, seq.context_k)  # [ctx, kvh, hd]
         v = flat_cache.index_select(0, seq.context_v)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=seq.mask, is_causal=seq.mask is None, enable_gqa=True,
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=seq.mask,
+        is_causal=seq.mask is None,
+        enable_gqa=True,
     )  # [H, Q, hd]
     return out.transpose(0, 1)
 

@@ -9,8 +9,14 @@ from typing import Any
 
 _ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 _ROPE_TYPES = ("default", "linear", "llama3")
-_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "max_position_embeddings")
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+)
 
 
 @dataclass(frozen=True, slots=True)

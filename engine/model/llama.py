@@ -128,8 +128,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
-        plan: AttentionPlan, lora: LayerLoraDelta | None,
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer_cache: torch.Tensor,
+        plan: AttentionPlan,
+        lora: LayerLoraDelta | None,
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes this step's K/V into layer_cache."""
         num_tokens = x.shape[0]
@@ -137,9 +142,7 @@ class LlamaAttention(nn.Module):
         if lora is not None:
             lora.apply("qkv", qkv, x)  # q, k and v deltas into their columns: one shrink for the three
         # q and k are adjacent in qkv, so one RoPE call rotates both: [T, H + kvh, hd].
-        qk = apply_rope(
-            qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin
-        )
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, layer_cache, plan).reshape(num_tokens, self.q_size)
@@ -178,8 +181,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
-        plan: AttentionPlan, lora: LayerLoraDelta | None,
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer_cache: torch.Tensor,
+        plan: AttentionPlan,
+        lora: LayerLoraDelta | None,
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer_cache, plan, lora)
         return h + self.mlp(self.post_attention_layernorm(h), lora)
@@ -201,8 +209,13 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, device)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-        attn: AttentionMetadata, lora: LoraDelta | None = None, interrupt: threading.Event | None = None,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        lora: LoraDelta | None = None,
+        interrupt: threading.Event | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for a flat batch.
 

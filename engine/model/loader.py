@@ -39,8 +39,12 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
         model = LlamaForCausalLM(config, device=torch.device(device))
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)  # serving only: no autograd graph even outside inference_mode
-    logger.info("loaded %s: %d layers, %.1fM parameters", model_dir.name, config.num_layers,
-                sum(p.numel() for p in model.parameters()) / 1e6)
+    logger.info(
+        "loaded %s: %d layers, %.1fM parameters",
+        model_dir.name,
+        config.num_layers,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+    )
     return model.eval()
 
 
@@ -107,8 +111,9 @@ def _check_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> 
     missing = sorted(expected.keys() - tensors.keys())
     unexpected = sorted(tensors.keys() - expected.keys())
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not match config.json: missing {_some(missing)}, "
-                         f"unexpected {_some(unexpected)}")
+        raise ValueError(
+            f"checkpoint does not match config.json: missing {_some(missing)}, unexpected {_some(unexpected)}"
+        )
     for name, shape in expected.items():
         actual = tuple(tensors[name].shape)
         if actual != shape:

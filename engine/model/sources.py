@@ -88,9 +88,7 @@ def resolve_model(spec: str) -> ResolvedModel:
 def check_model_dir(path: Path) -> None:
     """Raise ValueError saying what is wrong unless `path` is a loadable safetensors model directory."""
     if not path.is_dir():
-        raise ValueError(
-            f"model {str(path)!r} is neither 'smollm2', 'tiny-random' nor an existing directory"
-        )
+        raise ValueError(f"model {str(path)!r} is neither 'smollm2', 'tiny-random' nor an existing directory")
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {path} has no config.json")
     if not any(path.glob("*.safetensors")):
@@ -157,9 +155,7 @@ def _convert_smollm2(out_dir: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=SMOLLM2_GGUF)
         bar.update()
         bar.set_postfix_str("dequantize")
-        gguf_model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_dir), gguf_file=SMOLLM2_GGUF, dtype=torch.float32
-        )
+        gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
         bar.update()
         bar.set_postfix_str("rebuild")
         # A plain config: without the gguf quantization_config, later loads skip the GGUF path.
@@ -191,10 +187,20 @@ def build_tiny_random(path: Path, *, seed: int = 0, **config_overrides: Any) -> 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tiny_tokenizer()
     fields: dict[str, Any] = dict(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.5,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     fields.update(copy.deepcopy(config_overrides))  # LlamaConfig mutates a rope_scaling dict in place
     config = LlamaConfig(**fields)
@@ -232,12 +238,18 @@ def _build_tiny_tokenizer() -> PreTrainedTokenizerBase:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512, min_frequency=2, special_tokens=list(_TINY_SPECIALS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=512,
+        min_frequency=2,
+        special_tokens=list(_TINY_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     backend.train_from_iterator([_TINY_TEXT] * 3, trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-        pad_token="<|endoftext|>", unk_token="<|endoftext|>", chat_template=_CHATML_TEMPLATE,
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        chat_template=_CHATML_TEMPLATE,
     )
-

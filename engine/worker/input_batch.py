@@ -67,7 +67,7 @@ class InputBatch:
                 self._num_blocks[row] = 0
             done = self._num_blocks[row]
             if len(blocks) > done:
-                self._blocks[row, done:len(blocks)] = blocks[done:]
+                self._blocks[row, done : len(blocks)] = blocks[done:]
                 self._num_blocks[row] = len(blocks)
                 self._writes += 1
             counted = self._counted[row]
@@ -78,8 +78,11 @@ class InputBatch:
                 self._counted[row] = len(request.output_token_ids)
         if count_rows:
             assert self.counts is not None
-            self.counts.index_put_((self._index(count_rows), self._index(count_tokens)),
-                                   torch.ones(len(count_rows), device=self.device), accumulate=True)
+            self.counts.index_put_(
+                (self._index(count_rows), self._index(count_tokens)),
+                torch.ones(len(count_rows), device=self.device),
+                accumulate=True,
+            )
         return rows
 
     def decode_tables(self, rows: list[int], width: int) -> torch.Tensor:

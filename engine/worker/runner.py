@@ -28,10 +28,12 @@ from engine.worker.input_batch import InputBatch
 from engine.worker.sampler import NON_FINITE, RowTables, Sampler
 from kernels import lora_backend
 
-NON_FINITE_LOGITS = ("the model computed non-finite logits (NaN or inf) for this request; its adapter's "
-                     "weights are the usual cause")
-NO_TOKEN_LEFT = ("no token had a finite, non-zero probability after min_tokens, stop_token_ids and the "
-                 "penalties were applied")
+NON_FINITE_LOGITS = (
+    "the model computed non-finite logits (NaN or inf) for this request; its adapter's weights are the usual cause"
+)
+NO_TOKEN_LEFT = (
+    "no token had a finite, non-zero probability after min_tokens, stop_token_ids and the penalties were applied"
+)
 
 
 @dataclass(slots=True)  # not frozen: one is made per step, and frozen makes __init__ several times slower
@@ -44,9 +46,17 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 sampler: Sampler, device: torch.device, adapters: DeviceAdapterTier | None = None,
-                 max_num_seqs: int = 128, max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        sampler: Sampler,
+        device: torch.device,
+        adapters: DeviceAdapterTier | None = None,
+        max_num_seqs: int = 128,
+        max_model_len: int | None = None,
+    ) -> None:
         self.model = model
         self.adapters = adapters
         self.kv_cache = kv_cache  # [num_layers, num_pages, 2, block_size, num_kv_heads, head_dim]
@@ -175,8 +185,9 @@ class ModelRunner:
                 if end == request.num_tokens:  # it samples; its token is the last one known
                     last_rows.append(len(token_ids))
                     sample_idx.append(i)
-                    token_ids.append(request.output_token_ids[-1] if request.output_token_ids
-                                     else request.prompt_token_ids[-1])
+                    token_ids.append(
+                        request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
+                    )
                 else:  # the last one-token chunk of a prompt
                     token_ids.append(_token_at(request, start))
                 pos_list.append(start)
@@ -198,7 +209,8 @@ class ModelRunner:
         gather = len(last_rows) != num
         if num_decodes == num and not gather and self.decode_buffers is not None:  # steady decoding on the CPU
             input_ids, positions, slot_mapping, context_lens = self.decode_buffers.write(
-                token_ids + pos_list + slots + decode_lens, num)
+                token_ids + pos_list + slots + decode_lens, num
+            )
             width = -(-max(decode_lens) // bs)
             attn = AttentionMetadata(slot_mapping, num, self.batch.decode_tables(decode_rows, width), context_lens, ())
             return StepInputs(input_ids, positions, attn, None, sample_idx)
@@ -209,18 +221,24 @@ class ModelRunner:
             packed += table
         flat = self._tensor(packed)
         # Views of `flat`, cut by slicing (in the step loop, a few slices cost less than one `split`).
-        ends = list(accumulate((num, num, num, num_decodes, len(last_rows) if gather else 0,
-                                *(len(p[3]) for p in prefills))))
+        ends = list(
+            accumulate((num, num, num, num_decodes, len(last_rows) if gather else 0, *(len(p[3]) for p in prefills)))
+        )
         width = -(-max(decode_lens, default=0) // bs)
         attn = AttentionMetadata(
-            slot_mapping=flat[2 * num:ends[2]],
+            slot_mapping=flat[2 * num : ends[2]],
             num_decode_tokens=num_decodes,
             decode_block_tables=self.batch.decode_tables(decode_rows, width),
-            decode_context_lens=flat[ends[2]:ends[3]],
-            prefills=tuple(PrefillSeq(row, n, end, flat[ends[4 + j]:ends[5 + j]])
-                           for j, (row, n, end, _) in enumerate(prefills)) if prefills else (),
+            decode_context_lens=flat[ends[2] : ends[3]],
+            prefills=tuple(
+                PrefillSeq(row, n, end, flat[ends[4 + j] : ends[5 + j]]) for j, (row, n, end, _) in enumerate(prefills)
+            )
+            if prefills
+            else (),
         )
-        return StepInputs(flat[:num], flat[num:2 * num], attn, flat[ends[3]:ends[4]] if gather else None, sample_idx)
+        return StepInputs(
+            flat[:num], flat[num : 2 * num], attn, flat[ends[3] : ends[4]] if gather else None, sample_idx
+        )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         if self.staging is not None:

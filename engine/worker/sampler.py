@@ -57,8 +57,9 @@ class ListTables:
         for j, i in enumerate(index):
             ids = self.requests[i].output_token_ids
             if ids:
-                counts[j].index_put_((torch.tensor(ids, device=self.device),),
-                                     torch.ones(len(ids), device=self.device), accumulate=True)
+                counts[j].index_put_(
+                    (torch.tensor(ids, device=self.device),), torch.ones(len(ids), device=self.device), accumulate=True
+                )
         return counts
 
     def seen(self, index: list[int]) -> torch.Tensor:
@@ -86,8 +87,9 @@ class Sampler:
         else:
             self._generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
-                 tables: TokenTables | None = None) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, requests: Sequence[Request], tables: TokenTables | None = None
+    ) -> SamplerOutput:
         """Sample one token per row. logits: [B, V], row i belongs to requests[i]; `tables` (row i of the batch
         is index i) give the penalties their token statistics (default: built from the token lists).
 
@@ -109,8 +111,9 @@ class Sampler:
         logprobs: list[TokenLogprob | None] = [None] * len(requests)
         good = [i for i, row_ok in enumerate(ok) if row_ok]
         if good:
-            part = self._sample(logits[good], [requests[i] for i in good],
-                                None if tables is None else RowTables(tables, good))
+            part = self._sample(
+                logits[good], [requests[i] for i in good], None if tables is None else RowTables(tables, good)
+            )
             for j, i in enumerate(good):
                 token_ids[i], logprobs[i] = part.token_ids[j], part.logprobs[j]
         return SamplerOutput(token_ids, logprobs)
@@ -126,8 +129,9 @@ class Sampler:
         logprobs = _logprobs(raw, token_ids.clamp(min=0), requests)
         return SamplerOutput(token_ids.tolist(), logprobs)
 
-    def process(self, logits: torch.Tensor, requests: Sequence[Request],
-                tables: TokenTables | None = None) -> torch.Tensor:
+    def process(
+        self, logits: torch.Tensor, requests: Sequence[Request], tables: TokenTables | None = None
+    ) -> torch.Tensor:
         """The logits each row is drawn from; does not modify its input.
 
         Shapes: logits [B, V] -> [B, V] float32. Greedy rows are masked and penalised but not scaled or
@@ -179,8 +183,10 @@ class Sampler:
         for a row whose every token is masked. The mask is written into `logits` and the entries put back after:
         a copy of the whole batch would cost a third of the argmax (32 rows of a 49,152-token vocabulary)."""
         vocab = logits.shape[1]
-        eos_only = all(r.num_output_tokens < r.sampling_params.min_tokens and not r.sampling_params.stop_token_ids
-                       for r in requests)  # W1's case: every row masks EOS alone, one column index for all rows
+        eos_only = all(
+            r.num_output_tokens < r.sampling_params.min_tokens and not r.sampling_params.stop_token_ids
+            for r in requests
+        )  # W1's case: every row masks EOS alone, one column index for all rows
         if eos_only:
             index: tuple[torch.Tensor | slice, torch.Tensor] = (slice(None), self._eos_columns(vocab, logits.device))
         else:
@@ -205,8 +211,9 @@ class Sampler:
         """The EOS ids within the vocabulary, as an index tensor (made once per vocabulary size and device)."""
         key = (vocab, device)
         if key not in self._eos_index:
-            self._eos_index[key] = torch.tensor([t for t in self.eos_token_ids if 0 <= t < vocab], dtype=torch.long,
-                                                device=device)
+            self._eos_index[key] = torch.tensor(
+                [t for t in self.eos_token_ids if 0 <= t < vocab], dtype=torch.long, device=device
+            )
         return self._eos_index[key]
 
     def _draw(self, processed: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -276,8 +283,7 @@ class RowTables:
         return self.tables.seen([self.rows[i] for i in index])
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Set to -inf every logit outside the row's top-k, then outside its top-p nucleus.
 
     Semantics (per row, HF TopKLogitsWarper then TopPLogitsWarper):
@@ -351,19 +357,22 @@ def _apply_repetition_penalty(logits: torch.Tensor, requests: Sequence[Request],
     if not rows:
         return
     index = torch.tensor(rows, device=logits.device)
-    penalty = torch.tensor([requests[i].sampling_params.repetition_penalty for i in rows],
-                           device=logits.device)[:, None]  # [R, 1]
+    penalty = torch.tensor([requests[i].sampling_params.repetition_penalty for i in rows], device=logits.device)[
+        :, None
+    ]  # [R, 1]
     x = logits.index_select(0, index)  # [R, V]
     penalised = torch.where(x > 0, x / penalty, x * penalty)
     logits[index] = torch.where(tables.seen(rows), penalised, x)
 
 
-def _apply_presence_frequency_penalties(logits: torch.Tensor, requests: Sequence[Request],
-                                        tables: TokenTables) -> None:
+def _apply_presence_frequency_penalties(logits: torch.Tensor, requests: Sequence[Request], tables: TokenTables) -> None:
     """OpenAI semantics, in place, over output tokens: logit -= presence * (n > 0) + frequency * n."""
-    rows = [i for i, r in enumerate(requests)
-            if r.output_token_ids and (r.sampling_params.presence_penalty != 0.0
-                                       or r.sampling_params.frequency_penalty != 0.0)]
+    rows = [
+        i
+        for i, r in enumerate(requests)
+        if r.output_token_ids
+        and (r.sampling_params.presence_penalty != 0.0 or r.sampling_params.frequency_penalty != 0.0)
+    ]
     if not rows:
         return
     counts = tables.output_counts(rows)  # [R, V]
@@ -374,8 +383,7 @@ def _apply_presence_frequency_penalties(logits: torch.Tensor, requests: Sequence
     logits[index] = logits.index_select(0, index) - (presence * (counts > 0) + frequency * counts)
 
 
-def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
-              requests: Sequence[Request]) -> list[TokenLogprob | None]:
+def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]) -> list[TokenLogprob | None]:
     """From the raw logits [B, V]: each asking row's sampled-token logprob and its top-k, best first."""
     result: list[TokenLogprob | None] = [None] * len(requests)
     rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]

@@ -126,10 +126,13 @@ class ThreadTuner:
     WINDOW_S = 0.05  # judge shares over at least this much step time (one long step is enough)
     FIRST_PROBE_S, MAX_PROBE_S = 15.0, 120.0
 
-    def __init__(self, max_threads: int,
-                 set_threads: Callable[[int], None] = torch.set_num_threads,
-                 cpu_clock: Callable[[], float] = process_cpu_seconds,
-                 wall_clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        max_threads: int,
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+        cpu_clock: Callable[[], float] = process_cpu_seconds,
+        wall_clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.max_threads = max(1, max_threads)
         self.threads = self.max_threads
         self._set = set_threads
@@ -172,8 +175,10 @@ class ThreadTuner:
             self._busy_s = 0.0
             return
         if self.threads > 1 and share < self.LOW_SHARE:
-            self._apply(max(1, math.floor(self.threads * share + 0.25)),
-                        f"{self.threads} threads got {share:.2f} of the CPU time they asked for")
+            self._apply(
+                max(1, math.floor(self.threads * share + 0.25)),
+                f"{self.threads} threads got {share:.2f} of the CPU time they asked for",
+            )
             self._busy_s = 0.0
             return
         if self.threads < self.max_threads and self._busy_s >= self._probe_every_s:

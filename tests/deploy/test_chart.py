@@ -24,40 +24,76 @@ CRDS = {"ServiceMonitor", "ScaledObject", "HTTPRoute"}
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "external redis by url": {"redis": {"enabled": False, "url": "redis://redis.shared.svc:6379/2"}},
-    "external redis from a secret": {"redis": {"enabled": False, "existingSecret": "redis-conn",
-                                               "existingSecretKey": "url"}},
+    "external redis from a secret": {
+        "redis": {"enabled": False, "existingSecret": "redis-conn", "existingSecretKey": "url"}
+    },
     "autoscaling and observability": {
         "gateway": {"autoscaling": {"enabled": True, "maxReplicas": 6}},
         "engine": {"autoscaling": {"enabled": True, "maxReplicas": 8}, "keda": {"enabled": True}},
-        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
-                    "dashboard": {"enabled": True}}},
+        "metrics": {
+            "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+            "dashboard": {"enabled": True},
+        },
+    },
     "three GPU engines": {
-        "engine": {"replicas": 3, "gpu": {"enabled": True, "count": 1}, "runtimeClassName": "nvidia",
-                   "dtype": "bfloat16", "shmSizeLimit": "8Gi", "criticalInterrupts": False,
-                   "nodeSelector": {"nvidia.com/gpu.present": "true"},
-                   "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                   "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-                       {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
-                                                           "labelSelector": {"matchLabels": {
-                                                               "app.kubernetes.io/component": "engine"}}}}]}},
-                   "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
-                                                  "whenUnsatisfiable": "ScheduleAnyway",
-                                                  "labelSelector": {"matchLabels": {
-                                                      "app.kubernetes.io/component": "engine"}}}]}},
-    "existing policy and keys": {"policy": {"existingConfigMap": "my-policy"},
-                                 "secrets": {"existingSecret": "my-keys"}},
+        "engine": {
+            "replicas": 3,
+            "gpu": {"enabled": True, "count": 1},
+            "runtimeClassName": "nvidia",
+            "dtype": "bfloat16",
+            "shmSizeLimit": "8Gi",
+            "criticalInterrupts": False,
+            "nodeSelector": {"nvidia.com/gpu.present": "true"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {
+                "podAntiAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "weight": 100,
+                            "podAffinityTerm": {
+                                "topologyKey": "kubernetes.io/hostname",
+                                "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "engine"}},
+                            },
+                        }
+                    ]
+                }
+            },
+            "topologySpreadConstraints": [
+                {
+                    "maxSkew": 1,
+                    "topologyKey": "topology.kubernetes.io/zone",
+                    "whenUnsatisfiable": "ScheduleAnyway",
+                    "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "engine"}},
+                }
+            ],
+        }
+    },
+    "existing policy and keys": {
+        "policy": {"existingConfigMap": "my-policy"},
+        "secrets": {"existingSecret": "my-keys"},
+    },
     "network policy and routes": {
         "networkPolicy": {"enabled": True, "allowMetricsFrom": {"kubernetes.io/metadata.name": "monitoring"}},
-        "httpRoute": {"enabled": True, "parentRefs": [{"name": "edge", "namespace": "gateway-system"}],
-                      "hostnames": ["llm.example.com"]},
-        "ingress": {"enabled": True, "className": "nginx",
-                    "tls": [{"secretName": "llm-tls", "hosts": ["loragate.example.com"]}]}},
+        "httpRoute": {
+            "enabled": True,
+            "parentRefs": [{"name": "edge", "namespace": "gateway-system"}],
+            "hostnames": ["llm.example.com"],
+        },
+        "ingress": {
+            "enabled": True,
+            "className": "nginx",
+            "tls": [{"secretName": "llm-tls", "hosts": ["loragate.example.com"]}],
+        },
+    },
     "adapters and a model on volumes": {
-        "engine": {"model": {"pvc": {"claimName": "models", "path": "llama-3.2-1b"},
-                             "servedModelName": "llama-3.2-1b"},
-                   "adapters": {"pvc": {"enabled": True, "create": True, "size": "50Gi",
-                                        "storageClassName": "efs"},
-                                "fromImage": {"enabled": False}}}},
+        "engine": {
+            "model": {"pvc": {"claimName": "models", "path": "llama-3.2-1b"}, "servedModelName": "llama-3.2-1b"},
+            "adapters": {
+                "pvc": {"enabled": True, "create": True, "size": "50Gi", "storageClassName": "efs"},
+                "fromImage": {"enabled": False},
+            },
+        }
+    },
 }
 
 
@@ -118,8 +154,16 @@ def test_lint_strict(helm: Path) -> None:
 def test_default_values_render_valid_manifests(default_manifests: list[dict[str, Any]]) -> None:
     _validate(default_manifests)
     kinds = sorted({m["kind"] for m in default_manifests})
-    assert kinds == ["ConfigMap", "Deployment", "Pod", "PodDisruptionBudget", "Secret", "Service", "ServiceAccount",
-                     "StatefulSet"]
+    assert kinds == [
+        "ConfigMap",
+        "Deployment",
+        "Pod",
+        "PodDisruptionBudget",
+        "Secret",
+        "Service",
+        "ServiceAccount",
+        "StatefulSet",
+    ]
     engine = one(default_manifests, "StatefulSet", "-engine")
     headless = one(default_manifests, "Service", "-engine-headless")
     assert headless["spec"]["clusterIP"] == "None" and engine["spec"]["serviceName"] == headless["metadata"]["name"]
@@ -140,8 +184,11 @@ def test_default_values_render_valid_manifests(default_manifests: list[dict[str,
     assert probes["startupProbe"]["httpGet"]["path"] == "/healthz"
     assert probes["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert probes["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert not [m for m in default_manifests if "checksum/policy" in
-                (m.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations") or {})]
+    assert not [
+        m
+        for m in default_manifests
+        if "checksum/policy" in (m.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations") or {})
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
@@ -189,15 +236,18 @@ def test_value_sets_render_valid_manifests(helm: Path, tmp_path: Path, name: str
         assert args[args.index("--adapter-dir") + 1] == "/adapters"
 
 
-@pytest.mark.parametrize("values, complaint", [
-    (["--set", "gateway.replicas=two"], "gateway.replicas"),
-    (["--set", "engine.device=tpu"], "engine.device"),
-    (["--set", "engine.criticalInterrupts=sometimes"], "engine.criticalInterrupts"),
-    (["--set", "colour=red"], "colour"),
-    (["--set", "gateway.terminationGracePeriodSeconds=10"], "gateway.terminationGracePeriodSeconds"),
-    (["--set", "redis.url=http://not-redis"], "redis.url"),
-    (["--set-json", 'engine.gpu={"enabled": true, "count": 0}'], "engine.gpu.count"),
-])
+@pytest.mark.parametrize(
+    "values, complaint",
+    [
+        (["--set", "gateway.replicas=two"], "gateway.replicas"),
+        (["--set", "engine.device=tpu"], "engine.device"),
+        (["--set", "engine.criticalInterrupts=sometimes"], "engine.criticalInterrupts"),
+        (["--set", "colour=red"], "colour"),
+        (["--set", "gateway.terminationGracePeriodSeconds=10"], "gateway.terminationGracePeriodSeconds"),
+        (["--set", "redis.url=http://not-redis"], "redis.url"),
+        (["--set-json", 'engine.gpu={"enabled": true, "count": 0}'], "engine.gpu.count"),
+    ],
+)
 def test_the_values_schema_refuses_bad_values(helm: Path, values: list[str], complaint: str) -> None:
     done = helm_template(helm, *values)
     assert done.returncode != 0
@@ -221,16 +271,22 @@ def test_rendered_commands_parse_with_the_cli_and_the_policy_checks(helm: Path, 
     for config in find(manifests, "ConfigMap", "-policy"):
         policy = tmp_path / "policy.yaml"
         policy.write_text(config["data"]["policy.yaml"])
-        done = subprocess.run([sys.executable, "-m", "loragate", "policy", "check", str(policy)], cwd=REPO,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "loragate", "policy", "check", str(policy)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0 and done.stdout.startswith("ok: "), done.stderr
 
 
 def test_generated_keys_fill_every_env_key_the_policy_reads(default_manifests: list[dict[str, Any]]) -> None:
     keys = secret_values(one(default_manifests, "Secret"))
     policy = yaml.safe_load(one(default_manifests, "ConfigMap", "-policy")["data"]["policy.yaml"])
-    referenced = {key.removeprefix("env:") for tenant in policy["tenants"] for key in tenant["api_keys"]
-                  if key.startswith("env:")} | {k.removeprefix("env:") for k in policy["admin_keys"]}
+    referenced = {
+        key.removeprefix("env:") for tenant in policy["tenants"] for key in tenant["api_keys"] if key.startswith("env:")
+    } | {k.removeprefix("env:") for k in policy["admin_keys"]}
     assert referenced <= set(keys) and all(len(keys[name]) >= 32 for name in referenced)
 
 

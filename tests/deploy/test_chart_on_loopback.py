@@ -56,8 +56,12 @@ class Pod:
                 return httpx.get(url, timeout=2).status_code == 200
             except httpx.HTTPError:
                 return False
-        command = [shutil.which(probe["exec"]["command"][0]) or probe["exec"]["command"][0], "-p", str(self.port),
-                   *probe["exec"]["command"][1:]]
+        command = [
+            shutil.which(probe["exec"]["command"][0]) or probe["exec"]["command"][0],
+            "-p",
+            str(self.port),
+            *probe["exec"]["command"][1:],
+        ]
         done = subprocess.run(command, capture_output=True, text=True, timeout=10)
         return done.returncode == 0 and "PONG" in done.stdout
 
@@ -82,12 +86,26 @@ def _expand(arg: str, env: dict[str, str]) -> str:
 
 @pytest.fixture
 def pods(helm: Path, tmp_path: Path, tiny_adapters: dict[str, Path]) -> Iterator[dict[str, Pod]]:
-    manifests = render(helm, "--set", "engine.model.name=tiny-random", "--set", "engine.adapters.pvc.enabled=true",
-                       "--set", "engine.adapters.pvc.existingClaim=adapters", "--set", "metrics.dashboard.enabled=true",
-                       "--set", "engine.poolMb=64")
+    manifests = render(
+        helm,
+        "--set",
+        "engine.model.name=tiny-random",
+        "--set",
+        "engine.adapters.pvc.enabled=true",
+        "--set",
+        "engine.adapters.pvc.existingClaim=adapters",
+        "--set",
+        "metrics.dashboard.enabled=true",
+        "--set",
+        "engine.poolMb=64",
+    )
     secrets = {s["metadata"]["name"]: secret_values(s) for s in find(manifests, "Secret")}
-    containers = {c["name"]: c for m in manifests if m["kind"] in ("Deployment", "StatefulSet")
-                  for c in m["spec"]["template"]["spec"]["containers"]}
+    containers = {
+        c["name"]: c
+        for m in manifests
+        if m["kind"] in ("Deployment", "StatefulSet")
+        for c in m["spec"]["template"]["spec"]["containers"]
+    }
     ports = {name: free_port() for name in containers}
     services = {}  # "name[.ns.svc.cluster.local]:port" -> 127.0.0.1:local port
     for service in find(manifests, "Service"):
@@ -102,8 +120,11 @@ def pods(helm: Path, tmp_path: Path, tiny_adapters: dict[str, Path]) -> Iterator
     (policy_dir / "policy.yaml").write_text(one(manifests, "ConfigMap", "-policy")["data"]["policy.yaml"])
     adapters = tmp_path / "adapters"
     shutil.copytree(tiny_adapters["all-r4"], adapters / ADAPTER)
-    paths = {"/etc/loragate/policy/policy.yaml": str(policy_dir / "policy.yaml"), "/adapters": str(adapters),
-             "/var/cache/loragate": str(tmp_path / "cache")}
+    paths = {
+        "/etc/loragate/policy/policy.yaml": str(policy_dir / "policy.yaml"),
+        "/adapters": str(adapters),
+        "/var/cache/loragate": str(tmp_path / "cache"),
+    }
     out: dict[str, Pod] = {}
     for name, container in containers.items():
         env = _env(container, secrets)
@@ -121,8 +142,13 @@ def pods(helm: Path, tmp_path: Path, tiny_adapters: dict[str, Path]) -> Iterator
         command = runs[container["command"][0]]
         if name == "redis":
             argv += ["--bind", "127.0.0.1"]
-        env = {**env, **{k: paths.get(v, v) for k, v in env.items()}, "PATH": "/usr/bin:/bin",
-               "PYTHONPATH": str(REPO), "HOME": str(tmp_path)}
+        env = {
+            **env,
+            **{k: paths.get(v, v) for k, v in env.items()},
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(REPO),
+            "HOME": str(tmp_path),
+        }
         out[name] = Pod(container, ports[name], [*command, *argv], env, tmp_path)
     out["_manifests"] = manifests  # type: ignore[assignment]
     try:
@@ -140,10 +166,23 @@ def test_the_charts_pods_serve_a_completion_with_an_adapter(pods: dict[str, Pod]
         poll(pods[name].ready, 120, interval_s=0.2, what=f"{name} ready on its rendered probe")
     key = secret_values(one(manifests, "Secret"))["LORAGATE_DEV_API_KEY"]
     gateway = f"http://127.0.0.1:{pods['gateway'].port}"
-    resp = poll(lambda: (r := httpx.post(f"{gateway}/v1/completions", timeout=60,
-                                          json={"prompt": "The quick brown fox", "max_tokens": 4},
-                                          headers={"Authorization": f"Bearer {key}", "X-Adapter-ID": ADAPTER}))
-                .status_code == 200 and r, 30, interval_s=0.5, what="a completion through the gateway")
+    resp = poll(
+        lambda: (
+            (
+                r := httpx.post(
+                    f"{gateway}/v1/completions",
+                    timeout=60,
+                    json={"prompt": "The quick brown fox", "max_tokens": 4},
+                    headers={"Authorization": f"Bearer {key}", "X-Adapter-ID": ADAPTER},
+                )
+            ).status_code
+            == 200
+            and r
+        ),
+        30,
+        interval_s=0.5,
+        what="a completion through the gateway",
+    )
     assert resp.headers["X-Loragate-Adapter"] == ADAPTER and resp.json()["model"] == ADAPTER
     assert int(resp.headers["RateLimit-Limit"]) > 0  # limits shared through the rendered Redis
     admin_key = secret_values(one(manifests, "Secret"))["LORAGATE_ADMIN_KEY"]
@@ -159,10 +198,15 @@ def test_the_charts_pods_serve_a_completion_with_an_adapter(pods: dict[str, Pod]
             exported.add(family.name)
             exported.update(sample.name for sample in family.samples)
     dashboard = json.loads(one(manifests, "ConfigMap", "-dashboard")["data"]["loragate.json"])
-    used = {name for panel in dashboard["panels"] for target in panel["targets"]
-            for name in re.findall(r"\bloragate_[a-z_]+", target["expr"])}
+    used = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"\bloragate_[a-z_]+", target["expr"])
+    }
     used |= set(re.findall(r"\bloragate_[a-z_]+", json.dumps(dashboard["templating"])))
     assert len(used) >= 15
-    missing = sorted(n for n in used
-                     if n not in exported and re.sub(r"_(bucket|count|sum|total)$", "", n) not in exported)
+    missing = sorted(
+        n for n in used if n not in exported and re.sub(r"_(bucket|count|sum|total)$", "", n) not in exported
+    )
     assert not missing, missing

@@ -53,8 +53,9 @@ def test_there_is_a_gateway_and_an_engine_image() -> None:
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfilelint_finds_nothing(dockerfilelint: Path, dockerfile: Path) -> None:
-    done = subprocess.run([str(dockerfilelint), "-o", "json", str(dockerfile)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [str(dockerfilelint), "-o", "json", str(dockerfile)], capture_output=True, text=True, timeout=120
+    )
     report = json.loads(done.stdout)
     issues = [issue for f in report["files"] for issue in f["issues"]]
     assert done.returncode == 0 and not issues, issues

@@ -16,18 +16,29 @@ from engine.lora.files import LoraWeights
 from engine.lora.peft_config import MODULES, AdapterSpec, LoraTarget, module_features
 from engine.model.config import ModelConfig, parse_model_config
 
-TINY = parse_model_config({
-    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128,
-    "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "num_key_value_heads": 1, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
-}, {})
+TINY = parse_model_config(
+    {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+    },
+    {},
+)
 
 
 def make_spec(adapter_id: str, rank: int, version: int = 1, model: ModelConfig = TINY) -> AdapterSpec:
     layers = tuple({m: LoraTarget(rank, 1.0) for m in MODULES} for _ in range(model.num_layers))
     params = model.num_layers * sum(rank * sum(module_features(model, m)) for m in MODULES)
-    return AdapterSpec(adapter_id, version, Path("/nonexistent") / adapter_id, layers, MODULES, rank,
-                       params, 4 * params, (0, 0, 0))
+    return AdapterSpec(
+        adapter_id, version, Path("/nonexistent") / adapter_id, layers, MODULES, rank, params, 4 * params, (0, 0, 0)
+    )
 
 
 class ZeroHost:
@@ -47,8 +58,9 @@ class ZeroHost:
         return LoraWeights(spec, tuple(layers), spec.nbytes)
 
 
-def make_tier(num_pages: int, block_size: int, max_adapters: int
-              ) -> tuple[KVCacheManager, DeviceAdapterTier, torch.Tensor]:
+def make_tier(
+    num_pages: int, block_size: int, max_adapters: int
+) -> tuple[KVCacheManager, DeviceAdapterTier, torch.Tensor]:
     pool = PagePool(num_pages)
     kv = KVCacheManager(pool, block_size)
     cache = torch.zeros(TINY.num_layers, num_pages, 2, block_size, TINY.num_kv_heads, TINY.head_dim)

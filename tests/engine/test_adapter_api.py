@@ -41,19 +41,31 @@ def _start_server(log_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes],
 def adapter_root(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
     """alpha and beta are registered at start; incoming/ (not an adapter itself) holds ones to POST."""
     root = tmp_path_factory.mktemp("adapters")
-    make_peft_adapter(tiny_model_dir, root / "alpha", r=8, alpha=16, targets=["q_proj", "v_proj"],
-                      seed=1, b_std=0.5)
-    make_peft_adapter(tiny_model_dir, root / "beta", r=4, alpha=8,
-                      targets=["o_proj", "gate_proj", "down_proj"], seed=2, b_std=0.5)
-    make_peft_adapter(tiny_model_dir, root / "incoming" / "gamma", r=16, alpha=16,
-                      targets=["q_proj", "k_proj", "v_proj"], seed=3, b_std=0.5)
+    make_peft_adapter(tiny_model_dir, root / "alpha", r=8, alpha=16, targets=["q_proj", "v_proj"], seed=1, b_std=0.5)
+    make_peft_adapter(
+        tiny_model_dir, root / "beta", r=4, alpha=8, targets=["o_proj", "gate_proj", "down_proj"], seed=2, b_std=0.5
+    )
+    make_peft_adapter(
+        tiny_model_dir,
+        root / "incoming" / "gamma",
+        r=16,
+        alpha=16,
+        targets=["q_proj", "k_proj", "v_proj"],
+        seed=3,
+        b_std=0.5,
+    )
     return root
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, adapter_root: Path) -> Iterator[str]:
-    proc, base = _start_server(tmp_path_factory.mktemp("engine") / "engine.log",
-                               "--adapter-dir", str(adapter_root), "--max-device-adapters", "2")
+    proc, base = _start_server(
+        tmp_path_factory.mktemp("engine") / "engine.log",
+        "--adapter-dir",
+        str(adapter_root),
+        "--max-device-adapters",
+        "2",
+    )
     yield base
     proc.terminate()
     proc.wait(timeout=60)
@@ -64,8 +76,7 @@ def client(server: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=60)
 
 
-def _complete(server: str, adapter: str | None = None, *, model: str = MODEL,
-              **overrides: Any) -> httpx.Response:
+def _complete(server: str, adapter: str | None = None, *, model: str = MODEL, **overrides: Any) -> httpx.Response:
     headers = {"X-Adapter-ID": adapter} if adapter is not None else {}
     body = {"model": model, "prompt": PROMPT, **GREEDY, **overrides}
     return httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=60)
@@ -108,8 +119,7 @@ def test_adapters_from_the_dir_are_listed(server: str, client: openai.OpenAI) ->
     cards = _adapters(server)
     assert {"alpha", "beta"} <= set(cards) and "incoming" not in cards
     alpha, beta = cards["alpha"], cards["beta"]
-    assert (alpha["object"], alpha["rank"], alpha["target_modules"]) == ("adapter", 8,
-                                                                         ["q_proj", "v_proj"])
+    assert (alpha["object"], alpha["rank"], alpha["target_modules"]) == ("adapter", 8, ["q_proj", "v_proj"])
     assert (beta["rank"], beta["target_modules"]) == (4, ["o_proj", "gate_proj", "down_proj"])
     assert alpha["version"] >= 1 and alpha["parent"] == MODEL
     assert {c["residence"] for c in cards.values()} <= {"disk", "host", "device"}
@@ -130,9 +140,9 @@ def test_residence_moves_to_device_on_use(server: str) -> None:
 # ---- selection -------------------------------------------------------------------------------------
 
 
-def test_adapter_output_matches_peft_and_model_equals_header(server: str, client: openai.OpenAI,
-                                                              adapter_root: Path,
-                                                              tiny_model_dir: Path) -> None:
+def test_adapter_output_matches_peft_and_model_equals_header(
+    server: str, client: openai.OpenAI, adapter_root: Path, tiny_model_dir: Path
+) -> None:
     base = _text(_complete(server))
     via_header = _complete(server, "alpha")
     via_model = _complete(server, model="alpha")
@@ -140,8 +150,7 @@ def test_adapter_output_matches_peft_and_model_equals_header(server: str, client
     assert via_header.json()["model"] == via_model.json()["model"] == "alpha"
     # The reference: PEFT's own greedy decoding of the same adapter.
     tokenizer = load_tokenizer(tiny_model_dir)
-    expected = peft_greedy(tiny_model_dir, adapter_root / "alpha",
-                           tokenizer(PROMPT)["input_ids"], GREEDY["max_tokens"])
+    expected = peft_greedy(tiny_model_dir, adapter_root / "alpha", tokenizer(PROMPT)["input_ids"], GREEDY["max_tokens"])
     assert _text(via_header) == tokenizer.decode(expected)
     # The official client, both ways; the header wins over a different `model`.
     args = {"prompt": PROMPT, "temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
@@ -154,11 +163,9 @@ def test_adapter_output_matches_peft_and_model_equals_header(server: str, client
 
 def test_chat_with_an_adapter(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    args = {"messages": messages, "temperature": 0, "max_tokens": 8,
-            "extra_body": {"ignore_eos": True}}
+    args = {"messages": messages, "temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
     base = client.chat.completions.create(model=MODEL, **args)
-    tuned = client.chat.completions.create(model=MODEL, extra_headers={"X-Adapter-ID": "beta"},
-                                           **args)
+    tuned = client.chat.completions.create(model=MODEL, extra_headers={"X-Adapter-ID": "beta"}, **args)
     assert tuned.model == "beta" and base.model == MODEL
     assert tuned.choices[0].message.content != base.choices[0].message.content
 
@@ -190,8 +197,7 @@ def test_post_versions_and_delete(server: str, client: openai.OpenAI) -> None:
     assert "gamma" in [m.id for m in client.models.list().data]
 
     args = {"prompt": PROMPT, "temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
-    by_header = client.completions.create(model=MODEL, extra_headers={"X-Adapter-ID": "gamma"},
-                                          **args).choices[0].text
+    by_header = client.completions.create(model=MODEL, extra_headers={"X-Adapter-ID": "gamma"}, **args).choices[0].text
     by_model = client.completions.create(model="gamma", **args).choices[0].text
     assert by_header == by_model != base
 
@@ -214,8 +220,7 @@ def test_post_versions_and_delete(server: str, client: openai.OpenAI) -> None:
     httpx.delete(f"{server}/v1/adapters/gamma")
 
 
-def test_post_without_path_loads_the_subdirectory_named_like_the_id(server: str,
-                                                                    adapter_root: Path) -> None:
+def test_post_without_path_loads_the_subdirectory_named_like_the_id(server: str, adapter_root: Path) -> None:
     shutil.copytree(adapter_root / "incoming" / "gamma", adapter_root / "delta")
     try:
         resp = _load(server, {"id": "delta"})
@@ -230,8 +235,9 @@ def test_delete_unknown_is_404(server: str) -> None:
     _assert_error(httpx.delete(f"{server}/v1/adapters/never-loaded"), 404, "adapter_not_found")
 
 
-@pytest.mark.parametrize("path", ["/v1/adapters/a/b", "/v1/adapters/..%2Fx", "/v1/adapters/.x",
-                                  "/v1/adapters/" + "x" * 10_000])
+@pytest.mark.parametrize(
+    "path", ["/v1/adapters/a/b", "/v1/adapters/..%2Fx", "/v1/adapters/.x", "/v1/adapters/" + "x" * 10_000]
+)
 def test_delete_hostile_id_is_rejected(server: str, path: str) -> None:
     resp = httpx.delete(f"{server}{path}")
     assert resp.status_code in (400, 404), resp.text
@@ -241,70 +247,101 @@ def test_delete_hostile_id_is_rejected(server: str, path: str) -> None:
 
 @pytest.mark.parametrize("adapter_id", HOSTILE_IDS + ["", 7, None])
 def test_post_with_hostile_id_is_400(server: str, adapter_id: Any) -> None:
-    _assert_error(_load(server, {"id": adapter_id, "path": "incoming/gamma"}), 400,
-                  "invalid_request_error", "id")
+    _assert_error(_load(server, {"id": adapter_id, "path": "incoming/gamma"}), 400, "invalid_request_error", "id")
 
 
-def test_post_with_path_outside_the_dir_is_400(server: str, adapter_root: Path,
-                                               tmp_path: Path, tiny_model_dir: Path) -> None:
-    outside = make_peft_adapter(tiny_model_dir, tmp_path / "outside", r=4, alpha=4,
-                                targets=["q_proj"], seed=9, b_std=0.5)
+def test_post_with_path_outside_the_dir_is_400(
+    server: str, adapter_root: Path, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    outside = make_peft_adapter(
+        tiny_model_dir, tmp_path / "outside", r=4, alpha=4, targets=["q_proj"], seed=9, b_std=0.5
+    )
     escape = adapter_root / "incoming" / "escape"
     escape.symlink_to(outside, target_is_directory=True)  # a link inside that leads outside
     try:
-        for path in ["../../etc", "..", ".", "/etc", str(outside), str(adapter_root / ".." / "x"),
-                     "incoming/escape", "incoming/../../outside", "a\x00b"]:
-            _assert_error(_load(server, {"id": "evil", "path": path}), 400,
-                          "invalid_request_error", "path")
+        for path in [
+            "../../etc",
+            "..",
+            ".",
+            "/etc",
+            str(outside),
+            str(adapter_root / ".." / "x"),
+            "incoming/escape",
+            "incoming/../../outside",
+            "a\x00b",
+        ]:
+            _assert_error(_load(server, {"id": "evil", "path": path}), 400, "invalid_request_error", "path")
     finally:
         escape.unlink()
     assert "evil" not in _adapters(server)
     _assert_still_serving(server)
 
 
-def test_post_with_a_file_symlinked_outside_is_400(server: str, adapter_root: Path,
-                                                   tmp_path: Path, tiny_model_dir: Path) -> None:
-    outside = make_peft_adapter(tiny_model_dir, tmp_path / "outside", r=4, alpha=4,
-                                targets=["q_proj"], seed=9, b_std=0.5)
+def test_post_with_a_file_symlinked_outside_is_400(
+    server: str, adapter_root: Path, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    outside = make_peft_adapter(
+        tiny_model_dir, tmp_path / "outside", r=4, alpha=4, targets=["q_proj"], seed=9, b_std=0.5
+    )
     inside = adapter_root / "incoming" / "linked"
     inside.mkdir()
     try:
         shutil.copy(outside / "adapter_config.json", inside)
         (inside / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
-        _assert_error(_load(server, {"id": "linked", "path": "incoming/linked"}), 400,
-                      "invalid_request_error", "symlink")
+        _assert_error(
+            _load(server, {"id": "linked", "path": "incoming/linked"}), 400, "invalid_request_error", "symlink"
+        )
     finally:
         shutil.rmtree(inside)
     _assert_still_serving(server)
 
 
-@pytest.mark.parametrize("body", [[1], {"path": "alpha"}, {"id": "x", "path": 5},
-                                  {"id": "x", "path": ""}, {"id": "x", "path": "p" * 5000}])
+@pytest.mark.parametrize(
+    "body", [[1], {"path": "alpha"}, {"id": "x", "path": 5}, {"id": "x", "path": ""}, {"id": "x", "path": "p" * 5000}]
+)
 def test_post_with_a_malformed_body_is_400(server: str, body: Any) -> None:
     _assert_error(_load(server, body), 400, "invalid_request_error")
 
 
-def test_corrupt_and_mismatched_adapters_are_400(server: str, adapter_root: Path, tmp_path: Path,
-                                                 tiny_model_dir: Path) -> None:
+def test_corrupt_and_mismatched_adapters_are_400(
+    server: str, adapter_root: Path, tmp_path: Path, tiny_model_dir: Path
+) -> None:
     incoming = adapter_root / "incoming"
     corrupt = shutil.copytree(adapter_root / "alpha", incoming / "corrupt")
     (corrupt / "adapter_model.safetensors").write_bytes(b"\x00garbage" * 100)
     other_base = build_tiny_random(tmp_path / "other-base", hidden_size=32, intermediate_size=64)
-    make_peft_adapter(other_base, incoming / "mismatched", r=8, alpha=16,
-                      targets=["q_proj", "v_proj"], seed=4, b_std=0.5)
+    make_peft_adapter(
+        other_base, incoming / "mismatched", r=8, alpha=16, targets=["q_proj", "v_proj"], seed=4, b_std=0.5
+    )
     no_config = shutil.copytree(adapter_root / "alpha", incoming / "no-config")
     (no_config / "adapter_config.json").unlink()
     try:
-        _assert_error(_load(server, {"id": "corrupt", "path": "incoming/corrupt"}), 400,
-                      "invalid_request_error", "corrupt", "safetensors")
-        _assert_error(_load(server, {"id": "mismatched", "path": "incoming/mismatched"}), 400,
-                      "invalid_request_error", "mismatched", "shape")
-        _assert_error(_load(server, {"id": "nocfg", "path": "incoming/no-config"}), 400,
-                      "invalid_request_error", "adapter_config.json")
-        _assert_error(_load(server, {"id": "missing", "path": "incoming/missing"}), 400,
-                      "invalid_request_error", "does not exist")
-        _assert_error(_load(server, {"id": "incoming", "path": "incoming"}), 400,
-                      "invalid_request_error", "adapter_config.json")
+        _assert_error(
+            _load(server, {"id": "corrupt", "path": "incoming/corrupt"}),
+            400,
+            "invalid_request_error",
+            "corrupt",
+            "safetensors",
+        )
+        _assert_error(
+            _load(server, {"id": "mismatched", "path": "incoming/mismatched"}),
+            400,
+            "invalid_request_error",
+            "mismatched",
+            "shape",
+        )
+        _assert_error(
+            _load(server, {"id": "nocfg", "path": "incoming/no-config"}),
+            400,
+            "invalid_request_error",
+            "adapter_config.json",
+        )
+        _assert_error(
+            _load(server, {"id": "missing", "path": "incoming/missing"}), 400, "invalid_request_error", "does not exist"
+        )
+        _assert_error(
+            _load(server, {"id": "incoming", "path": "incoming"}), 400, "invalid_request_error", "adapter_config.json"
+        )
     finally:
         for name in ("corrupt", "mismatched", "no-config"):
             shutil.rmtree(incoming / name)
@@ -324,8 +361,9 @@ def _nan_copy(source: Path, dest: Path) -> Path:
 def test_post_of_an_adapter_with_non_finite_weights_is_400(server: str, adapter_root: Path) -> None:
     _nan_copy(adapter_root / "alpha", adapter_root / "incoming" / "nan")
     try:
-        _assert_error(_load(server, {"id": "nan", "path": "incoming/nan"}), 400, "invalid_request_error",
-                      "'nan'", "non-finite")
+        _assert_error(
+            _load(server, {"id": "nan", "path": "incoming/nan"}), 400, "invalid_request_error", "'nan'", "non-finite"
+        )
     finally:
         shutil.rmtree(adapter_root / "incoming" / "nan")
     assert "nan" not in _adapters(server)
@@ -333,7 +371,8 @@ def test_post_of_an_adapter_with_non_finite_weights_is_400(server: str, adapter_
 
 
 def test_startup_confines_the_scan_and_a_poisoned_adapter_fails_alone(
-        tmp_path: Path, adapter_root: Path, tiny_model_dir: Path) -> None:
+    tmp_path: Path, adapter_root: Path, tiny_model_dir: Path
+) -> None:
     """At startup only the header is read, so NaN weights surface at first use: that request gets a 500
     naming the adapter while the requests beside it finish with PEFT's tokens; a symlink out of the
     directory is refused as POST /v1/adapters refuses it."""
@@ -349,12 +388,23 @@ def test_startup_confines_the_scan_and_a_poisoned_adapter_fails_alone(
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+
                 def post(adapter: str | None, stream: bool = False) -> Any:
                     headers = {"X-Adapter-ID": adapter} if adapter else {}
-                    return http.post("/v1/completions", headers=headers,
-                                     json={"prompt": PROMPT, **GREEDY, "stream": stream})
-                return list(await asyncio.gather(post("alpha"), post("poisoned"), post(None), post("alpha"),
-                                                 post("poisoned", stream=True), post(None)))
+                    return http.post(
+                        "/v1/completions", headers=headers, json={"prompt": PROMPT, **GREEDY, "stream": stream}
+                    )
+
+                return list(
+                    await asyncio.gather(
+                        post("alpha"),
+                        post("poisoned"),
+                        post(None),
+                        post("alpha"),
+                        post("poisoned", stream=True),
+                        post(None),
+                    )
+                )
 
         good_a, bad, good_base, good_a2, bad_stream, good_base2 = asyncio.run(burst())
         tokenizer = load_tokenizer(tiny_model_dir)
@@ -386,8 +436,15 @@ def test_load_and_unload_while_traffic_flows(server: str) -> None:
     async def stream(http: httpx.AsyncClient, i: int) -> tuple[str, dict[str, Any]]:
         adapter = adapters[i]
         headers = {"X-Adapter-ID": adapter} if adapter else {}
-        body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": max_tokens,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": MODEL,
+            "prompt": PROMPT,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         events = []
         async with http.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
             assert resp.status_code == 200
@@ -406,19 +463,19 @@ def test_load_and_unload_while_traffic_flows(server: str) -> None:
         await asyncio.gather(*(event.wait() for event in started))
         statuses = []
         for _ in range(3):
-            for method, path, body in (("POST", "/v1/adapters", {"id": "gamma",
-                                                                 "path": "incoming/gamma"}),
-                                       ("POST", "/v1/adapters", {"id": "alpha", "path": "alpha"}),
-                                       ("GET", "/v1/adapters", None),
-                                       ("DELETE", "/v1/adapters/gamma", None)):
+            for method, path, body in (
+                ("POST", "/v1/adapters", {"id": "gamma", "path": "incoming/gamma"}),
+                ("POST", "/v1/adapters", {"id": "alpha", "path": "alpha"}),
+                ("GET", "/v1/adapters", None),
+                ("DELETE", "/v1/adapters/gamma", None),
+            ):
                 statuses.append((await http.request(method, path, json=body)).status_code)
         admin_done.set()
         return statuses
 
     async def scenario() -> tuple[list[tuple[str, dict[str, Any]]], list[int]]:
         async with httpx.AsyncClient(base_url=server, timeout=120) as http:
-            *results, statuses = await asyncio.gather(
-                *(stream(http, i) for i in range(len(adapters))), admin(http))
+            *results, statuses = await asyncio.gather(*(stream(http, i) for i in range(len(adapters))), admin(http))
         return results, statuses
 
     results, statuses = asyncio.run(scenario())
@@ -437,10 +494,15 @@ def test_load_and_unload_while_traffic_flows(server: str) -> None:
 def test_adapter_metrics(server: str) -> None:
     _text(_complete(server, "alpha", max_tokens=2))
     text = httpx.get(f"{server}/metrics").text
-    for name in ("loragate_engine_adapters_registered", "loragate_engine_adapters_on_device",
-                 "loragate_engine_adapter_pages_used", "loragate_engine_adapter_hits_total",
-                 "loragate_engine_adapter_misses_total", "loragate_engine_adapter_evictions_total",
-                 "loragate_engine_adapter_load_seconds_count"):
+    for name in (
+        "loragate_engine_adapters_registered",
+        "loragate_engine_adapters_on_device",
+        "loragate_engine_adapter_pages_used",
+        "loragate_engine_adapter_hits_total",
+        "loragate_engine_adapter_misses_total",
+        "loragate_engine_adapter_evictions_total",
+        "loragate_engine_adapter_load_seconds_count",
+    ):
         assert f"\n{name} " in text, name
 
 
@@ -458,9 +520,12 @@ def test_runtime_loading_needs_an_adapter_dir(tiny_model_dir: Path) -> None:
     async def scenario() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://engine") as http:
-            return [await http.post("/v1/adapters", json={"id": "x", "path": "x"}),
-                    await http.get("/v1/adapters"), await http.get("/v1/models"),
-                    await http.delete("/v1/adapters/x")]
+            return [
+                await http.post("/v1/adapters", json={"id": "x", "path": "x"}),
+                await http.get("/v1/adapters"),
+                await http.get("/v1/models"),
+                await http.delete("/v1/adapters/x"),
+            ]
 
     load, listed, models, delete = asyncio.run(scenario())
     _assert_error(load, 400, "invalid_request_error", "--adapter-dir")
@@ -475,12 +540,25 @@ def test_runtime_loading_needs_an_adapter_dir(tiny_model_dir: Path) -> None:
 def test_engine_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = build_parser().parse_args(["engine", "--model", MODEL])
     assert (args.adapter_dir, args.max_device_adapters, args.host_adapter_mb) == (None, 8, 512)
-    args = build_parser().parse_args(["engine", "--model", MODEL, "--adapter-dir", str(tmp_path),
-                                      "--max-device-adapters", "3", "--host-adapter-mb", "0"])
-    assert (Path(args.adapter_dir), args.max_device_adapters, args.host_adapter_mb) == \
-        (tmp_path.resolve(), 3, 0)
-    for bad in (["--adapter-dir", str(tmp_path / "missing")], ["--max-device-adapters", "0"],
-                ["--host-adapter-mb", "-1"]):
+    args = build_parser().parse_args(
+        [
+            "engine",
+            "--model",
+            MODEL,
+            "--adapter-dir",
+            str(tmp_path),
+            "--max-device-adapters",
+            "3",
+            "--host-adapter-mb",
+            "0",
+        ]
+    )
+    assert (Path(args.adapter_dir), args.max_device_adapters, args.host_adapter_mb) == (tmp_path.resolve(), 3, 0)
+    for bad in (
+        ["--adapter-dir", str(tmp_path / "missing")],
+        ["--max-device-adapters", "0"],
+        ["--host-adapter-mb", "-1"],
+    ):
         with pytest.raises(SystemExit) as info:
             main(["engine", "--model", MODEL, *bad])
         assert info.value.code == 2
@@ -500,8 +578,7 @@ def test_up_banner_names_the_adapters() -> None:
 # ---- the demo adapters -------------------------------------------------------------------------------
 
 
-def test_demo_adapters_are_peft_loras_that_change_the_output(tmp_path: Path,
-                                                             tiny_model_dir: Path) -> None:
+def test_demo_adapters_are_peft_loras_that_change_the_output(tmp_path: Path, tiny_model_dir: Path) -> None:
     from engine.lora.demo import DEMOS, build_demo_adapters
 
     written = build_demo_adapters(tiny_model_dir, tmp_path, steps=3)
@@ -520,15 +597,15 @@ def test_demo_adapters_are_peft_loras_that_change_the_output(tmp_path: Path,
         assert not torch.allclose(tuned, base, atol=1e-4)
 
 
-def test_demo_adapter_dir_is_built_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                        tiny_model_dir: Path) -> None:
+def test_demo_adapter_dir_is_built_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
     import engine.lora.demo as demo
 
     monkeypatch.setenv("LORAGATE_CACHE", str(tmp_path))
     monkeypatch.setattr(demo, "resolve_model", lambda spec: SimpleNamespace(path=tiny_model_dir))
     built = demo.demo_adapter_dir("tiny-random", steps=1)
-    assert built.parent == tmp_path and sorted(p.name for p in built.iterdir()) == \
-        sorted(d.adapter_id for d in demo.DEMOS)
+    assert built.parent == tmp_path and sorted(p.name for p in built.iterdir()) == sorted(
+        d.adapter_id for d in demo.DEMOS
+    )
     assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary left behind
 
     def must_not_build(*args: Any, **kwargs: Any) -> None:

@@ -32,14 +32,25 @@ PARSE_CASES = {
     "r8-regex": (8, 16.0, r".*\.layers\.[13]\.(self_attn\.(k|o)_proj|mlp\.up_proj)", {}),
     "r16-rslora": (16, 8.0, ["gate_proj", "up_proj", "down_proj"], {"use_rslora": True}),
     "r32-suffixes": (32, 64.0, ["self_attn.q_proj", "o_proj", "model.layers.2.mlp.down_proj"], {}),
-    "r4-patterns": (4, 8.0, ["q_proj", "v_proj", "down_proj"], {
-        # Keys sort (PEFT saves sorted) in the order they are written, so training and loading agree.
-        "rank_pattern": {"layers.0.self_attn.q_proj": 8, r"layers\.[23]\.mlp\.down_proj": 16, "q_proj": 2},
-        "alpha_pattern": {"model.layers.1.mlp.down_proj": 5.0, "v_proj": 3.0},
-    }),
-    "r4-layers-exclude": (4, 4.0, ["q_proj", "k_proj"], {
-        "layers_to_transform": [0, 2], "exclude_modules": ["model.layers.2.self_attn.k_proj"],
-    }),
+    "r4-patterns": (
+        4,
+        8.0,
+        ["q_proj", "v_proj", "down_proj"],
+        {
+            # Keys sort (PEFT saves sorted) in the order they are written, so training and loading agree.
+            "rank_pattern": {"layers.0.self_attn.q_proj": 8, r"layers\.[23]\.mlp\.down_proj": 16, "q_proj": 2},
+            "alpha_pattern": {"model.layers.1.mlp.down_proj": 5.0, "v_proj": 3.0},
+        },
+    ),
+    "r4-layers-exclude": (
+        4,
+        4.0,
+        ["q_proj", "k_proj"],
+        {
+            "layers_to_transform": [0, 2],
+            "exclude_modules": ["model.layers.2.self_attn.k_proj"],
+        },
+    ),
 }
 
 
@@ -83,11 +94,11 @@ def _peft_linear(peft_model: torch.nn.Module, layer: int, module: str) -> torch.
 
 
 @pytest.mark.parametrize("case", sorted(PARSE_CASES))
-def test_delta_matches_peft(case: str, tiny_model_dir: Path, model_config: ModelConfig,
-                            tmp_path: Path) -> None:
+def test_delta_matches_peft(case: str, tiny_model_dir: Path, model_config: ModelConfig, tmp_path: Path) -> None:
     r, alpha, targets, extra = PARSE_CASES[case]
-    adapter_dir = make_peft_adapter(tiny_model_dir, tmp_path / case, r=r, alpha=alpha, targets=targets,
-                                    seed=r, b_std=0.5, **extra)
+    adapter_dir = make_peft_adapter(
+        tiny_model_dir, tmp_path / case, r=r, alpha=alpha, targets=targets, seed=r, b_std=0.5, **extra
+    )
     spec = read_adapter(adapter_dir, case, 1, model_config)
     weights = load_weights(spec, model_config, torch.float32)
     peft_model = load_peft_model(tiny_model_dir, adapter_dir)  # PEFT's own reading of the saved files
@@ -112,19 +123,22 @@ def test_delta_matches_peft(case: str, tiny_model_dir: Path, model_config: Model
     assert spec.max_rank == max(t.rank for _, _, t in spec.targets())
 
 
-def test_all_linear_and_patterns_resolve_as_documented(tmp_path: Path, tiny_model_dir: Path,
-                                                       model_config: ModelConfig) -> None:
+def test_all_linear_and_patterns_resolve_as_documented(
+    tmp_path: Path, tiny_model_dir: Path, model_config: ModelConfig
+) -> None:
     r, alpha, targets, extra = PARSE_CASES["r4-patterns"]
-    adapter_dir = make_peft_adapter(tiny_model_dir, tmp_path / "p", r=r, alpha=alpha, targets=targets, seed=1,
-                                    **extra)
+    adapter_dir = make_peft_adapter(tiny_model_dir, tmp_path / "p", r=r, alpha=alpha, targets=targets, seed=1, **extra)
     spec = read_adapter(adapter_dir, "p", 1, model_config)
     ranks = [{m: t.rank for m, t in layer.items()} for layer in spec.layers]
-    assert ranks == [{"q_proj": 8, "v_proj": 4, "down_proj": 4}, {"q_proj": 2, "v_proj": 4, "down_proj": 4},
-                     {"q_proj": 2, "v_proj": 4, "down_proj": 16}, {"q_proj": 2, "v_proj": 4, "down_proj": 16}]
+    assert ranks == [
+        {"q_proj": 8, "v_proj": 4, "down_proj": 4},
+        {"q_proj": 2, "v_proj": 4, "down_proj": 4},
+        {"q_proj": 2, "v_proj": 4, "down_proj": 16},
+        {"q_proj": 2, "v_proj": 4, "down_proj": 16},
+    ]
     assert spec.layers[1]["down_proj"].scale == 5.0 / 4 and spec.layers[0]["v_proj"].scale == 3.0 / 4
     assert spec.modules == ("q_proj", "v_proj", "down_proj") and spec.max_rank == 16
-    all_linear_dir = make_peft_adapter(tiny_model_dir, tmp_path / "a", r=4, alpha=8, targets="all-linear",
-                                       seed=2)
+    all_linear_dir = make_peft_adapter(tiny_model_dir, tmp_path / "a", r=4, alpha=8, targets="all-linear", seed=2)
     all_linear = read_adapter(all_linear_dir, "a", 1, model_config)
     assert all_linear.modules == MODULES
 
@@ -145,8 +159,9 @@ def test_spec_sizes_and_dtype(good_dir: Path, model_config: ModelConfig) -> None
     assert fp32.layers[0]["v_proj"][1].shape == (kv_out, 4)
 
 
-def test_register_reads_only_the_header(good_dir: Path, model_config: ModelConfig,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_register_reads_only_the_header(
+    good_dir: Path, model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real_safe_open = adapter_files.safe_open
 
     class HeaderOnly:
@@ -176,8 +191,9 @@ def test_register_reads_only_the_header(good_dir: Path, model_config: ModelConfi
 # ---- rejections ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad_id", ["../x", "a/b", "a\\b", "..", ".hidden", "x" * 10_000, "", "a\x00b",
-                                    "a..b", "a b", "é", "a\n", 7, None])
+@pytest.mark.parametrize(
+    "bad_id", ["../x", "a/b", "a\\b", "..", ".hidden", "x" * 10_000, "", "a\x00b", "a..b", "a b", "é", "a\n", 7, None]
+)
 def test_hostile_ids_rejected(bad_id: object, model_config: ModelConfig, good_dir: Path) -> None:
     with pytest.raises(AdapterError, match="adapter id"):
         validate_adapter_id(bad_id)  # type: ignore[arg-type]
@@ -209,16 +225,22 @@ def test_directory_problems(broken: Path, tmp_path: Path, model_config: ModelCon
     _rejects(broken, model_config, "no adapter_config.json")
 
 
-def test_pickle_only_dir_is_never_unpickled(broken: Path, model_config: ModelConfig,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pickle_only_dir_is_never_unpickled(
+    broken: Path, model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     torch.save(load_file(broken / "adapter_model.safetensors"), broken / "adapter_model.bin")
     (broken / "adapter_model.safetensors").unlink()
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("something tried to unpickle")
 
-    for owner, name in ((torch, "load"), (torch.serialization, "load"), (pickle, "load"), (pickle, "loads"),
-                        (pickle, "Unpickler")):
+    for owner, name in (
+        (torch, "load"),
+        (torch.serialization, "load"),
+        (pickle, "load"),
+        (pickle, "loads"),
+        (pickle, "Unpickler"),
+    ):
         monkeypatch.setattr(owner, name, refuse)
     _rejects(broken, model_config, "adapter_model.bin", "pickle files are never loaded")
     with pytest.raises(AdapterError, match="pickle files are never loaded"):
@@ -240,24 +262,26 @@ def test_symlinks(broken: Path, tmp_path: Path, model_config: ModelConfig) -> No
     _rejects(broken, model_config, "adapter_config.json is a symlink pointing outside")
 
 
-@pytest.mark.parametrize(("fields", "needles"), [
-    ({"peft_type": "IA3"}, ("peft_type is 'IA3'", "only LoRA")),
-    ({"use_dora": True}, ("DoRA is not supported",)),
-    ({"bias": "all"}, ("bias='all'",)),
-    ({"modules_to_save": ["lm_head"]}, ("modules_to_save",)),
-    ({"target_modules": ["q_proj", "lm_head"]}, ("'lm_head'", "only to q_proj")),
-    ({"target_modules": ["embed_tokens"]}, ("'embed_tokens'",)),
-    ({"r": 0}, ("r=0", "positive integer")),
-    ({"rank_pattern": {"q_proj": 0}}, ("rank_pattern['q_proj']=0",)),
-    ({"lora_alpha": "big"}, ("lora_alpha='big'",)),
-    ({"target_modules": "(unclosed"}, ("not a valid regex",)),
-    ({"target_modules": r".*\.lm_head"}, ("targets no module",)),
-    ({"init_lora_weights": "pissa"}, ("rewrites the base weights",)),
-    ({"layer_replication": [[0, 2], [1, 4]]}, ("layer replication",)),
-    ({"target_modules": ["q_proj"]}, ("has weights for model.layers.0.self_attn.v_proj", "does not target")),
-])
-def test_config_rejections(fields: dict, needles: tuple[str, ...], broken: Path,
-                           model_config: ModelConfig) -> None:
+@pytest.mark.parametrize(
+    ("fields", "needles"),
+    [
+        ({"peft_type": "IA3"}, ("peft_type is 'IA3'", "only LoRA")),
+        ({"use_dora": True}, ("DoRA is not supported",)),
+        ({"bias": "all"}, ("bias='all'",)),
+        ({"modules_to_save": ["lm_head"]}, ("modules_to_save",)),
+        ({"target_modules": ["q_proj", "lm_head"]}, ("'lm_head'", "only to q_proj")),
+        ({"target_modules": ["embed_tokens"]}, ("'embed_tokens'",)),
+        ({"r": 0}, ("r=0", "positive integer")),
+        ({"rank_pattern": {"q_proj": 0}}, ("rank_pattern['q_proj']=0",)),
+        ({"lora_alpha": "big"}, ("lora_alpha='big'",)),
+        ({"target_modules": "(unclosed"}, ("not a valid regex",)),
+        ({"target_modules": r".*\.lm_head"}, ("targets no module",)),
+        ({"init_lora_weights": "pissa"}, ("rewrites the base weights",)),
+        ({"layer_replication": [[0, 2], [1, 4]]}, ("layer replication",)),
+        ({"target_modules": ["q_proj"]}, ("has weights for model.layers.0.self_attn.v_proj", "does not target")),
+    ],
+)
+def test_config_rejections(fields: dict, needles: tuple[str, ...], broken: Path, model_config: ModelConfig) -> None:
     _edit_config(broken, **fields)
     _rejects(broken, model_config, *needles)
 
@@ -290,21 +314,35 @@ def test_tensor_rejections(broken: Path, model_config: ModelConfig) -> None:
 
 def test_other_base_model_rejected(good_dir: Path, model_config: ModelConfig) -> None:
     wider = dataclasses.replace(model_config, hidden_size=128)
-    _rejects(good_dir, wider, "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight has shape "
-             "[4, 64], expected [4, 128]", "another model")
+    _rejects(
+        good_dir,
+        wider,
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight has shape [4, 64], expected [4, 128]",
+        "another model",
+    )
     _rejects(good_dir, dataclasses.replace(model_config, num_layers=2), "layers.2.self_attn")
 
 
-def test_peft_sorted_pattern_quirk_rejected(tiny_model_dir: Path, tmp_path: Path,
-                                            model_config: ModelConfig) -> None:
+def test_peft_sorted_pattern_quirk_rejected(tiny_model_dir: Path, tmp_path: Path, model_config: ModelConfig) -> None:
     """PEFT trains with pattern keys in dict order but saves them sorted: here the saved config disagrees
     with the saved tensors (layer 0 q_proj trained at rank 2, loads at rank 8). PEFT cannot load it either."""
-    adapter_dir = make_peft_adapter(tiny_model_dir, tmp_path / "q", r=4, alpha=8, targets=["q_proj"], seed=3,
-                                    rank_pattern={"q_proj": 2, "layers.0.self_attn.q_proj": 8})
+    adapter_dir = make_peft_adapter(
+        tiny_model_dir,
+        tmp_path / "q",
+        r=4,
+        alpha=8,
+        targets=["q_proj"],
+        seed=3,
+        rank_pattern={"q_proj": 2, "layers.0.self_attn.q_proj": 8},
+    )
     with pytest.raises(RuntimeError, match="size mismatch"):
         load_peft_model(tiny_model_dir, adapter_dir)
-    _rejects(adapter_dir, model_config,
-             "layers.0.self_attn.q_proj.lora_A.weight has shape [2, 64], expected [8, 64]", adapter_id="q")
+    _rejects(
+        adapter_dir,
+        model_config,
+        "layers.0.self_attn.q_proj.lora_A.weight has shape [2, 64], expected [8, 64]",
+        adapter_id="q",
+    )
 
 
 @pytest.mark.parametrize("blob", [b"", b"\x00" * 7 + b"garbage" * 20, b"truncate"])
@@ -368,8 +406,7 @@ def test_registry_concurrent_registers(good_dir: Path, model_config: ModelConfig
     assert sorted(versions) == list(range(1, 13)) and registry.get("same").version == 12
 
 
-def test_scan_dir(good_dir: Path, tmp_path: Path, model_config: ModelConfig,
-                  caplog: pytest.LogCaptureFixture) -> None:
+def test_scan_dir(good_dir: Path, tmp_path: Path, model_config: ModelConfig, caplog: pytest.LogCaptureFixture) -> None:
     for name in ("alpha", "beta", "corrupt", ".hidden", "has space"):
         shutil.copytree(good_dir, tmp_path / name)
     (tmp_path / "corrupt" / "adapter_model.safetensors").write_bytes(b"\x01\x02")
@@ -393,8 +430,10 @@ def test_scan_dir(good_dir: Path, tmp_path: Path, model_config: ModelConfig,
 def three_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """Three same-size (rank-4 q/v) adapters with different weights."""
     root = tmp_path_factory.mktemp("cache")
-    return [make_peft_adapter(tiny_model_dir, root / f"a{i}", r=4, alpha=8, targets=["q_proj", "v_proj"],
-                              seed=i) for i in range(3)]
+    return [
+        make_peft_adapter(tiny_model_dir, root / f"a{i}", r=4, alpha=8, targets=["q_proj", "v_proj"], seed=i)
+        for i in range(3)
+    ]
 
 
 def _counters(cache: adapters.HostAdapterCache) -> tuple[int, int, int, int]:
@@ -422,10 +461,10 @@ def test_cache_lru_and_byte_bound(three_dirs: list[Path], model_config: ModelCon
     assert not cache.contains(c) and cache.used_bytes == size
 
 
-def test_cache_oversized_adapter_returned_not_kept(three_dirs: list[Path], tiny_model_dir: Path,
-                                                   tmp_path: Path, model_config: ModelConfig) -> None:
-    big_dir = make_peft_adapter(tiny_model_dir, tmp_path / "big", r=16, alpha=16, targets="all-linear",
-                                seed=5)
+def test_cache_oversized_adapter_returned_not_kept(
+    three_dirs: list[Path], tiny_model_dir: Path, tmp_path: Path, model_config: ModelConfig
+) -> None:
+    big_dir = make_peft_adapter(tiny_model_dir, tmp_path / "big", r=16, alpha=16, targets="all-linear", seed=5)
     spec = read_adapter(big_dir, "big", 1, model_config)
     small = read_adapter(three_dirs[1], "small", 1, model_config)
     cache = adapters.HostAdapterCache(2 * small.nbytes, model_config, torch.float32)
@@ -457,8 +496,9 @@ def test_cache_keyed_by_version(three_dirs: list[Path], tmp_path: Path, model_co
         cache.get(v1)  # v1's file content is gone: never serve v2's bytes under v1's spec
 
 
-def test_shared_adapters_change_greedy_output(tiny_model_dir: Path, tiny_adapters: dict[str, Path],
-                                              tiny_model_config: ModelConfig) -> None:
+def test_shared_adapters_change_greedy_output(
+    tiny_model_dir: Path, tiny_adapters: dict[str, Path], tiny_model_config: ModelConfig
+) -> None:
     """The conftest adapters are useful references: PEFT's greedy output differs per adapter."""
     prompt = [1, 5, 6, 7, 80, 90]
     outputs = {None: tuple(peft_greedy(tiny_model_dir, None, prompt, 6))}

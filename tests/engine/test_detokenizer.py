@@ -31,9 +31,12 @@ def _byte_bpe() -> PreTrainedTokenizerBase:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     backend.train_from_iterator(_TRAIN_TEXT, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
 
@@ -64,8 +67,9 @@ def byte_bpe() -> PreTrainedTokenizerBase:
     return _byte_bpe()
 
 
-def _stream(tokenizer: PreTrainedTokenizerBase, prompt: list[int], output: list[int],
-            params: SamplingParams, chunks: int = 1) -> tuple[list[str], bool, int, str]:
+def _stream(
+    tokenizer: PreTrainedTokenizerBase, prompt: list[int], output: list[int], params: SamplingParams, chunks: int = 1
+) -> tuple[list[str], bool, int, str]:
     """Feed `output` in chunks of up to `chunks` tokens; stop at a stop-string hit like the engine does.
 
     Returns (deltas, hit, tokens fed when it ended, flushed text or "").
@@ -73,7 +77,7 @@ def _stream(tokenizer: PreTrainedTokenizerBase, prompt: list[int], output: list[
     detok = IncrementalDetokenizer(tokenizer, prompt, params)
     deltas, fed = [], 0
     while fed < len(output):
-        step = output[fed:fed + chunks]
+        step = output[fed : fed + chunks]
         fed += len(step)
         delta, hit = detok.update(step)
         deltas.append(delta)
@@ -84,8 +88,9 @@ def _stream(tokenizer: PreTrainedTokenizerBase, prompt: list[int], output: list[
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 @pytest.mark.parametrize("chunks", [1, 3])
-def test_random_token_sequences_match_full_decode(tokenizer: PreTrainedTokenizerBase,
-                                                  skip_special_tokens: bool, chunks: int) -> None:
+def test_random_token_sequences_match_full_decode(
+    tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool, chunks: int
+) -> None:
     rng = random.Random(1234)
     params = SamplingParams(skip_special_tokens=skip_special_tokens)
     vocab = len(tokenizer)
@@ -98,8 +103,7 @@ def test_random_token_sequences_match_full_decode(tokenizer: PreTrainedTokenizer
         assert "".join(deltas) + flushed == expected, (prompt, output)
 
 
-def test_real_text_matches_full_decode_and_never_shows_replacement(
-        tokenizer: PreTrainedTokenizerBase) -> None:
+def test_real_text_matches_full_decode_and_never_shows_replacement(tokenizer: PreTrainedTokenizerBase) -> None:
     split_chars = 0
     for text in _SAMPLE_TEXTS:
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -135,7 +139,7 @@ def test_sentencepiece_style_continues_the_prompt_text() -> None:
         prompt_text = sp.decode(prompt, skip_special_tokens=True)
         full = sp.decode(prompt + output, skip_special_tokens=True)
         assert full.startswith(prompt_text)
-        assert "".join(deltas) + flushed == full[len(prompt_text):], (prompt, output)
+        assert "".join(deltas) + flushed == full[len(prompt_text) :], (prompt, output)
 
 
 def test_window_stays_short_on_long_outputs(byte_bpe: PreTrainedTokenizerBase) -> None:
@@ -146,6 +150,7 @@ def test_window_stays_short_on_long_outputs(byte_bpe: PreTrainedTokenizerBase) -
             nonlocal longest
             longest = max(longest, len(ids))
             return decode(ids, skip_special_tokens=skip_special_tokens)
+
         return wrapper
 
     class CountingBackend:  # the detokenizer decodes with a fast tokenizer's backend directly
@@ -172,7 +177,7 @@ def test_window_stays_short_on_long_outputs(byte_bpe: PreTrainedTokenizerBase) -
 
 def _earliest_cut(text: str, stops: tuple[str, ...]) -> str | None:
     hits = [text.find(s) for s in stops if s in text]
-    return text[:min(hits)] if hits else None
+    return text[: min(hits)] if hits else None
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
@@ -185,7 +190,7 @@ def test_random_stop_strings_cut_exactly(tokenizer: PreTrainedTokenizerBase, chu
         stops = []
         for _ in range(rng.choice([1, 2, 3])):
             start = rng.randrange(len(full) - 1)
-            stops.append(full[start:start + rng.randrange(1, 7)])
+            stops.append(full[start : start + rng.randrange(1, 7)])
         if case % 4 == 0:
             stops.append("never there")
         params = SamplingParams(stop=tuple(stops))
@@ -193,8 +198,9 @@ def test_random_stop_strings_cut_exactly(tokenizer: PreTrainedTokenizerBase, chu
         # Generation ends with the chunk of the first token whose complete text (the output up to it) holds a
         # stop string; the output is that text cut before the earliest stop string in it.
         texts = [tokenizer.decode(ids[:n]) for n in range(1, len(ids) + 1)]
-        first = next(n for n, t in enumerate(texts, 1)
-                     if not t.endswith("\ufffd") and _earliest_cut(t, params.stop) is not None)
+        first = next(
+            n for n, t in enumerate(texts, 1) if not t.endswith("\ufffd") and _earliest_cut(t, params.stop) is not None
+        )
         assert hit and flushed == "" and fed == min(-(-first // chunks) * chunks, len(ids))
         assert "".join(deltas) == _earliest_cut(texts[first - 1], params.stop), (full, stops)
         if len(stops) == 1:
@@ -207,8 +213,13 @@ def test_random_stop_strings_cut_exactly(tokenizer: PreTrainedTokenizerBase, chu
 
 def test_earliest_of_several_stops_wins(byte_bpe: PreTrainedTokenizerBase) -> None:
     ids = byte_bpe.encode("Hello world foo bar", add_special_tokens=False)
-    cases = {("bar", "world"): "Hello ", ("world", "bar"): "Hello ", ("o w", "world"): "Hell",
-             ("foo", "o"): "Hell", ("r", "ld f"): "Hello wo"}
+    cases = {
+        ("bar", "world"): "Hello ",
+        ("world", "bar"): "Hello ",
+        ("o w", "world"): "Hell",
+        ("foo", "o"): "Hell",
+        ("r", "ld f"): "Hello wo",
+    }
     for stops, expected in cases.items():
         deltas, hit, _, _ = _stream(byte_bpe, [], ids, SamplingParams(stop=stops))
         assert hit and "".join(deltas) == expected, stops
@@ -237,8 +248,7 @@ def test_flush_returns_held_tail_when_no_stop_hit(byte_bpe: PreTrainedTokenizerB
     assert detok.text == "Hello world"
 
 
-def test_flush_shows_incomplete_utf8_tail_as_the_tokenizer_does(
-        byte_bpe: PreTrainedTokenizerBase) -> None:
+def test_flush_shows_incomplete_utf8_tail_as_the_tokenizer_does(byte_bpe: PreTrainedTokenizerBase) -> None:
     emoji = byte_bpe.encode("😀", add_special_tokens=False)
     assert len(emoji) > 1  # split across tokens
     ids = byte_bpe.encode("ok ", add_special_tokens=False) + emoji[:-1]
@@ -249,7 +259,7 @@ def test_flush_shows_incomplete_utf8_tail_as_the_tokenizer_does(
 
 
 def _run(detok: IncrementalDetokenizer, output: list[int], chunks: int) -> tuple[list[tuple[str, bool]], str, str]:
-    steps = [detok.update(output[i:i + chunks]) for i in range(0, len(output), chunks)]
+    steps = [detok.update(output[i : i + chunks]) for i in range(0, len(output), chunks)]
     return steps, detok.flush(), detok.text
 
 
@@ -269,7 +279,7 @@ def test_decode_stream_steps_equal_the_python_steps(kind: str) -> None:
         output = [rng.randrange(vocab) for _ in range(rng.randrange(1, 50))]
         text = tokenizer.decode(output)
         starts = rng.sample(range(len(text)), min(2, len(text))) if case % 3 else []
-        stops = tuple(text[i:i + rng.randrange(1, 4)] for i in starts)
+        stops = tuple(text[i : i + rng.randrange(1, 4)] for i in starts)
         params = SamplingParams(stop=stops, skip_special_tokens=case % 4 != 1)
         chunks = rng.choice([1, 1, 3])
         streamed = IncrementalDetokenizer(tokenizer, prompt, params)
@@ -282,8 +292,9 @@ def test_decode_stream_steps_equal_the_python_steps(kind: str) -> None:
             assert _run(from_bytes, output, chunks) == expected, (prompt, output, params.stop)
 
 
-def test_a_refusing_stream_hands_over_to_the_python_steps(byte_bpe: PreTrainedTokenizerBase,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_refusing_stream_hands_over_to_the_python_steps(
+    byte_bpe: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Should the DecodeStream raise (its window's text not extending its context's), the Python steps take over
     from the offsets of the last text shown, and the output is the same as theirs throughout."""
     import engine.core.detokenizer as detokenizer_module
@@ -323,8 +334,10 @@ def test_byte_table_decodes_as_smollm2s_tokenizer() -> None:
     assert pieces is not None and len(pieces.pieces) == len(tokenizer)
     rng = random.Random(5)
     vocab = len(tokenizer)
-    sequences = [[rng.choice((rng.randrange(vocab), rng.randrange(300))) for _ in range(rng.randrange(1, 40))]
-                 for _ in range(400)]
+    sequences = [
+        [rng.choice((rng.randrange(vocab), rng.randrange(300))) for _ in range(rng.randrange(1, 40))]
+        for _ in range(400)
+    ]
     sequences += [list(range(start, min(start + 64, vocab))) for start in range(0, vocab, 64)]
     for ids in sequences:
         for skip in (True, False):

@@ -36,12 +36,14 @@ def prompts(hf_model) -> list[list[int]]:
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """HF `generate`, greedy, EOS disabled so every prompt yields exactly n tokens."""
-    config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                              eos_token_id=None, pad_token_id=0)
+    config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                             dtype=torch.long), generation_config=config)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            generation_config=config,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def greedy_params(n: int = NEW_TOKENS) -> SamplingParams:
@@ -49,9 +51,13 @@ def greedy_params(n: int = NEW_TOKENS) -> SamplingParams:
     return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def engine_outputs(engine: LLMEngine, prompts: list[list[int]], join_after: dict[int, int] | None = None,
-                   priorities: dict[int, Priority] | None = None,
-                   step: Callable[[], object] | None = None) -> list[list[int]]:
+def engine_outputs(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    join_after: dict[int, int] | None = None,
+    priorities: dict[int, Priority] | None = None,
+    step: Callable[[], object] | None = None,
+) -> list[list[int]]:
     """Greedy outputs per prompt; prompt i joins the running batch at step join_after.get(i, 0), with priority
     priorities.get(i) (default standard); `step` steps the engine (default engine.step)."""
     join_after, priorities = join_after or {}, priorities or {}
@@ -60,8 +66,9 @@ def engine_outputs(engine: LLMEngine, prompts: list[list[int]], join_after: dict
     steps = 0
     while pending or engine.has_unfinished_requests():
         for i in [i for i in pending if join_after.get(i, 0) <= steps]:
-            added[i] = engine.add_request(f"p{i}", pending.pop(i), greedy_params(),
-                                          priorities.get(i, Priority.STANDARD))
+            added[i] = engine.add_request(
+                f"p{i}", pending.pop(i), greedy_params(), priorities.get(i, Priority.STANDARD)
+            )
         (step or engine.step)()
         steps += 1
         assert steps < 10_000
@@ -74,17 +81,27 @@ def hf_outputs(hf_model, prompts) -> list[list[int]]:
     return [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
 
 
-@pytest.mark.parametrize("max_batch_tokens,block_size,num_kv_blocks,preemption", [
-    (2048, 16, None, "recompute"),  # every prompt prefilled in one step, then batched decodes
-    (7, 4, None, "recompute"),  # chunked prefill: long prompts take many steps beside running decodes
-    (64, 4, 40, "recompute"),  # a tight pool: requests are preempted and recomputed
-    (64, 4, 40, "swap"),  # ... or preempted by swapping their KV blocks out and back in
-])
-def test_greedy_matches_hf_generate(prompts, hf_outputs, max_batch_tokens, block_size,
-                                    num_kv_blocks, preemption) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", max_batch_tokens=max_batch_tokens,
-                                    block_size=block_size, num_kv_blocks=num_kv_blocks,
-                                    preemption=preemption))
+@pytest.mark.parametrize(
+    "max_batch_tokens,block_size,num_kv_blocks,preemption",
+    [
+        (2048, 16, None, "recompute"),  # every prompt prefilled in one step, then batched decodes
+        (7, 4, None, "recompute"),  # chunked prefill: long prompts take many steps beside running decodes
+        (64, 4, 40, "recompute"),  # a tight pool: requests are preempted and recomputed
+        (64, 4, 40, "swap"),  # ... or preempted by swapping their KV blocks out and back in
+    ],
+)
+def test_greedy_matches_hf_generate(
+    prompts, hf_outputs, max_batch_tokens, block_size, num_kv_blocks, preemption
+) -> None:
+    engine = LLMEngine(
+        EngineConfig(
+            model="tiny-random",
+            max_batch_tokens=max_batch_tokens,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            preemption=preemption,
+        )
+    )
     ours = engine_outputs(engine, prompts)
     for i, (a, b) in enumerate(zip(ours, hf_outputs)):
         assert a == b, f"prompt {i} (length {len(prompts[i])}) diverged"
@@ -116,8 +133,9 @@ def test_staggered_arrivals_match_hf(prompts, hf_outputs) -> None:
 
 
 def test_block_accounting_after_random_requests_and_aborts() -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", block_size=4, num_kv_blocks=96,
-                                    max_batch_tokens=64, max_num_seqs=32))
+    engine = LLMEngine(
+        EngineConfig(model="tiny-random", block_size=4, num_kv_blocks=96, max_batch_tokens=64, max_num_seqs=32)
+    )
     rng = random.Random(99)
     vocab = engine.vocab_size
     submitted = aborted = 0
@@ -127,8 +145,9 @@ def test_block_accounting_after_random_requests_and_aborts() -> None:
             if submitted == 1000:
                 break
             prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
-            params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 1.0]),
-                                    seed=rng.randrange(100))
+            params = SamplingParams(
+                max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 1.0]), seed=rng.randrange(100)
+            )
             engine.add_request(f"r{submitted}", prompt, params)
             live.append(f"r{submitted}")
             submitted += 1
@@ -147,13 +166,15 @@ def test_block_accounting_after_random_requests_and_aborts() -> None:
     assert not engine.scheduler.requests and not engine._detokenizers
 
 
-def collect_text(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams,
-                 others: int = 0) -> tuple[str, list[int], str]:
+def collect_text(
+    engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams, others: int = 0
+) -> tuple[str, list[int], str]:
     """Run one request (optionally beside `others` random requests); return text, tokens, reason."""
     engine.add_request(request_id, prompt, params)
     for k in range(others):
-        engine.add_request(f"{request_id}-other{k}", prompt[k:] + [k + 5],
-                           SamplingParams(max_tokens=5 + k, temperature=1.0))
+        engine.add_request(
+            f"{request_id}-other{k}", prompt[k:] + [k + 5], SamplingParams(max_tokens=5 + k, temperature=1.0)
+        )
     text, tokens, reason = "", [], None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -169,8 +190,9 @@ def test_seed_reproducible_whatever_the_batch(prompts) -> None:
     params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234)
     alone = collect_text(engine, "a", prompts[4], params)
     batched = collect_text(engine, "b", prompts[4], params, others=5)
-    other_seed = collect_text(engine, "c", prompts[4], SamplingParams(max_tokens=20, temperature=0.9,
-                                                                      top_p=0.95, seed=4321))
+    other_seed = collect_text(
+        engine, "c", prompts[4], SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=4321)
+    )
     assert alone[1] == batched[1]
     assert alone[1] != other_seed[1]
 
@@ -179,7 +201,7 @@ def test_stop_string_cuts_output(prompts) -> None:
     engine = LLMEngine(EngineConfig(model="tiny-random"))
     full, full_tokens, reason = collect_text(engine, "full", prompts[5], greedy_params(40))
     assert reason == "length" and full == engine.tokenizer.decode(full_tokens, skip_special_tokens=True)
-    stop = full[len(full) // 2: len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert len(stop) == 3
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stop,))
     cut, _, reason = collect_text(engine, "cut", prompts[5], params)
@@ -189,8 +211,7 @@ def test_stop_string_cuts_output(prompts) -> None:
 
 
 def test_request_that_can_never_fit_is_rejected() -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", block_size=4, num_kv_blocks=8,
-                                    max_model_len=128))
+    engine = LLMEngine(EngineConfig(model="tiny-random", block_size=4, num_kv_blocks=8, max_model_len=128))
     with pytest.raises(ValueError, match="context length"):
         engine.add_request("long", [5] * 120, SamplingParams(max_tokens=16))
     with pytest.raises(ValueError, match="KV blocks"):

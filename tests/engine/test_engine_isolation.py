@@ -57,12 +57,16 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path, adapter_root: Path, prompts: list[list[int]]) -> dict:
     """PEFT's greedy tokens for the base model and the good adapter, per prompt."""
-    return {(name, i): peft_greedy(tiny_model_dir, None if name is None else adapter_root / name, p, NEW_TOKENS)
-            for name in (None, "good") for i, p in enumerate(prompts)}
+    return {
+        (name, i): peft_greedy(tiny_model_dir, None if name is None else adapter_root / name, p, NEW_TOKENS)
+        for name in (None, "good")
+        for i, p in enumerate(prompts)
+    }
 
 
-def run_to_end(engine: LLMEngine, jobs: dict[str, tuple[str | None, list[int], SamplingParams]]
-               ) -> dict[str, list[RequestOutput]]:
+def run_to_end(
+    engine: LLMEngine, jobs: dict[str, tuple[str | None, list[int], SamplingParams]]
+) -> dict[str, list[RequestOutput]]:
     """Add every job at once, step until done; each request's outputs in order."""
     for request_id, (adapter, prompt, params) in jobs.items():
         engine.add_request(request_id, prompt, params, adapter_id=adapter)
@@ -74,8 +78,9 @@ def run_to_end(engine: LLMEngine, jobs: dict[str, tuple[str | None, list[int], S
             outputs[out.request_id].append(out)
     assert not engine.has_unfinished_requests()
     # Every page went back: failed requests freed their KV blocks, nothing is pinned.
-    assert (engine.pool.num_free + engine.device_adapters.num_pages
-            + engine.scheduler.kv.num_evictable_blocks) == engine.pool.num_pages
+    assert (
+        engine.pool.num_free + engine.device_adapters.num_pages + engine.scheduler.kv.num_evictable_blocks
+    ) == engine.pool.num_pages
     assert all(res.pins == 0 for res in engine.device_adapters.resident.values())
     return outputs
 
@@ -103,9 +108,12 @@ def check_good(outputs: dict[str, list[RequestOutput]], reference: dict, prompts
 
 def test_poisoned_adapters_fail_alone(adapter_root: Path, prompts: list[list[int]], reference: dict) -> None:
     engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(adapter_root)))
-    jobs = {**good_jobs(prompts),
-            "nan-0": ("nan", prompts[0], GREEDY), "nan-1": ("nan", prompts[1], GREEDY),
-            "huge-0": ("huge", prompts[2], GREEDY)}
+    jobs = {
+        **good_jobs(prompts),
+        "nan-0": ("nan", prompts[0], GREEDY),
+        "nan-1": ("nan", prompts[1], GREEDY),
+        "huge-0": ("huge", prompts[2], GREEDY),
+    }
     outputs = run_to_end(engine, jobs)
     check_good(outputs, reference, prompts)
     for request_id in ("nan-0", "nan-1"):
@@ -123,8 +131,9 @@ def test_poisoned_adapters_fail_alone(adapter_root: Path, prompts: list[list[int
     assert engine.adapters.broken(engine.adapters.get("nan")) is None
 
 
-def test_weights_replaced_on_disk_fail_alone(adapter_root: Path, prompts: list[list[int]], reference: dict,
-                                             tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_weights_replaced_on_disk_fail_alone(
+    adapter_root: Path, prompts: list[list[int]], reference: dict, tmp_path: Path, tiny_model_dir: Path
+) -> None:
     engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(adapter_root)))
     swapped = adapter_root / "swapped" / WEIGHTS
     original = swapped.read_bytes()
@@ -140,7 +149,8 @@ def test_weights_replaced_on_disk_fail_alone(adapter_root: Path, prompts: list[l
 
 
 def test_a_forward_pass_that_raises_for_one_request_fails_only_that_request(
-        adapter_root: Path, prompts: list[list[int]], reference: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    adapter_root: Path, prompts: list[list[int]], reference: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Fault injection: the model raises whenever a step holds the poison token, wherever it is."""
     engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(adapter_root)))
     poison = 251
@@ -155,8 +165,7 @@ def test_a_forward_pass_that_raises_for_one_request_fails_only_that_request(
 
     monkeypatch.setattr(engine.runner.model, "forward", faulty)
     seeded = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=1234, ignore_eos=True)
-    jobs = {**good_jobs(prompts), "poisoned": ("good", [5, 6, poison, 7], GREEDY),
-            "seeded": (None, prompts[1], seeded)}
+    jobs = {**good_jobs(prompts), "poisoned": ("good", [5, 6, poison, 7], GREEDY), "seeded": (None, prompts[1], seeded)}
     outputs = run_to_end(engine, jobs)
     check_good(outputs, reference, prompts)
     kind, message = failure(outputs["poisoned"])
@@ -170,8 +179,9 @@ def test_a_forward_pass_that_raises_for_one_request_fails_only_that_request(
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_sampling_that_leaves_no_token_fails_alone(prompts: list[list[int]], reference: dict,
-                                                   temperature: float) -> None:
+def test_sampling_that_leaves_no_token_fails_alone(
+    prompts: list[list[int]], reference: dict, temperature: float
+) -> None:
     """min_tokens masks EOS and stop_token_ids until it is reached: naming every token id leaves none."""
     engine = LLMEngine(EngineConfig(model="tiny-random"))
     every_id = tuple(range(engine.vocab_size))
@@ -184,11 +194,19 @@ def test_sampling_that_leaves_no_token_fails_alone(prompts: list[list[int]], ref
     assert kind == "engine_error" and "no token" in message
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", 1e39), ("temperature", float("inf")), ("temperature", float("nan")), ("temperature", 101.0),
-    ("repetition_penalty", 1e-39), ("repetition_penalty", 0.0), ("repetition_penalty", float("nan")),
-    ("repetition_penalty", 1e39),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", 1e39),
+        ("temperature", float("inf")),
+        ("temperature", float("nan")),
+        ("temperature", 101.0),
+        ("repetition_penalty", 1e-39),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", float("nan")),
+        ("repetition_penalty", 1e39),
+    ],
+)
 def test_sampling_params_outside_a_finite_range_are_refused(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value}).validate()

@@ -27,8 +27,9 @@ TINY_ADAPTERS: dict[str, dict] = {
     "r8-rslora": dict(r=8, alpha=8, targets=["o_proj", "down_proj", "gate_proj"], use_rslora=True),
     "r16-kqup": dict(r=16, alpha=32, targets=["k_proj", "up_proj", "q_proj"]),
     "r32-mlp": dict(r=32, alpha=16, targets=["gate_proj", "up_proj", "down_proj"]),
-    "r8-patterns": dict(r=8, alpha=16, targets="all-linear", rank_pattern={"q_proj": 4, "down_proj": 2},
-                        alpha_pattern={"o_proj": 32}),
+    "r8-patterns": dict(
+        r=8, alpha=16, targets="all-linear", rank_pattern={"q_proj": 4, "down_proj": 2}, alpha_pattern={"o_proj": 32}
+    ),
 }
 
 
@@ -57,12 +58,15 @@ def reference(tiny_model_dir, tiny_adapter_dir, prompts) -> dict[tuple[str | Non
     return out
 
 
-def run_all(engine: LLMEngine, jobs: list[tuple[str | None, int]], prompts: list[list[int]],
-            step: Callable[[], object] | None = None) -> dict[tuple[str | None, int], list[int]]:
+def run_all(
+    engine: LLMEngine,
+    jobs: list[tuple[str | None, int]],
+    prompts: list[list[int]],
+    step: Callable[[], object] | None = None,
+) -> dict[tuple[str | None, int], list[int]]:
     """Submit every (adapter, prompt) at once, step to completion (with `step`, default engine.step), return the
     tokens of each."""
-    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0,
-                            ignore_eos=True)
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     requests: dict[tuple[str | None, int], Request] = {}
     for k, (name, i) in enumerate(jobs):
         requests[(name, i)] = engine.add_request(f"job{k}", prompts[i], params, adapter_id=name)
@@ -71,8 +75,9 @@ def run_all(engine: LLMEngine, jobs: list[tuple[str | None, int]], prompts: list
         (step or engine.step)()
         steps += 1
         assert steps < 5000, "no progress"
-    assert (engine.pool.num_free + engine.device_adapters.num_pages
-            + engine.scheduler.kv.num_evictable_blocks) == engine.pool.num_pages
+    assert (
+        engine.pool.num_free + engine.device_adapters.num_pages + engine.scheduler.kv.num_evictable_blocks
+    ) == engine.pool.num_pages
     return {key: r.output_token_ids for key, r in requests.items()}
 
 
@@ -92,8 +97,9 @@ def test_mixed_batch_matches_peft(tiny_adapter_dir, prompts, reference) -> None:
 def test_interrupted_steps_of_a_mixed_batch_match_peft(tiny_adapter_dir, prompts, reference) -> None:
     """Steps ended between two layers (a critical arrival, tests/engine/test_step_interrupt.py) and run again:
     the LoRA segments of the partial pass wrote K/V that the rerun writes again, alike."""
-    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir), max_device_adapters=3,
-                                    max_batch_tokens=16))
+    engine = LLMEngine(
+        EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir), max_device_adapters=3, max_batch_tokens=16)
+    )
     driver = Interrupter(engine, layer=2, when=lambda i: i % 2 == 0)
     ours = run_all(engine, ALL_JOBS, prompts, step=driver.step)
     assert ours == {key: reference[key] for key in ALL_JOBS}
@@ -101,8 +107,9 @@ def test_interrupted_steps_of_a_mixed_batch_match_peft(tiny_adapter_dir, prompts
 
 
 def test_device_tier_smaller_than_working_set(tiny_adapter_dir, prompts, reference) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir),
-                                    max_device_adapters=2, max_batch_tokens=16))
+    engine = LLMEngine(
+        EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir), max_device_adapters=2, max_batch_tokens=16)
+    )
     ours = run_all(engine, ALL_JOBS, prompts)
     assert ours == {key: reference[key] for key in ALL_JOBS}
     assert engine.device_adapters.counters.evictions > 0
@@ -110,21 +117,20 @@ def test_device_tier_smaller_than_working_set(tiny_adapter_dir, prompts, referen
 
 
 def test_adapter_pages_compete_with_kv_pages(tiny_adapter_dir, prompts, reference) -> None:
-    probe = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir),
-                                   block_size=4))
+    probe = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir), block_size=4))
     largest = max(probe.device_adapters.pages_needed(s) for s in probe.adapters.list())
     # Room for the largest adapter plus a few requests' KV blocks: loads evict idle adapters and
     # running requests get preempted, and nothing deadlocks.
-    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir),
-                                    block_size=4, num_kv_blocks=largest + 12))
+    engine = LLMEngine(
+        EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir), block_size=4, num_kv_blocks=largest + 12)
+    )
     ours = run_all(engine, ALL_JOBS, prompts)
     assert ours == {key: reference[key] for key in ALL_JOBS}
     assert engine.device_adapters.counters.evictions > 0
 
 
 def test_pages_proportional_to_rank(tiny_adapter_dir) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir),
-                                    block_size=1))
+    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir), block_size=1))
     tier = engine.device_adapters
     for spec in engine.adapters.list():
         # Reference: the element counts of the adapter file's own tensors, largest layer, whole pages.
@@ -132,25 +138,25 @@ def test_pages_proportional_to_rank(tiny_adapter_dir) -> None:
         with safe_open(str(tiny_adapter_dir / spec.adapter_id / "adapter_model.safetensors"), "pt") as f:
             for key in f.keys():
                 layer = key.split(".layers.")[1].split(".")[0]
-                per_layer[layer] = per_layer.get(layer, 0) + f.get_slice(key).get_shape()[0] * \
-                    f.get_slice(key).get_shape()[1]
+                per_layer[layer] = (
+                    per_layer.get(layer, 0) + f.get_slice(key).get_shape()[0] * f.get_slice(key).get_shape()[1]
+                )
         expected = -(-max(per_layer.values()) // tier.page_elems)
         assert tier.pages_needed(spec) == expected, spec.adapter_id
     specs = {s.adapter_id: s for s in engine.adapters.list()}
     assert tier.pages_needed(specs["r2-qv"]) * 8 < tier.pages_needed(specs["r32-mlp"])
 
 
-def test_reload_bumps_version_and_running_requests_keep_theirs(tiny_model_dir, tiny_adapter_dir,
-                                                               prompts, reference, tmp_path) -> None:
+def test_reload_bumps_version_and_running_requests_keep_theirs(
+    tiny_model_dir, tiny_adapter_dir, prompts, reference, tmp_path
+) -> None:
     engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir)))
-    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0,
-                            ignore_eos=True)
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     old = engine.add_request("old", prompts[1], params, adapter_id="r4-all")
     engine.step()
     engine.step()
     # Reload the id with different weights while "old" runs.
-    other = make_peft_adapter(tiny_model_dir, tmp_path / "v2", seed=77, b_std=0.3,
-                              **TINY_ADAPTERS["r4-all"])
+    other = make_peft_adapter(tiny_model_dir, tmp_path / "v2", seed=77, b_std=0.3, **TINY_ADAPTERS["r4-all"])
     spec = engine.adapters.register("r4-all", other)
     engine.retire_adapter("r4-all")
     assert spec.version == 2
@@ -172,9 +178,11 @@ def test_reload_bumps_version_and_running_requests_keep_theirs(tiny_model_dir, t
 
 @pytest.mark.smollm2
 def test_smollm2_adapters_match_peft(smollm2_dir: Path, tmp_path: Path) -> None:
-    specs = {"s4": dict(r=4, alpha=8, targets="all-linear"),
-             "s8-rslora": dict(r=8, alpha=16, targets=["q_proj", "v_proj", "down_proj"], use_rslora=True),
-             "s16": dict(r=16, alpha=32, targets=["k_proj", "o_proj", "gate_proj", "up_proj"])}
+    specs = {
+        "s4": dict(r=4, alpha=8, targets="all-linear"),
+        "s8-rslora": dict(r=8, alpha=16, targets=["q_proj", "v_proj", "down_proj"], use_rslora=True),
+        "s16": dict(r=16, alpha=32, targets=["k_proj", "o_proj", "gate_proj", "up_proj"]),
+    }
     for seed, (name, kwargs) in enumerate(specs.items()):
         make_peft_adapter(smollm2_dir, tmp_path / name, seed=seed, b_std=0.02, **kwargs)
     engine = LLMEngine(EngineConfig(model="smollm2", adapter_dir=str(tmp_path), pool_mb=192))
@@ -191,8 +199,7 @@ def test_smollm2_adapters_match_peft(smollm2_dir: Path, tmp_path: Path) -> None:
 
 
 def test_queued_requests_adapters_are_prefetched_into_host_tier(tiny_adapter_dir, prompts) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir),
-                                    max_num_seqs=1))
+    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir), max_num_seqs=1))
     params = SamplingParams(max_tokens=4, temperature=0.0)
     engine.add_request("first", prompts[0], params)
     engine.step()  # "first" holds the only sequence slot: the next request waits

@@ -31,15 +31,17 @@ def _run(engine: LLMEngine, jobs: list[tuple[str | None, list[int]]]) -> tuple[l
 
     engine.model.compute_logits = recording  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    requests = [engine.add_request(f"j{i}", prompt, params, adapter_id=adapter)
-                for i, (adapter, prompt) in enumerate(jobs)]
+    requests = [
+        engine.add_request(f"j{i}", prompt, params, adapter_id=adapter) for i, (adapter, prompt) in enumerate(jobs)
+    ]
     while engine.has_unfinished_requests():
         engine.step()
     return [r.output_token_ids for r in requests], logits[0]
 
 
-def test_triton_path_equals_the_torch_path_and_peft(tiny_model_dir: Path, tiny_adapters: dict[str, Path],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_path_equals_the_torch_path_and_peft(
+    tiny_model_dir: Path, tiny_adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (7, 3, 20, 5)]
     names = sorted(tiny_adapters)  # three adapters: q/v, all seven modules, mlp with rslora

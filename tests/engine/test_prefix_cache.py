@@ -102,12 +102,16 @@ def test_last_token_is_never_attached() -> None:
     assert admit(kv, short, live) == 0 and kv.num_cached_blocks == 3
 
 
-@pytest.mark.parametrize("first, second", [
-    (None, spec("a")),
-    (spec("a"), None),
-    (spec("a"), spec("b")),
-    (spec("a", 1), spec("a", 2)),
-], ids=["base-then-adapter", "adapter-then-base", "two-adapters", "two-versions"])
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (None, spec("a")),
+        (spec("a"), None),
+        (spec("a"), spec("b")),
+        (spec("a", 1), spec("a", 2)),
+    ],
+    ids=["base-then-adapter", "adapter-then-base", "two-adapters", "two-versions"],
+)
 def test_no_hit_across_adapters_or_versions(first, second) -> None:
     kv, live = make_kv(), []
     admit(kv, req("x", SYSTEM + [1], first), live)
@@ -229,8 +233,14 @@ def test_adapter_run_reclaims_cached_blocks(tiny_model_config, tiny_adapters) ->
 
     def tier_over(pool: PagePool, kv: KVCacheManager | None) -> DeviceAdapterTier:
         cache = allocate_kv_cache(mc, pool.num_pages, BS, torch.float32, torch.device("cpu"))
-        return DeviceAdapterTier(pool, cache, mc, 4, HostAdapterCache(1 << 30, mc, torch.float32),
-                                 reclaim=None if kv is None else kv.evict_cached)
+        return DeviceAdapterTier(
+            pool,
+            cache,
+            mc,
+            4,
+            HostAdapterCache(1 << 30, mc, torch.float32),
+            reclaim=None if kv is None else kv.evict_cached,
+        )
 
     probe = tier_over(PagePool(1), None)
     specs.sort(key=probe.pages_needed, reverse=True)  # evicting the first then frees room for the second
@@ -362,8 +372,7 @@ _ids = itertools.count()
 def two_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("prefix-adapters")
     make_peft_adapter(tiny_model_dir, root / "a", r=4, alpha=8, targets="all-linear", seed=1, b_std=0.3)
-    make_peft_adapter(tiny_model_dir, root / "b", r=8, alpha=16, targets=["q_proj", "v_proj"], seed=2,
-                      b_std=0.3)
+    make_peft_adapter(tiny_model_dir, root / "b", r=8, alpha=16, targets=["q_proj", "v_proj"], seed=2, b_std=0.3)
     return root
 
 
@@ -374,15 +383,15 @@ def system_prompt() -> list[int]:
 
 
 def make_engine(adapter_dir: Path, enable: bool = True) -> LLMEngine:
-    return LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(adapter_dir), block_size=8,
-                                  enable_prefix_cache=enable))
+    return LLMEngine(
+        EngineConfig(model="tiny-random", adapter_dir=str(adapter_dir), block_size=8, enable_prefix_cache=enable)
+    )
 
 
 def run(engine: LLMEngine, jobs: list[tuple[list[int], str | None]]) -> list[list[int]]:
     """Submit the jobs together and step to completion, checking the cache invariants every step."""
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    requests = [engine.add_request(f"j{next(_ids)}", prompt, params, adapter_id=adapter)
-                for prompt, adapter in jobs]
+    requests = [engine.add_request(f"j{next(_ids)}", prompt, params, adapter_id=adapter) for prompt, adapter in jobs]
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -394,9 +403,9 @@ def run(engine: LLMEngine, jobs: list[tuple[list[int], str | None]]) -> list[lis
 
 def test_engine_outputs_same_with_and_without_cache(two_adapters, system_prompt) -> None:
     first = [(system_prompt + [5, 6, 7], name) for name in (None, "a", "b")]
-    rest = [(system_prompt + suffix, name)
-            for suffix in ([9], [10, 11, 12, 13, 14], [15] * 12)
-            for name in (None, "a", "b")]
+    rest = [
+        (system_prompt + suffix, name) for suffix in ([9], [10, 11, 12, 13, 14], [15] * 12) for name in (None, "a", "b")
+    ]
     outputs = {}
     for enable in (False, True):
         engine = make_engine(two_adapters, enable)

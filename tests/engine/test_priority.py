@@ -24,23 +24,38 @@ class Clock:
         return self.now
 
 
-def make(num_pages: int = 64, block_size: int = 4, max_adapters: int = 4, max_num_seqs: int = 16,
-         max_batch_tokens: int = 64, preemption: str = "recompute", aging_s: float | None = 10.0,
-         max_adapters_per_step: int | None = None, max_prefill_tokens: int | None = None,
-         ) -> tuple[Scheduler, Clock, torch.Tensor]:
+def make(
+    num_pages: int = 64,
+    block_size: int = 4,
+    max_adapters: int = 4,
+    max_num_seqs: int = 16,
+    max_batch_tokens: int = 64,
+    preemption: str = "recompute",
+    aging_s: float | None = 10.0,
+    max_adapters_per_step: int | None = None,
+    max_prefill_tokens: int | None = None,
+) -> tuple[Scheduler, Clock, torch.Tensor]:
     kv, tier, cache = make_tier(num_pages, block_size, max_adapters)
     clock = Clock()
-    config = SchedulerConfig(max_batch_tokens, max_num_seqs, 512, preemption, aging_s,
-                             max_adapters_per_step, max_prefill_tokens)
+    config = SchedulerConfig(
+        max_batch_tokens, max_num_seqs, 512, preemption, aging_s, max_adapters_per_step, max_prefill_tokens
+    )
     return Scheduler(config, kv, (0,), tier, KVSwapper(cache), clock), clock, cache
 
 
-def req(rid: str, prompt_len: int, max_tokens: int = 4, priority: Priority = Priority.STANDARD,
-        arrival: float = 0.0, adapter=None) -> Request:
+def req(
+    rid: str,
+    prompt_len: int,
+    max_tokens: int = 4,
+    priority: Priority = Priority.STANDARD,
+    arrival: float = 0.0,
+    adapter=None,
+) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     salt = sum(map(ord, rid))  # distinct prompts, so the prefix cache does not blur the accounting
-    return Request(rid, [1 + (7 * i + salt) % 50 for i in range(prompt_len)], params, priority,
-                   adapter, arrival_time=arrival)
+    return Request(
+        rid, [1 + (7 * i + salt) % 50 for i in range(prompt_len)], params, priority, adapter, arrival_time=arrival
+    )
 
 
 def step(s: Scheduler) -> SchedulerOutput:
@@ -168,8 +183,9 @@ def test_auto_mode_picks_by_measured_cost() -> None:
 
 def test_randomized_invariants_10k_steps() -> None:
     rng = random.Random(2024)
-    s, clock, _ = make(num_pages=48, block_size=4, max_adapters=3, max_num_seqs=6,
-                       max_batch_tokens=24, preemption="auto", aging_s=3.0)
+    s, clock, _ = make(
+        num_pages=48, block_size=4, max_adapters=3, max_num_seqs=6, max_batch_tokens=24, preemption="auto", aging_s=3.0
+    )
     versions = {f"ad{i}": 1 for i in range(5)}
     specs = {name: make_spec(name, rng.choice([1, 2, 4])) for name in versions}
     submitted, ended = 0, set()
@@ -177,8 +193,16 @@ def test_randomized_invariants_10k_steps() -> None:
         clock.now = n * 0.01
         if rng.random() < 0.3:
             adapter = specs[rng.choice(sorted(specs))] if rng.random() < 0.7 else None
-            s.add_request(req(f"q{submitted}", rng.randint(1, 20), rng.randint(1, 10),
-                              Priority(rng.randint(0, 2)), clock.now, adapter))
+            s.add_request(
+                req(
+                    f"q{submitted}",
+                    rng.randint(1, 20),
+                    rng.randint(1, 10),
+                    Priority(rng.randint(0, 2)),
+                    clock.now,
+                    adapter,
+                )
+            )
             submitted += 1
         if s.requests and rng.random() < 0.03:
             rid = rng.choice(sorted(s.requests))
@@ -209,8 +233,12 @@ def _check(s: Scheduler) -> None:
     adapter_pages = sum(res.num_pages for res in s.adapters.resident.values())
     assert pool.num_run_pages == adapter_pages
     for res in s.adapters.resident.values():
-        users = [r for r in s.running if r.adapter is not None
-                 and (r.adapter.adapter_id, r.adapter.version) == (res.spec.adapter_id, res.spec.version)]
+        users = [
+            r
+            for r in s.running
+            if r.adapter is not None
+            and (r.adapter.adapter_id, r.adapter.version) == (res.spec.adapter_id, res.spec.version)
+        ]
         assert res.pins == len(users)
     assert len(s.running) <= s.config.max_num_seqs
     for r in s.running:  # a running request's adapter is on the device: pinned, never evicted
@@ -255,28 +283,47 @@ def test_prefill_cap_chunks_lower_class_prompts_but_not_critical_ones() -> None:
         assert sum(n for n in out.num_tokens if n > 1) <= 10
     assert [(r.request_id, n) for r, n in zip(steps[0].requests, steps[0].num_tokens)] == [("run", 1), ("std", 10)]
     assert [(r.request_id, n) for r, n in zip(steps[2].requests, steps[2].num_tokens)] == [
-        ("run", 1), ("std", 5), ("shed0", 5)]  # the standard prompt's last chunk, then the queue's next
+        ("run", 1),
+        ("std", 5),
+        ("shed0", 5),
+    ]  # the standard prompt's last chunk, then the queue's next
     assert [(r.request_id, n) for r, n in zip(steps[3].requests, steps[3].num_tokens)] == [
-        ("run", 1), ("std", 1), ("shed0", 10)]
+        ("run", 1),
+        ("std", 1),
+        ("shed0", 10),
+    ]
     clock.now = 1.0
     s.add_request(req("crit", 40, priority=Priority.CRITICAL, arrival=1.0))
     out = step(s)  # the critical prompt whole, alone: lower classes' decodes and prompt chunks wait this step
     assert [(r.request_id, n) for r, n in zip(out.requests, out.num_tokens)] == [("crit", 40)]
     out = step(s)
     assert [(r.request_id, n) for r, n in zip(out.requests, out.num_tokens)] == [
-        ("run", 1), ("std", 1), ("shed0", 5), ("crit", 1), ("shed1", 5)]
+        ("run", 1),
+        ("std", 1),
+        ("shed0", 5),
+        ("crit", 1),
+        ("shed1", 5),
+    ]
 
 
 def test_randomized_invariants_with_a_prefill_cap() -> None:
     rng = random.Random(7)
-    s, clock, _ = make(num_pages=48, block_size=4, max_num_seqs=6, max_batch_tokens=24, preemption="auto",
-                       aging_s=3.0, max_prefill_tokens=5)
+    s, clock, _ = make(
+        num_pages=48,
+        block_size=4,
+        max_num_seqs=6,
+        max_batch_tokens=24,
+        preemption="auto",
+        aging_s=3.0,
+        max_prefill_tokens=5,
+    )
     submitted, ended = 0, set()
     for n in range(3000):
         clock.now = n * 0.01
         if rng.random() < 0.3:
-            s.add_request(req(f"q{submitted}", rng.randint(1, 30), rng.randint(1, 10), Priority(rng.randint(0, 2)),
-                              clock.now))
+            s.add_request(
+                req(f"q{submitted}", rng.randint(1, 30), rng.randint(1, 10), Priority(rng.randint(0, 2)), clock.now)
+            )
             submitted += 1
         if s.has_unfinished():
             out = s.schedule()
@@ -299,6 +346,7 @@ def test_a_critical_arrival_starts_at_once_behind_requests_aged_into_critical() 
     s.add_request(req("crit", 3, priority=Priority.CRITICAL, arrival=5.0))
     out = step(s)
     assert "crit" in [r.request_id for r in out.requests] and [r.request_id for r in out.preempted] == ["shed1"]
+
     def aged_running() -> list:
         return [r for r in s.running if r.priority is Priority.SHEDDABLE and r.run_class == int(Priority.CRITICAL)]
 

@@ -20,8 +20,9 @@ from engine.worker.sampler import NO_TOKEN, NON_FINITE, Sampler, argmax, argmax_
 EOS = 3
 
 
-def _request(params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None,
-             rid: str = "r") -> Request:
+def _request(
+    params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None, rid: str = "r"
+) -> Request:
     req = Request(rid, list(prompt) if prompt is not None else [5, 6, 7], params)
     req.output_token_ids = list(output or [])
     return req
@@ -61,24 +62,33 @@ def test_filtered_distribution_matches_hf_processors(scale: float, vocab: int) -
     # fallback); peaked ones stay inside it. Rows mix parameters to check per-row batching.
     gen = torch.Generator().manual_seed(int(scale * 10) + vocab)
     raw = torch.randn(len(_ROW_PARAMS), vocab, generator=gen) * scale
-    reqs = [_request(SamplingParams(**kw), prompt=torch.randint(vocab, (12,), generator=gen).tolist(),
-                     output=torch.randint(vocab, (6,), generator=gen).tolist(), rid=str(i))
-            for i, kw in enumerate(_ROW_PARAMS)]
+    reqs = [
+        _request(
+            SamplingParams(**kw),
+            prompt=torch.randint(vocab, (12,), generator=gen).tolist(),
+            output=torch.randint(vocab, (6,), generator=gen).tolist(),
+            rid=str(i),
+        )
+        for i, kw in enumerate(_ROW_PARAMS)
+    ]
     processed = Sampler((EOS,), seed=0).process(raw, reqs)
     for i, req in enumerate(reqs):
         expected = _hf_reference(raw[i], req)
         kept = torch.isfinite(processed[i])
-        assert torch.equal(kept, torch.isfinite(expected)), (i, int(kept.sum()),
-                                                             int(torch.isfinite(expected).sum()))
+        assert torch.equal(kept, torch.isfinite(expected)), (i, int(kept.sum()), int(torch.isfinite(expected).sum()))
         torch.testing.assert_close(processed[i].softmax(-1), expected.softmax(-1), rtol=1e-5, atol=1e-7)
     assert torch.isfinite(processed[4]).sum() == 1  # top_k=1
 
 
-@pytest.mark.parametrize("params", [
-    dict(temperature=0.8, top_p=0.5, presence_penalty=1.0, repetition_penalty=1.5, logprobs=3, min_tokens=5),
-    dict(temperature=0.0, min_tokens=5, stop_token_ids=(7, 7, 9)),  # the masked greedy path, a repeated id
-    dict(temperature=0.0, min_tokens=5),  # ... masking EOS alone
-], ids=["full path", "greedy below min_tokens", "greedy below min_tokens, EOS alone"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.8, top_p=0.5, presence_penalty=1.0, repetition_penalty=1.5, logprobs=3, min_tokens=5),
+        dict(temperature=0.0, min_tokens=5, stop_token_ids=(7, 7, 9)),  # the masked greedy path, a repeated id
+        dict(temperature=0.0, min_tokens=5),  # ... masking EOS alone
+    ],
+    ids=["full path", "greedy below min_tokens", "greedy below min_tokens, EOS alone"],
+)
 def test_does_not_modify_its_input(params: dict) -> None:
     raw = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
     raw[:, EOS] = 50.0  # masked, and would win otherwise
@@ -138,8 +148,10 @@ def test_rows_with_non_finite_logits_are_not_sampled_and_do_not_change_the_other
 def test_greedy_with_penalties_is_argmax_of_penalised_logits() -> None:
     raw = torch.zeros(2, 10)
     raw[:, 4], raw[:, 8] = 2.0, 1.9  # token 4 wins unless penalised
-    reqs = [_request(SamplingParams(temperature=0.0, repetition_penalty=1.2), prompt=[4]),
-            _request(SamplingParams(temperature=0.0, frequency_penalty=0.2), output=[4])]
+    reqs = [
+        _request(SamplingParams(temperature=0.0, repetition_penalty=1.2), prompt=[4]),
+        _request(SamplingParams(temperature=0.0, frequency_penalty=0.2), output=[4]),
+    ]
     out = Sampler((EOS,))(raw, reqs)
     assert out.token_ids == [8, 8]
     assert all(type(t) is int for t in out.token_ids)
@@ -149,10 +161,14 @@ def test_presence_and_frequency_penalties_follow_openai_formula() -> None:
     vocab = 50
     raw = torch.randn(2, vocab, generator=torch.Generator().manual_seed(2))
     prompt, output = [1, 2, 9, 9], [9, 9, 9, 4, 7, 4]
-    reqs = [_request(SamplingParams(temperature=0.0, presence_penalty=0.7, frequency_penalty=0.3),
-                     prompt=prompt, output=output),
-            _request(SamplingParams(temperature=0.0, presence_penalty=-0.5, frequency_penalty=1.5),
-                     prompt=prompt, output=output)]
+    reqs = [
+        _request(
+            SamplingParams(temperature=0.0, presence_penalty=0.7, frequency_penalty=0.3), prompt=prompt, output=output
+        ),
+        _request(
+            SamplingParams(temperature=0.0, presence_penalty=-0.5, frequency_penalty=1.5), prompt=prompt, output=output
+        ),
+    ]
     processed = Sampler((EOS,)).process(raw, reqs)
     counts = Counter(output)
     for row, (presence, frequency) in enumerate([(0.7, 0.3), (-0.5, 1.5)]):
@@ -168,9 +184,10 @@ def test_presence_and_frequency_penalties_follow_openai_formula() -> None:
 def test_min_tokens_masks_eos_and_stop_token_ids(ignore_eos: bool) -> None:
     raw = torch.zeros(4, 20)
     raw[:, EOS], raw[:, 11], raw[:, 12] = 30.0, 29.0, 28.0  # EOS, then the stop token id, then 12
-    params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(11,), ignore_eos=ignore_eos),
-              SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=(11,), ignore_eos=ignore_eos,
-                             seed=1)]
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(11,), ignore_eos=ignore_eos),
+        SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=(11,), ignore_eos=ignore_eos, seed=1),
+    ]
     below = [_request(p, output=[5, 6]) for p in params]  # 2 < min_tokens
     reached = [_request(p, output=[5, 6, 7]) for p in params]
     sampler = Sampler((EOS,), seed=0)
@@ -185,9 +202,11 @@ def test_greedy_min_tokens_rows_take_the_masked_argmax_or_no_token(with_sampled_
     raw = torch.randn(3, vocab, generator=torch.Generator().manual_seed(5))
     raw[:, EOS] = 50.0
     every_token = tuple(t for t in range(vocab) if t != EOS)
-    reqs = [_request(SamplingParams(temperature=0.0, min_tokens=2), output=[1]),  # below: EOS masked
-            _request(SamplingParams(temperature=0.0, min_tokens=2), output=[1, 1]),  # reached: EOS wins
-            _request(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=every_token), output=[1])]
+    reqs = [
+        _request(SamplingParams(temperature=0.0, min_tokens=2), output=[1]),  # below: EOS masked
+        _request(SamplingParams(temperature=0.0, min_tokens=2), output=[1, 1]),  # reached: EOS wins
+        _request(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=every_token), output=[1]),
+    ]
     if with_sampled_row:
         reqs.append(_request(SamplingParams(temperature=1.0, seed=3), output=[1]))
         raw = torch.cat([raw, torch.randn(1, vocab)])
@@ -212,11 +231,12 @@ def test_rows_that_all_mask_eos_alone_take_the_argmax_without_it() -> None:
 
 def test_logprobs_come_from_raw_logits_with_sorted_top() -> None:
     raw = torch.randn(4, 200, generator=torch.Generator().manual_seed(3)) * 3
-    reqs = [_request(SamplingParams(temperature=0.7, top_p=0.5, repetition_penalty=1.5, logprobs=5, seed=4),
-                     output=[1, 2]),
-            _request(SamplingParams(temperature=0.0, logprobs=0)),
-            _request(SamplingParams(temperature=1.0)),
-            _request(SamplingParams(temperature=0.0, frequency_penalty=2.0, logprobs=20), output=[7])]
+    reqs = [
+        _request(SamplingParams(temperature=0.7, top_p=0.5, repetition_penalty=1.5, logprobs=5, seed=4), output=[1, 2]),
+        _request(SamplingParams(temperature=0.0, logprobs=0)),
+        _request(SamplingParams(temperature=1.0)),
+        _request(SamplingParams(temperature=0.0, frequency_penalty=2.0, logprobs=20), output=[7]),
+    ]
     out = Sampler((EOS,), seed=0)(raw, reqs)
     reference = torch.log_softmax(raw, dim=-1)
     assert out.logprobs[2] is None
@@ -253,8 +273,9 @@ def test_seeded_request_draws_the_same_tokens_alone_or_in_any_batch() -> None:
         others += [_request(SamplingParams(temperature=0.0)), _request(SamplingParams(temperature=0.5))]
         batch = others[:position] + [_request(params)] + others[position:]
         assert _draw_steps(Sampler((EOS,)), batch, 25, position) == alone
-    other_seed = _draw_steps(Sampler((EOS,)), [_request(SamplingParams(temperature=0.9, top_p=0.95,
-                                                                       top_k=400, seed=43))], 25, 0)
+    other_seed = _draw_steps(
+        Sampler((EOS,)), [_request(SamplingParams(temperature=0.9, top_p=0.95, top_k=400, seed=43))], 25, 0
+    )
     assert other_seed != alone
     assert len(set(alone)) > 10  # it really samples
 

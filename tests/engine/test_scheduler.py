@@ -15,15 +15,25 @@ from loragate.priority import Priority
 EOS = 0
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_batch_tokens: int = 64,
-                   max_num_seqs: int = 16, max_model_len: int = 256) -> Scheduler:
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_batch_tokens: int = 64,
+    max_num_seqs: int = 16,
+    max_model_len: int = 256,
+) -> Scheduler:
     kv = KVCacheManager(PagePool(num_blocks), block_size, enable_prefix_cache=False)
-    return Scheduler(SchedulerConfig(max_batch_tokens, max_num_seqs, max_model_len, aging_s=None), kv,
-                     (EOS,))
+    return Scheduler(SchedulerConfig(max_batch_tokens, max_num_seqs, max_model_len, aging_s=None), kv, (EOS,))
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int = 4, priority: Priority = Priority.STANDARD,
-                 arrival: float = 0.0, **params: object) -> Request:
+def make_request(
+    rid: str,
+    prompt_len: int,
+    max_tokens: int = 4,
+    priority: Priority = Priority.STANDARD,
+    arrival: float = 0.0,
+    **params: object,
+) -> Request:
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
     return Request(rid, list(range(1, prompt_len + 1)), sp, priority, arrival_time=arrival)
 
@@ -34,8 +44,10 @@ def fake_token(request: Request) -> int:
 
 
 def fake_run(batch: SchedulerOutput) -> RunnerOutput:
-    sampled = [fake_token(r) if r.num_computed_tokens + n == r.num_tokens else None
-               for r, n in zip(batch.requests, batch.num_tokens)]
+    sampled = [
+        fake_token(r) if r.num_computed_tokens + n == r.num_tokens else None
+        for r, n in zip(batch.requests, batch.num_tokens)
+    ]
     return RunnerOutput(sampled, [None] * len(sampled))
 
 
@@ -183,8 +195,15 @@ def test_randomized_invariants_with_aborts() -> None:
     submitted = finished = aborted = 0
     for step in range(3000):
         if rng.random() < 0.4 and submitted < 1000:
-            s.add_request(make_request(f"q{submitted}", rng.randint(1, 30), rng.randint(1, 20),
-                                       Priority(rng.randint(0, 2)), arrival=float(step)))
+            s.add_request(
+                make_request(
+                    f"q{submitted}",
+                    rng.randint(1, 30),
+                    rng.randint(1, 20),
+                    Priority(rng.randint(0, 2)),
+                    arrival=float(step),
+                )
+            )
             submitted += 1
         if s.requests and rng.random() < 0.05:
             rid = rng.choice(sorted(s.requests))

@@ -62,13 +62,15 @@ def _chat_prompt_len(tokenizer: Any) -> int:
 
 def _metrics(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = httpx.get(f"{base}/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def _metric(base: str, name: str, **labels: str) -> float:
     return _metrics(base).get((name, tuple(sorted(labels.items()))), 0.0)
-
 
 
 # ---- the OpenAI surface, through the official client -----------------------------------------------
@@ -93,8 +95,7 @@ def test_completion_stream_matches_non_stream(client: openai.OpenAI, tokenizer: 
 def test_chat_stream_matches_non_stream(client: openai.OpenAI, tokenizer: Any) -> None:
     args = {**GREEDY, "messages": CHAT, "extra_body": {"ignore_eos": True}}
     full = client.chat.completions.create(**args)
-    chunks = list(client.chat.completions.create(
-        **args, stream=True, stream_options={"include_usage": True}))
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
     assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
     assert full.choices[0].message.role == "assistant"
     assert full.choices[0].finish_reason == "length"
@@ -102,17 +103,17 @@ def test_chat_stream_matches_non_stream(client: openai.OpenAI, tokenizer: Any) -
     assert full.usage.completion_tokens == 12
     assert chunks[0].choices[0].delta.role == "assistant"
     text_chunks, usage_chunk = chunks[:-1], chunks[-1]
-    assert "".join(c.choices[0].delta.content or "" for c in text_chunks) == \
-        full.choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in text_chunks) == full.choices[0].message.content
     assert text_chunks[-1].choices[0].finish_reason == "length"
     assert usage_chunk.choices == []
-    assert usage_chunk.usage.model_dump(include={"prompt_tokens", "completion_tokens"}) == \
-        {"prompt_tokens": full.usage.prompt_tokens, "completion_tokens": 12}
+    assert usage_chunk.usage.model_dump(include={"prompt_tokens", "completion_tokens"}) == {
+        "prompt_tokens": full.usage.prompt_tokens,
+        "completion_tokens": 12,
+    }
 
 
 def test_chat_default_max_tokens_fills_the_context(client: openai.OpenAI, tokenizer: Any) -> None:
-    out = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == MAX_MODEL_LEN - _chat_prompt_len(tokenizer)
     assert out.choices[0].finish_reason == "length"
 
@@ -151,8 +152,11 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
 def test_stop_string_cuts_the_output(client: openai.OpenAI) -> None:
     args = {**GREEDY, "prompt": PROMPT, "max_tokens": 24, "extra_body": {"ignore_eos": True}}
     unstopped = client.completions.create(**args).choices[0].text
-    candidates = [unstopped[i:i + 2] for i in range(2, len(unstopped) - 2)
-                  if unstopped[i:i + 2].isascii() and unstopped[i:i + 2].isprintable()]
+    candidates = [
+        unstopped[i : i + 2]
+        for i in range(2, len(unstopped) - 2)
+        if unstopped[i : i + 2].isascii() and unstopped[i : i + 2].isprintable()
+    ]
     assert candidates, f"no usable stop string in {unstopped!r}"
     stop = candidates[len(candidates) // 2]
     stopped = client.completions.create(**args, stop=[stop])
@@ -171,8 +175,11 @@ def test_unknown_adapter_is_404(client: openai.OpenAI, server: str) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-adapter", prompt=PROMPT, max_tokens=2)
     assert info.value.body["type"] == "adapter_not_found"
-    resp = httpx.post(f"{server}/v1/chat/completions", headers={"X-Adapter-ID": "no-such-adapter"},
-                      json={"model": MODEL, "messages": CHAT, "max_tokens": 2})
+    resp = httpx.post(
+        f"{server}/v1/chat/completions",
+        headers={"X-Adapter-ID": "no-such-adapter"},
+        json={"model": MODEL, "messages": CHAT, "max_tokens": 2},
+    )
     assert resp.status_code == 404
     assert resp.json()["error"]["type"] == "adapter_not_found"
     assert "no-such-adapter" in resp.json()["error"]["message"]
@@ -191,17 +198,21 @@ def test_metrics_move_after_a_request(client: openai.OpenAI, server: str, tokeni
     resp = httpx.get(f"{server}/metrics")
     assert resp.headers["content-type"].startswith("text/plain")
     names = {s.name for f in text_string_to_metric_families(resp.text) for s in f.samples}
-    for name in ("loragate_engine_requests_total", "loragate_engine_prompt_tokens_total",
-                 "loragate_engine_generation_tokens_total",
-                 "loragate_engine_time_to_first_token_seconds_count",
-                 "loragate_engine_time_per_output_token_seconds_count",
-                 "loragate_engine_e2e_request_latency_seconds_count",
-                 "loragate_engine_requests_running", "loragate_engine_requests_waiting",
-                 "loragate_engine_kv_blocks_used", "loragate_engine_kv_blocks_free"):
+    for name in (
+        "loragate_engine_requests_total",
+        "loragate_engine_prompt_tokens_total",
+        "loragate_engine_generation_tokens_total",
+        "loragate_engine_time_to_first_token_seconds_count",
+        "loragate_engine_time_per_output_token_seconds_count",
+        "loragate_engine_e2e_request_latency_seconds_count",
+        "loragate_engine_requests_running",
+        "loragate_engine_requests_waiting",
+        "loragate_engine_kv_blocks_used",
+        "loragate_engine_kv_blocks_free",
+    ):
         assert name in names, name
     before = _metrics(server)
-    client.completions.create(**{**GREEDY, "max_tokens": 5}, prompt=PROMPT,
-                              extra_body={"ignore_eos": True})
+    client.completions.create(**{**GREEDY, "max_tokens": 5}, prompt=PROMPT, extra_body={"ignore_eos": True})
     after = _metrics(server)
 
     def delta(name: str, **labels: str) -> float:
@@ -257,30 +268,34 @@ _BAD_COMPLETIONS: list[tuple[Any, str]] = [
 
 _BAD_CHATS: list[tuple[Any, str]] = [
     (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
-    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udc00"}]}]}',
-     "messages[0].content[0].text"),
+    (
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udc00"}]}]}',
+        "messages[0].content[0].text",
+    ),
     ({}, "messages"),
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content[0].type"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages[0].content[0].type",
+    ),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": CHAT, "temperature": "hot"}, "temperature"),
-    ({"messages": CHAT, "stream_options": {"include_usage": "yes"}, "stream": True},
-     "stream_options.include_usage"),
+    ({"messages": CHAT, "stream_options": {"include_usage": "yes"}, "stream": True}, "stream_options.include_usage"),
 ]
 
 
 def _post(server: str, path: str, body: Any, **headers: str) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(f"{server}{path}", content=content,
-                      headers={"Content-Type": "application/json", **headers}, timeout=60)
+    return httpx.post(
+        f"{server}{path}", content=content, headers={"Content-Type": "application/json", **headers}, timeout=60
+    )
 
 
 def _assert_error(resp: httpx.Response, status: int, type_: str, field: str | None = None) -> None:
@@ -303,8 +318,12 @@ def test_bad_chat_request_is_400(server: str, body: Any, field: str) -> None:
 
 
 def test_a_repeated_adapter_header_is_400(server: str) -> None:
-    resp = httpx.post(f"{server}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
-                      headers=[("X-Adapter-ID", MODEL), ("X-Adapter-ID", "other")], timeout=60)
+    resp = httpx.post(
+        f"{server}/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 2},
+        headers=[("X-Adapter-ID", MODEL), ("X-Adapter-ID", "other")],
+        timeout=60,
+    )
     _assert_error(resp, 400, "invalid_request_error", "X-Adapter-ID")
 
 
@@ -325,8 +344,9 @@ def test_critical_requests_interrupt_sheddable_steps(server: str, client: openai
     alone_short = client.completions.create(**short).choices[0].text
     before = _metric(server, "loragate_engine_interrupted_steps_total")
     with ThreadPoolExecutor(3) as pool:
-        load = [pool.submit(client.completions.create, **long, extra_headers={"X-Priority": "sheddable"})
-                for _ in range(3)]
+        load = [
+            pool.submit(client.completions.create, **long, extra_headers={"X-Priority": "sheddable"}) for _ in range(3)
+        ]
         poll(lambda: _metric(server, "loragate_engine_requests_running") == 3, what="3 sheddable requests running")
         texts = []
         for _ in range(20):  # one arriving mid-step is enough; nearly every one does
@@ -361,8 +381,7 @@ def test_errors_are_counted(server: str) -> None:
 
 
 def _long_request(stream: bool) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": [5, 6], "max_tokens": MAX_MODEL_LEN - 2, "ignore_eos": True,
-            "stream": stream}
+    return {"model": MODEL, "prompt": [5, 6], "max_tokens": MAX_MODEL_LEN - 2, "ignore_eos": True, "stream": stream}
 
 
 def test_disconnect_mid_stream_aborts_the_request(server: str) -> None:
@@ -371,8 +390,7 @@ def test_disconnect_mid_stream_aborts_the_request(server: str) -> None:
         lines = resp.iter_lines()
         assert next(lines).startswith("data: ")
         assert _metric(server, "loragate_engine_kv_blocks_used") > 0
-    poll(lambda: _metric(server, "loragate_engine_requests_total", status="abort")
-                     == aborted + 1)
+    poll(lambda: _metric(server, "loragate_engine_requests_total", status="abort") == aborted + 1)
     poll(lambda: _metric(server, "loragate_engine_kv_blocks_used") == 0)
 
 
@@ -380,8 +398,7 @@ def test_disconnect_while_waiting_for_json_aborts_the_request(server: str) -> No
     aborted = _metric(server, "loragate_engine_requests_total", status="abort")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=_long_request(False), timeout=0.3)
-    poll(lambda: _metric(server, "loragate_engine_requests_total", status="abort")
-                     == aborted + 1)
+    poll(lambda: _metric(server, "loragate_engine_requests_total", status="abort") == aborted + 1)
     poll(lambda: _metric(server, "loragate_engine_kv_blocks_used") == 0)
 
 
@@ -391,14 +408,15 @@ def test_disconnect_while_waiting_for_json_aborts_the_request(server: str) -> No
 def test_sigterm_drains_then_exits(tmp_path: Path) -> None:
     proc, base = _start_server(tmp_path / "engine.log")
     try:
-        with httpx.stream("POST", f"{base}/v1/completions", json=_long_request(True),
-                          timeout=60) as resp:
+        with httpx.stream("POST", f"{base}/v1/completions", json=_long_request(True), timeout=60) as resp:
             lines = resp.iter_lines()
             assert next(lines).startswith("data: ")
             proc.send_signal(signal.SIGTERM)
             # Still listening while the stream runs, but refusing new work.
-            for refused in (httpx.get(f"{base}/readyz"),
-                            _post(base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})):
+            for refused in (
+                httpx.get(f"{base}/readyz"),
+                _post(base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}),
+            ):
                 _assert_error(refused, 503, "service_unavailable")
                 assert refused.headers["x-loragate-reason"] == "draining"
                 assert refused.headers["retry-after"].isdigit()
@@ -452,12 +470,12 @@ def test_protocol_defaults_and_field_names() -> None:
     assert req.prompt == [1, 2, 3]
     assert (params.max_tokens, params.top_k, params.stop) == (16, None, ("\n",))
     assert params.temperature == 1.0
-    chat = ChatCompletionRequest.model_validate({"messages": CHAT, "max_tokens": 5,
-                                                 "max_completion_tokens": 7, "temperature": 0})
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": CHAT, "max_tokens": 5, "max_completion_tokens": 7, "temperature": 0}
+    )
     assert chat.to_sampling_params(context_left=100).max_tokens == 7
     default = ChatCompletionRequest.model_validate({"messages": CHAT}).to_sampling_params(40)
     assert default.max_tokens == 40  # what is left of the context
     with pytest.raises(ValidationError) as info:
-        ChatCompletionRequest.model_validate(
-            {"messages": [{"role": "user", "content": [{"type": "text"}]}]})
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text"}]}]})
     assert describe(info.value) == "messages[0].content[0].text: Field required"

@@ -17,16 +17,17 @@ def engine(smollm2_dir) -> LLMEngine:
 
 
 def chat_ids(engine: LLMEngine, question: str) -> list[int]:
-    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                               add_generation_prompt=True, tokenize=True)
+    ids = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+    )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def test_capital_of_france_is_paris(engine: LLMEngine) -> None:
-    engine.add_request("paris", chat_ids(engine, "What is the capital of France?"),
-                       SamplingParams(max_tokens=24, temperature=0.0))
-    engine.add_request("other", chat_ids(engine, "Name a colour."),
-                       SamplingParams(max_tokens=8, temperature=0.0))
+    engine.add_request(
+        "paris", chat_ids(engine, "What is the capital of France?"), SamplingParams(max_tokens=24, temperature=0.0)
+    )
+    engine.add_request("other", chat_ids(engine, "Name a colour."), SamplingParams(max_tokens=8, temperature=0.0))
     text, reason = "", None
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -82,12 +82,16 @@ def cases(tiny_model_dir) -> tuple[list[list[int]], list[list[int]]]:
 SHEDDABLE = dict.fromkeys(range(5), Priority.SHEDDABLE)  # every prompt of `cases`
 
 
-@pytest.mark.parametrize("config", [
-    dict(),  # every prompt in one step, then decodes
-    dict(max_batch_tokens=7, block_size=4),  # prompts in chunks beside the decodes
-    dict(max_batch_tokens=64, block_size=4, num_kv_blocks=40, preemption="recompute"),  # a tight pool
-    dict(max_batch_tokens=64, block_size=4, num_kv_blocks=40, preemption="swap"),
-], ids=["whole-prompts", "chunked", "recompute", "swap"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(),  # every prompt in one step, then decodes
+        dict(max_batch_tokens=7, block_size=4),  # prompts in chunks beside the decodes
+        dict(max_batch_tokens=64, block_size=4, num_kv_blocks=40, preemption="recompute"),  # a tight pool
+        dict(max_batch_tokens=64, block_size=4, num_kv_blocks=40, preemption="swap"),
+    ],
+    ids=["whole-prompts", "chunked", "recompute", "swap"],
+)
 @pytest.mark.parametrize("layer", [1, 2])
 def test_interrupted_steps_leave_outputs_equal_to_hf(cases, config, layer) -> None:
     prompts, expected = cases
@@ -107,9 +111,22 @@ def test_interrupts_leave_seeded_sampling_penalties_and_cached_prefixes_unchange
     once per token; attached prefix blocks are only read)."""
     prompts, _ = cases
     shared = prompts[4][:32]  # two full blocks of 16, cached after the first request computes them
-    jobs = [(shared + p[:5], SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=100 + i,
-                                            repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2,
-                                            ignore_eos=True)) for i, p in enumerate(prompts)]
+    jobs = [
+        (
+            shared + p[:5],
+            SamplingParams(
+                max_tokens=20,
+                temperature=0.9,
+                top_p=0.9,
+                seed=100 + i,
+                repetition_penalty=1.3,
+                frequency_penalty=0.4,
+                presence_penalty=0.2,
+                ignore_eos=True,
+            ),
+        )
+        for i, p in enumerate(prompts)
+    ]
 
     def run(interrupt: bool) -> tuple[list[list[int]], int]:
         engine = LLMEngine(EngineConfig(model="tiny-random", max_batch_tokens=24))
@@ -176,8 +193,7 @@ def test_a_critical_arrival_interrupts_the_step_in_progress_of_the_async_engine(
 
     engine.engine.model.layers[1].register_forward_pre_hook(hold_step)
 
-    async def collect(rid: str, prompt: list[int], priority: Priority, first: asyncio.Event | None = None
-                      ) -> list[int]:
+    async def collect(rid: str, prompt: list[int], priority: Priority, first: asyncio.Event | None = None) -> list[int]:
         tokens: list[int] = []
         async for out in engine.generate(rid, prompt, greedy_params(), priority):
             tokens += out.new_token_ids
@@ -189,8 +205,9 @@ def test_a_critical_arrival_interrupts_the_step_in_progress_of_the_async_engine(
         await engine.start()
         try:
             decoding = [asyncio.Event() for _ in range(3)]
-            load = [asyncio.create_task(collect(f"s{i}", prompts[i], Priority.SHEDDABLE, decoding[i]))
-                    for i in range(3)]
+            load = [
+                asyncio.create_task(collect(f"s{i}", prompts[i], Priority.SHEDDABLE, decoding[i])) for i in range(3)
+            ]
             for event in decoding:
                 await asyncio.wait_for(event.wait(), 30)
             armed.set()

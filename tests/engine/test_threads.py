@@ -38,11 +38,17 @@ def test_quota_from_cgroup_v2_and_v1_files(tmp_path: Path) -> None:
     v2 = _tree(tmp_path / "v2", {"cpu.max": "max 100000", "pod/cpu.max": "150000 100000"})
     assert quota_cpus(v2, "0::/") is None
     assert quota_cpus(v2, "0::/pod") == 1.5  # its own group's limit
-    v1 = _tree(tmp_path / "v1", {"cpu,cpuacct/cpu.cfs_quota_us": "-1", "cpu,cpuacct/cpu.cfs_period_us": "100000",
-                                 "cpu,cpuacct/kube/pod/cpu.cfs_quota_us": "250000",
-                                 "cpu,cpuacct/kube/pod/cpu.cfs_period_us": "100000",
-                                 "cpu,cpuacct/kube/cpu.cfs_quota_us": "100000",
-                                 "cpu,cpuacct/kube/cpu.cfs_period_us": "100000"})
+    v1 = _tree(
+        tmp_path / "v1",
+        {
+            "cpu,cpuacct/cpu.cfs_quota_us": "-1",
+            "cpu,cpuacct/cpu.cfs_period_us": "100000",
+            "cpu,cpuacct/kube/pod/cpu.cfs_quota_us": "250000",
+            "cpu,cpuacct/kube/pod/cpu.cfs_period_us": "100000",
+            "cpu,cpuacct/kube/cpu.cfs_quota_us": "100000",
+            "cpu,cpuacct/kube/cpu.cfs_period_us": "100000",
+        },
+    )
     assert quota_cpus(v1, "4:cpu,cpuacct:/kube/pod\n3:memory:/kube/pod") == 1.0  # the tighter ancestor
     assert quota_cpus(v1, "4:cpu,cpuacct:/") is None
     assert quota_cpus(tmp_path / "none", "0::/") is None
@@ -71,8 +77,9 @@ class Clocks:
 
 
 def _tuner(max_threads: int, clocks: Clocks, calls: list[int]) -> ThreadTuner:
-    return ThreadTuner(max_threads, set_threads=calls.append, cpu_clock=lambda: clocks.cpu_s,
-                       wall_clock=lambda: clocks.wall_s)
+    return ThreadTuner(
+        max_threads, set_threads=calls.append, cpu_clock=lambda: clocks.cpu_s, wall_clock=lambda: clocks.wall_s
+    )
 
 
 def test_the_tuner_shrinks_the_team_to_the_cpus_it_gets_and_probes_back_later() -> None:
@@ -191,8 +198,11 @@ def test_an_engine_loaded_in_its_own_thread_serves_what_a_synchronous_one_comput
         await async_engine.start()
 
         async def one(i: int, prompt: list[int]) -> list[int]:
-            return [t for out in [o async for o in async_engine.generate(f"r{i}", prompt, params)]
-                    for t in out.new_token_ids]
+            return [
+                t
+                for out in [o async for o in async_engine.generate(f"r{i}", prompt, params)]
+                for t in out.new_token_ids
+            ]
 
         try:
             got = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
@@ -227,8 +237,11 @@ def test_a_failed_load_raises_in_the_caller_and_leaves_no_thread(tmp_path: Path)
     before = {t.ident for t in threading.enumerate()}
     with pytest.raises(Exception, match="not-a-model"):
         AsyncEngine.load(EngineConfig(model=str(tmp_path / "not-a-model")))
-    poll(lambda: {t.ident for t in threading.enumerate() if t.name == "loragate-engine"} <= before,
-         timeout_s=10, what="the engine thread's end")
+    poll(
+        lambda: {t.ident for t in threading.enumerate() if t.name == "loragate-engine"} <= before,
+        timeout_s=10,
+        what="the engine thread's end",
+    )
 
 
 def test_shutdown_before_start_ends_the_loaded_engine_thread() -> None:

@@ -90,8 +90,7 @@ def _parse_traceparent(value: str) -> tuple[int, int]:
 
 
 def _server_spans(exporter: InMemorySpanExporter, prefix: str) -> list[ReadableSpan]:
-    return [s for s in exporter.get_finished_spans()
-            if s.kind is SpanKind.SERVER and s.name.startswith(prefix)]
+    return [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER and s.name.startswith(prefix)]
 
 
 def _on_engine(llm: LLMEngine, scenario: Callable[[httpx.AsyncClient], Awaitable[T]]) -> T:
@@ -120,9 +119,9 @@ def _sse_events(body: str) -> list[dict[str, Any]]:
 # ---- setup_tracing ----------------------------------------------------------------------------------
 
 
-def test_setup_tracing_keeps_an_installed_sdk_provider(exporter: InMemorySpanExporter,
-                                                       monkeypatch: pytest.MonkeyPatch,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_setup_tracing_keeps_an_installed_sdk_provider(
+    exporter: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     installed = trace.get_tracer_provider()
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
     with caplog.at_level(logging.DEBUG):
@@ -149,8 +148,14 @@ sys.stderr.write(f"RESULT {type(provider).__name__} {recording}\\n")
 
 def _run_setup(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    return subprocess.run([sys.executable, "-c", _SETUP_SCRIPT], cwd=REPO, text=True, capture_output=True,
-                          env={**clean, "PYTHONPATH": str(REPO), **env}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", _SETUP_SCRIPT],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        env={**clean, "PYTHONPATH": str(REPO), **env},
+        timeout=120,
+    )
 
 
 def test_setup_tracing_defaults_to_no_provider() -> None:
@@ -196,9 +201,13 @@ def test_setup_tracing_exports_otlp_over_http() -> None:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        proc = _run_setup({"OTEL_TRACES_EXPORTER": "otlp",
-                           "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
-                           "OTEL_EXPORTER_OTLP_HEADERS": "x-tenant-probe=yes"})
+        proc = _run_setup(
+            {
+                "OTEL_TRACES_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
+                "OTEL_EXPORTER_OTLP_HEADERS": "x-tenant-probe=yes",
+            }
+        )
     finally:
         server.shutdown()
         server.server_close()
@@ -219,8 +228,7 @@ def test_setup_tracing_exports_otlp_over_http() -> None:
 
 
 def test_engine_span_continues_the_callers_trace(llm: LLMEngine, spans: InMemorySpanExporter) -> None:
-    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 7, "temperature": 0,
-            "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 7, "temperature": 0, "ignore_eos": True}
 
     async def scenario(http: httpx.AsyncClient) -> httpx.Response:
         return await http.post("/v1/completions", json=body, headers={"traceparent": TRACEPARENT})
@@ -246,8 +254,15 @@ def test_engine_span_continues_the_callers_trace(llm: LLMEngine, spans: InMemory
 
 
 def test_engine_span_of_a_stream_ends_with_the_stream(llm: LLMEngine, spans: InMemorySpanExporter) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
     async def scenario(http: httpx.AsyncClient) -> httpx.Response:
         return await http.post("/v1/chat/completions", json=body, headers={"traceparent": TRACEPARENT})
@@ -311,9 +326,16 @@ def test_gateway_span_and_injected_traceparent(spans: InMemorySpanExporter) -> N
     [done] = spans.get_finished_spans()
     assert (done.name, done.kind) == ("chat tiny-random", SpanKind.SERVER)
     assert dict(done.attributes or {}) == {
-        "gen_ai.operation.name": "chat", "gen_ai.request.model": "tiny-random", "loragate.tenant": "acme",
-        "loragate.adapter": "qv-r8", "loragate.priority": "critical", "http.response.status_code": 200,
-        "loragate.outcome": "ok", "gen_ai.usage.input_tokens": 11, "gen_ai.usage.output_tokens": 3}
+        "gen_ai.operation.name": "chat",
+        "gen_ai.request.model": "tiny-random",
+        "loragate.tenant": "acme",
+        "loragate.adapter": "qv-r8",
+        "loragate.priority": "critical",
+        "http.response.status_code": 200,
+        "loragate.outcome": "ok",
+        "gen_ai.usage.input_tokens": 11,
+        "gen_ai.usage.output_tokens": 3,
+    }
     assert done.status.status_code is StatusCode.UNSET
 
 
@@ -338,8 +360,11 @@ rollouts:
     split, forced = [dict(s.attributes or {}) for s in _server_spans(spans, "text_completion")]
     assert (split["loragate.rollout"], split["loragate.rollout.route"]) == ("support", "split")
     assert split["loragate.adapter"] == mock.received[0].headers["x-adapter-id"]
-    assert (forced["loragate.rollout"], forced["loragate.rollout.route"], forced["loragate.adapter"]) == \
-        ("support", "override", "a2")
+    assert (forced["loragate.rollout"], forced["loragate.rollout.route"], forced["loragate.adapter"]) == (
+        "support",
+        "override",
+        "a2",
+    )
 
 
 def test_inject_headers_outside_a_span_adds_nothing() -> None:
@@ -371,8 +396,11 @@ def test_gateway_span_statuses(spans: InMemorySpanExporter) -> None:
 def _samples(metrics: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     body, content_type = metrics.render()
     assert content_type.startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
 
 
 def test_gateway_metrics_render_every_family() -> None:
@@ -386,24 +414,42 @@ def test_gateway_metrics_render_every_family() -> None:
     metrics.count_ratelimit("tokens_exhausted")
     metrics.count_ratelimit("tokens_exhausted")
     samples = _samples(metrics)
-    assert samples[("loragate_gateway_requests_total",
-                    (("adapter", "qv-r8"), ("reason", ""), ("status", "200"), ("tenant", "acme")))] == 1
-    assert samples[("loragate_gateway_requests_total", (("adapter", "qv-r8"), ("reason", "rate_limited"),
-                                                        ("status", "429"), ("tenant", "acme")))] == 1
-    assert samples[("loragate_gateway_request_duration_seconds_count",
-                    (("adapter", "qv-r8"), ("status_class", "2xx")))] == 1
-    assert samples[("loragate_gateway_request_duration_seconds_sum",
-                    (("adapter", "qv-r8"), ("status_class", "2xx")))] == pytest.approx(0.4)
-    assert samples[("loragate_gateway_time_to_first_token_seconds_bucket",
-                    (("adapter", "qv-r8"), ("le", "0.25")))] == 1
-    assert samples[("loragate_gateway_time_to_first_token_seconds_bucket",
-                    (("adapter", "qv-r8"), ("le", "0.1")))] == 0
+    assert (
+        samples[
+            (
+                "loragate_gateway_requests_total",
+                (("adapter", "qv-r8"), ("reason", ""), ("status", "200"), ("tenant", "acme")),
+            )
+        ]
+        == 1
+    )
+    assert (
+        samples[
+            (
+                "loragate_gateway_requests_total",
+                (("adapter", "qv-r8"), ("reason", "rate_limited"), ("status", "429"), ("tenant", "acme")),
+            )
+        ]
+        == 1
+    )
+    assert (
+        samples[("loragate_gateway_request_duration_seconds_count", (("adapter", "qv-r8"), ("status_class", "2xx")))]
+        == 1
+    )
+    assert samples[
+        ("loragate_gateway_request_duration_seconds_sum", (("adapter", "qv-r8"), ("status_class", "2xx")))
+    ] == pytest.approx(0.4)
+    assert samples[("loragate_gateway_time_to_first_token_seconds_bucket", (("adapter", "qv-r8"), ("le", "0.25")))] == 1
+    assert samples[("loragate_gateway_time_to_first_token_seconds_bucket", (("adapter", "qv-r8"), ("le", "0.1")))] == 0
     assert samples[("loragate_gateway_time_per_output_token_seconds_count", (("adapter", "qv-r8"),))] == 1
-    decisions = {d: samples[("loragate_gateway_ratelimit_decisions_total", (("decision", d),))]
-                 for d in ("allowed", "rate_limited", "tokens_exhausted", "unavailable")}
+    decisions = {
+        d: samples[("loragate_gateway_ratelimit_decisions_total", (("decision", d),))]
+        for d in ("allowed", "rate_limited", "tokens_exhausted", "unavailable")
+    }
     assert decisions == {"allowed": 1, "rate_limited": 0, "tokens_exhausted": 2, "unavailable": 0}
-    assert not any(name.startswith(("loragate_gateway_queue", "loragate_gateway_inflight"))
-                   for name, _ in samples)  # nothing bound yet
+    assert not any(
+        name.startswith(("loragate_gateway_queue", "loragate_gateway_inflight")) for name, _ in samples
+    )  # nothing bound yet
 
 
 def test_gateway_metrics_read_bound_state_at_scrape_time() -> None:
@@ -412,8 +458,12 @@ def test_gateway_metrics_read_bound_state_at_scrape_time() -> None:
     inflight = {"http://e1:8000": 2, "http://e2:8000": 0}
     breakers = {"http://e1:8000": "closed", "http://e2:8000": "open"}
     redis_errors = [4]
-    metrics.bind(queue_depths=lambda: dict(queues), inflight=lambda: dict(inflight),
-                 breaker_states=lambda: dict(breakers), redis_errors=lambda: redis_errors[0])
+    metrics.bind(
+        queue_depths=lambda: dict(queues),
+        inflight=lambda: dict(inflight),
+        breaker_states=lambda: dict(breakers),
+        redis_errors=lambda: redis_errors[0],
+    )
     first = _samples(metrics)
     assert first[("loragate_gateway_queue_depth", (("band", "sheddable"),))] == 7
     assert first[("loragate_gateway_inflight", (("upstream", "http://e1:8000"),))] == 2
@@ -424,18 +474,13 @@ def test_gateway_metrics_read_bound_state_at_scrape_time() -> None:
     redis_errors[0] = 9
     second = _samples(metrics)
     assert second[("loragate_gateway_queue_depth", (("band", "sheddable"),))] == 1
-    assert second[("loragate_gateway_breaker_state",
-                   (("state", "half_open"), ("upstream", "http://e2:8000")))] == 1
+    assert second[("loragate_gateway_breaker_state", (("state", "half_open"), ("upstream", "http://e2:8000")))] == 1
     assert ("loragate_gateway_breaker_state", (("state", "open"), ("upstream", "http://e2:8000"))) not in second
-    assert second[("loragate_gateway_breaker_state",
-                   (("state", "closed"), ("upstream", "http://e1:8000")))] == 0
+    assert second[("loragate_gateway_breaker_state", (("state", "closed"), ("upstream", "http://e1:8000")))] == 0
     assert second[("loragate_gateway_redis_errors_total", ())] == 9
 
 
 # ---- gateway -> engine: one trace ---------------------------------------------------------------------
-
-
-
 
 
 def _ancestors(span: ReadableSpan, by_id: dict[int, ReadableSpan]) -> list[int]:
@@ -451,16 +496,21 @@ def _ancestors(span: ReadableSpan, by_id: dict[int, ReadableSpan]) -> list[int]:
 
 def test_gateway_and_engine_spans_share_one_trace(llm: LLMEngine, spans: InMemorySpanExporter) -> None:
     policy = parse_policy(f"version: 1\ntenants:\n  - id: acme\n    api_keys: ['{hash_key('sk-acme')}']\n")
-    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "The quick brown fox",
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     async def through_gateway(engine_url: str) -> httpx.Response:
         async with httpx.AsyncClient(timeout=60) as upstream_client:
             app = build_gateway_app(policy, [engine_url], MemoryRateLimiter(), client=upstream_client)
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=60) as http:
-                return await http.post("/v1/completions", json=body,
-                                       headers={"Authorization": "Bearer sk-acme"})
+                return await http.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-acme"})
 
     # Under uvicorn in a thread the app's lifespan runs, and with it the engine loop.
     with serve_in_thread(build_app(AsyncEngine(llm)), lifespan="on") as engine_url:

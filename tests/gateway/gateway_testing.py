@@ -23,8 +23,7 @@ from policies import tenant_yaml
 
 @contextlib.asynccontextmanager
 async def asgi(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
-                                 timeout=30) as client:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=30) as client:
         yield client
 
 
@@ -52,18 +51,27 @@ COMPLETION = {"prompt": "hello", "max_tokens": 4}
 ROLLBACK = "{max_error_rate: 0.2, max_ttft_p99_ms: 60000, min_requests: 10, window_s: 60}"
 
 
-def rollout_policy_yaml(*, weights: tuple[float, float] = (90, 10), rollback: str | None = ROLLBACK,
-                sticky: str = "header:X-User-ID", acme_adapters: str = '["support", "a1"]',
-                variants: tuple[str, str] = ("a1", "a2"), extra: str = "") -> str:
+def rollout_policy_yaml(
+    *,
+    weights: tuple[float, float] = (90, 10),
+    rollback: str | None = ROLLBACK,
+    sticky: str = "header:X-User-ID",
+    acme_adapters: str = '["support", "a1"]',
+    variants: tuple[str, str] = ("a1", "a2"),
+    extra: str = "",
+) -> str:
     rollback_line = f"\n    rollback: {rollback}" if rollback else ""
     rollout = f"""  - name: support
     sticky_key: {sticky}
     variants: [{{adapter: {variants[0]}, weight: {weights[0]}}}, {{adapter: {variants[1]}, weight: {weights[1]}}}]
     override_header: X-Variant{rollback_line}"""
-    return policies.policy_yaml(tenant_yaml("acme", KEY, acme_adapters), tenant_yaml("globex", OTHER_KEY, '["*"]'),
-                                rollouts=rollout,
-                                admission="{max_inflight_per_upstream: 64, max_queue: 64, queue_timeout_ms: 5000}",
-                                extra=extra)
+    return policies.policy_yaml(
+        tenant_yaml("acme", KEY, acme_adapters),
+        tenant_yaml("globex", OTHER_KEY, '["*"]'),
+        rollouts=rollout,
+        admission="{max_inflight_per_upstream: 64, max_queue: 64, queue_timeout_ms: 5000}",
+        extra=extra,
+    )
 
 
 def support(user: str | None = None, auth: dict[str, str] = AUTH, **headers: str) -> dict[str, str]:

@@ -78,8 +78,16 @@ def test_rendezvous_order_is_a_permutation_and_stable_across_processes() -> None
         "print(json.dumps({k: rendezvous_order(k, urls) for k in keys}))\n"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}  # a different hash() salt must not matter
-    done = subprocess.run([sys.executable, "-c", script], input=json.dumps([keys, urls]), cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        input=json.dumps([keys, urls]),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert json.loads(done.stdout) == here
     assert rendezvous_order("x", urls[::-1]) == rendezvous_order("x", urls)  # input order is irrelevant
 
@@ -265,8 +273,10 @@ def test_refusal_memo_does_not_block_other_affinities_or_excludes() -> None:
         blocked = asyncio.create_task(ctl.acquire(CRIT, "t", exclude=not_a, affinity=wants_a))
         await settle()
         wanting_b = [adapter_preferring("http://b", urls, skip=i) for i in range(2)]
-        others = [asyncio.create_task(ctl.acquire(STD, f"u{i}", exclude=not_b, affinity=key))
-                  for i, key in enumerate(wanting_b)]
+        others = [
+            asyncio.create_task(ctl.acquire(STD, f"u{i}", exclude=not_b, affinity=key))
+            for i, key in enumerate(wanting_b)
+        ]
         await settle()
         held["http://a"].release()  # only the first waiter that may use a can have it
         await settle()

@@ -52,21 +52,33 @@ COMPLETION = {"prompt": "hello", "max_tokens": 8}
 redis_url = redis_url_fixture()
 
 
-def policy_yaml(*, limits: str = "{requests_per_second: 100, burst: 100, tokens_per_minute: 1000000}",
-                admission: str = "{max_inflight_per_upstream: 8, max_queue: 16, queue_timeout_ms: 5000}",
-                breaker: str = "{failure_threshold: 5, open_seconds: 30, half_open_probes: 1}",
-                max_priority: str = "critical", extra_tenant_key: str = "") -> str:
+def policy_yaml(
+    *,
+    limits: str = "{requests_per_second: 100, burst: 100, tokens_per_minute: 1000000}",
+    admission: str = "{max_inflight_per_upstream: 8, max_queue: 16, queue_timeout_ms: 5000}",
+    breaker: str = "{failure_threshold: 5, open_seconds: 30, half_open_probes: 1}",
+    max_priority: str = "critical",
+    extra_tenant_key: str = "",
+) -> str:
     return policies.policy_yaml(
         tenant_yaml("acme", KEY, '["a1", "sql-*", "support"]', max_priority=max_priority, limits=limits),
         tenant_yaml("globex", OTHER_KEY, '["*"]', limits=None, extra_keys=extra_tenant_key),
         rollouts="  - name: support\n    variants: [{adapter: a2, weight: 90}, {adapter: a1, weight: 10}]",
-        admission=admission, breaker=breaker)
+        admission=admission,
+        breaker=breaker,
+    )
 
 
-def make_app(upstreams: list[MockUpstream], policy: Policy | None = None, limiter: RateLimiter | None = None,
-             **kwargs: Any) -> Starlette:
-    return build_app(policy or parse_policy(policy_yaml()), [m.url for m in upstreams],
-                     limiter or MemoryRateLimiter(), metrics=GatewayMetrics(), **kwargs)
+def make_app(
+    upstreams: list[MockUpstream], policy: Policy | None = None, limiter: RateLimiter | None = None, **kwargs: Any
+) -> Starlette:
+    return build_app(
+        policy or parse_policy(policy_yaml()),
+        [m.url for m in upstreams],
+        limiter or MemoryRateLimiter(),
+        metrics=GatewayMetrics(),
+        **kwargs,
+    )
 
 
 def assert_ratelimit_headers(resp: httpx.Response) -> None:
@@ -80,10 +92,12 @@ def assert_ratelimit_headers(resp: httpx.Response) -> None:
 def test_missing_or_unknown_key_is_401_with_www_authenticate(mock: MockUpstream) -> None:
     async def scenario() -> list[httpx.Response]:
         async with asgi(make_app([mock])) as gw:
-            return [await gw.post("/v1/completions", json=COMPLETION),
-                    await gw.post("/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer nope"}),
-                    await gw.post("/v1/completions", json=COMPLETION, headers={"Authorization": KEY}),
-                    await gw.get("/v1/models")]
+            return [
+                await gw.post("/v1/completions", json=COMPLETION),
+                await gw.post("/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer nope"}),
+                await gw.post("/v1/completions", json=COMPLETION, headers={"Authorization": KEY}),
+                await gw.get("/v1/models"),
+            ]
 
     for resp in run(scenario()):
         assert_error(resp, 401, "authentication_error")
@@ -91,22 +105,27 @@ def test_missing_or_unknown_key_is_401_with_www_authenticate(mock: MockUpstream)
     assert mock.count == 0
 
 
-@pytest.mark.parametrize("content, headers, field", [
-    (b"{not json", {}, "malformed JSON"),
-    (b"[1, 2]", {}, "JSON object"),
-    (json.dumps({"prompt": "x", "max_tokens": "8"}).encode(), {}, "max_tokens"),
-    (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), {}, "max_tokens"),
-    (json.dumps({"prompt": "x", "stream": "yes"}).encode(), {}, "stream"),
-    (json.dumps({"prompt": "x", "model": 5}).encode(), {}, "model"),
-    (json.dumps({"max_tokens": 3}).encode(), {}, "prompt"),
-    (json.dumps(COMPLETION).encode(), {"X-Priority": "urgent"}, "X-Priority"),
-])
-def test_malformed_requests_are_400_naming_the_field(mock: MockUpstream, content: bytes,
-                                                      headers: dict[str, str], field: str) -> None:
+@pytest.mark.parametrize(
+    "content, headers, field",
+    [
+        (b"{not json", {}, "malformed JSON"),
+        (b"[1, 2]", {}, "JSON object"),
+        (json.dumps({"prompt": "x", "max_tokens": "8"}).encode(), {}, "max_tokens"),
+        (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), {}, "max_tokens"),
+        (json.dumps({"prompt": "x", "stream": "yes"}).encode(), {}, "stream"),
+        (json.dumps({"prompt": "x", "model": 5}).encode(), {}, "model"),
+        (json.dumps({"max_tokens": 3}).encode(), {}, "prompt"),
+        (json.dumps(COMPLETION).encode(), {"X-Priority": "urgent"}, "X-Priority"),
+    ],
+)
+def test_malformed_requests_are_400_naming_the_field(
+    mock: MockUpstream, content: bytes, headers: dict[str, str], field: str
+) -> None:
     async def scenario() -> httpx.Response:
         async with asgi(make_app([mock])) as gw:
-            return await gw.post("/v1/completions", content=content,
-                                 headers={**AUTH, "Content-Type": "application/json", **headers})
+            return await gw.post(
+                "/v1/completions", content=content, headers={**AUTH, "Content-Type": "application/json", **headers}
+            )
 
     resp = run(scenario())
     assert_error(resp, 400, "invalid_request_error")
@@ -117,12 +136,15 @@ def test_malformed_requests_are_400_naming_the_field(mock: MockUpstream, content
 def test_adapter_not_allowed_is_403_and_unknown_is_404(mock: MockUpstream) -> None:
     async def scenario() -> list[httpx.Response]:
         async with asgi(make_app([mock])) as gw:
-            return [await gw.post("/v1/completions", json={**COMPLETION, "model": "a2"}, headers=AUTH),
-                    await gw.post("/v1/completions", json=COMPLETION, headers={**AUTH, "X-Adapter-ID": "a2"}),
-                    await gw.post("/v1/completions", json={**COMPLETION, "model": "sql-nope"}, headers=AUTH),
-                    # the header wins over the body's model
-                    await gw.post("/v1/completions", json={**COMPLETION, "model": "a1"},
-                                  headers={**AUTH, "X-Adapter-ID": "sql-x"})]
+            return [
+                await gw.post("/v1/completions", json={**COMPLETION, "model": "a2"}, headers=AUTH),
+                await gw.post("/v1/completions", json=COMPLETION, headers={**AUTH, "X-Adapter-ID": "a2"}),
+                await gw.post("/v1/completions", json={**COMPLETION, "model": "sql-nope"}, headers=AUTH),
+                # the header wins over the body's model
+                await gw.post(
+                    "/v1/completions", json={**COMPLETION, "model": "a1"}, headers={**AUTH, "X-Adapter-ID": "sql-x"}
+                ),
+            ]
 
     forbidden, forbidden_header, unknown, unknown_header = run(scenario())
     assert_error(forbidden, 403, "permission_denied")
@@ -136,22 +158,26 @@ def test_adapter_not_allowed_is_403_and_unknown_is_404(mock: MockUpstream) -> No
 # Tenant isolation: acme may use a1, sql-* and the rollout `support` (a2 90 / a1 10), never a2 directly.
 # Whatever names an adapter (X-Adapter-ID in any case, `model`, a rollout, an override), the engine gets
 # exactly the adapter the gateway authorised, in X-Adapter-ID and `model` alike, or neither for the base.
-@pytest.mark.parametrize("path, headers, body, forwarded", [
-    # The base model's name in the header, another tenant's adapter in the body: the base, and no `model`.
-    ("/v1/completions", {"X-Adapter-ID": BASE_MODEL}, {"model": "a2"}, None),
-    ("/v1/chat/completions", {"X-Adapter-ID": BASE_MODEL}, {"model": "a2"}, None),
-    ("/v1/completions", {"X-Adapter-ID": BASE_MODEL}, {"model": "a2", "stream": True}, None),
-    ("/v1/completions", {"x-ADAPTER-id": f"  {BASE_MODEL} "}, {"model": "a2"}, None),
-    ("/v1/completions", {}, {"model": BASE_MODEL}, None),
-    # An allowed adapter in the header wins over a forbidden one in the body, which is rewritten.
-    ("/v1/completions", {"X-Adapter-ID": "a1"}, {"model": "a2"}, "a1"),
-    ("/v1/chat/completions", {"x-adapter-id": "a1"}, {"model": "a2", "stream": True}, "a1"),
-    # A rollout name: the variant it picks (acme by tenant -> a2), named as such upstream.
-    ("/v1/completions", {"X-Adapter-ID": "support"}, {"model": "a1"}, "a2"),
-    ("/v1/completions", {}, {"model": "support"}, "a2"),
-])
+@pytest.mark.parametrize(
+    "path, headers, body, forwarded",
+    [
+        # The base model's name in the header, another tenant's adapter in the body: the base, and no `model`.
+        ("/v1/completions", {"X-Adapter-ID": BASE_MODEL}, {"model": "a2"}, None),
+        ("/v1/chat/completions", {"X-Adapter-ID": BASE_MODEL}, {"model": "a2"}, None),
+        ("/v1/completions", {"X-Adapter-ID": BASE_MODEL}, {"model": "a2", "stream": True}, None),
+        ("/v1/completions", {"x-ADAPTER-id": f"  {BASE_MODEL} "}, {"model": "a2"}, None),
+        ("/v1/completions", {}, {"model": BASE_MODEL}, None),
+        # An allowed adapter in the header wins over a forbidden one in the body, which is rewritten.
+        ("/v1/completions", {"X-Adapter-ID": "a1"}, {"model": "a2"}, "a1"),
+        ("/v1/chat/completions", {"x-adapter-id": "a1"}, {"model": "a2", "stream": True}, "a1"),
+        # A rollout name: the variant it picks (acme by tenant -> a2), named as such upstream.
+        ("/v1/completions", {"X-Adapter-ID": "support"}, {"model": "a1"}, "a2"),
+        ("/v1/completions", {}, {"model": "support"}, "a2"),
+    ],
+)
 def test_the_engine_gets_only_the_adapter_the_gateway_authorised(
-        mock: MockUpstream, path: str, headers: dict[str, str], body: dict[str, Any], forwarded: str | None) -> None:
+    mock: MockUpstream, path: str, headers: dict[str, str], body: dict[str, Any], forwarded: str | None
+) -> None:
     payload = {**({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else COMPLETION), **body}
 
     async def scenario() -> httpx.Response:
@@ -164,20 +190,27 @@ def test_the_engine_gets_only_the_adapter_the_gateway_authorised(
     (received,) = mock.received
     assert received.headers.get("x-adapter-id") == forwarded
     assert received.body.get("model") == forwarded
-    assert {k: v for k, v in received.body.items() if k not in ("model", "stream_options")} == \
-        {k: v for k, v in payload.items() if k != "model"}
+    assert {k: v for k, v in received.body.items() if k not in ("model", "stream_options")} == {
+        k: v for k, v in payload.items() if k != "model"
+    }
 
 
-@pytest.mark.parametrize("headers", [
-    [("X-Adapter-ID", "a1"), ("X-Adapter-ID", "a2")],
-    [("X-Adapter-ID", BASE_MODEL), ("x-adapter-id", "a2")],
-    [("X-Adapter-ID", ""), ("X-Adapter-ID", "a2")],
-])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [("X-Adapter-ID", "a1"), ("X-Adapter-ID", "a2")],
+        [("X-Adapter-ID", BASE_MODEL), ("x-adapter-id", "a2")],
+        [("X-Adapter-ID", ""), ("X-Adapter-ID", "a2")],
+    ],
+)
 def test_a_repeated_adapter_header_is_400(mock: MockUpstream, headers: list[tuple[str, str]]) -> None:
     async def scenario() -> httpx.Response:
         async with asgi(make_app([mock])) as gw:
-            return await gw.post("/v1/completions", json={**COMPLETION, "model": "a1"},
-                                 headers=[("Authorization", f"Bearer {KEY}"), *headers])
+            return await gw.post(
+                "/v1/completions",
+                json={**COMPLETION, "model": "a1"},
+                headers=[("Authorization", f"Bearer {KEY}"), *headers],
+            )
 
     resp = run(scenario())
     assert_error(resp, 400, "invalid_request_error")
@@ -185,19 +218,21 @@ def test_a_repeated_adapter_header_is_400(mock: MockUpstream, headers: list[tupl
     assert mock.count == 0
 
 
-@pytest.mark.parametrize("content, field", [
-    (b'{"prompt": "hi", "max_tokens": 4, "temperature": NaN}', "temperature"),
-    (b'{"prompt": "hi", "max_tokens": 4, "top_p": Infinity}', "top_p"),
-    (b'{"prompt": "hi", "max_tokens": 4, "presence_penalty": -Infinity}', "presence_penalty"),
-    (b'{"prompt": "hi", "max_tokens": 4, "temperature": 1e999}', "temperature"),
-    (b'{"prompt": "hi", "max_tokens": 4, "user": "\\udc00"}', "user"),
-    (b'{"prompt": "\\ud800", "max_tokens": 4}', "prompt"),
-    (b'{"messages": [{"role": "user", "content": "\\ud800x"}]}', "messages[0].content"),
-    (b'{"prompt": "hi", "extra": {"deep": [1, 2, NaN]}}', "extra.deep[2]"),
-    (b'{"prompt": "hi", "\\udfff": 1}', "body"),
-])
-def test_json_that_cannot_be_re_encoded_is_400_naming_the_field(mock: MockUpstream, content: bytes,
-                                                                 field: str) -> None:
+@pytest.mark.parametrize(
+    "content, field",
+    [
+        (b'{"prompt": "hi", "max_tokens": 4, "temperature": NaN}', "temperature"),
+        (b'{"prompt": "hi", "max_tokens": 4, "top_p": Infinity}', "top_p"),
+        (b'{"prompt": "hi", "max_tokens": 4, "presence_penalty": -Infinity}', "presence_penalty"),
+        (b'{"prompt": "hi", "max_tokens": 4, "temperature": 1e999}', "temperature"),
+        (b'{"prompt": "hi", "max_tokens": 4, "user": "\\udc00"}', "user"),
+        (b'{"prompt": "\\ud800", "max_tokens": 4}', "prompt"),
+        (b'{"messages": [{"role": "user", "content": "\\ud800x"}]}', "messages[0].content"),
+        (b'{"prompt": "hi", "extra": {"deep": [1, 2, NaN]}}', "extra.deep[2]"),
+        (b'{"prompt": "hi", "\\udfff": 1}', "body"),
+    ],
+)
+def test_json_that_cannot_be_re_encoded_is_400_naming_the_field(mock: MockUpstream, content: bytes, field: str) -> None:
     """Python's parser accepts NaN, Infinity, 1e999 and lone surrogates; re-encoding them for the engine
     used to fail with a 500."""
     path = "/v1/chat/completions" if b"messages" in content else "/v1/completions"
@@ -217,12 +252,14 @@ def test_body_over_the_limit_is_413_declared_or_streamed(mock: MockUpstream) -> 
 
     async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: the limit applies to the bytes read
         for i in range(0, len(big), 1000):
-            yield big[i:i + 1000]
+            yield big[i : i + 1000]
 
     async def scenario() -> list[httpx.Response]:
         async with asgi(make_app([mock], max_body_bytes=4096)) as gw:
-            return [await gw.post("/v1/completions", content=big, headers=AUTH),
-                    await gw.post("/v1/completions", content=chunked(), headers=AUTH)]
+            return [
+                await gw.post("/v1/completions", content=big, headers=AUTH),
+                await gw.post("/v1/completions", content=chunked(), headers=AUTH),
+            ]
 
     for resp in run(scenario()):
         assert_error(resp, 413, "request_too_large")
@@ -243,17 +280,25 @@ def test_headers_over_the_limit_are_431(mock: MockUpstream) -> None:
 
 def test_success_forwards_adapter_and_capped_priority_with_headers(mock: MockUpstream) -> None:
     # A refill takes 100 s, so RateLimit-Remaining can only go down during the test.
-    policy = parse_policy(policy_yaml(
-        max_priority="standard",
-        limits="{requests_per_second: 0.01, burst: 100, tokens_per_minute: 1000000}"))
+    policy = parse_policy(
+        policy_yaml(
+            max_priority="standard", limits="{requests_per_second: 0.01, burst: 100, tokens_per_minute: 1000000}"
+        )
+    )
 
     async def scenario() -> list[httpx.Response]:
         async with asgi(make_app([mock], policy)) as gw:
-            return [await gw.post("/v1/completions", json={**COMPLETION, "model": "a1"},
-                                  headers={**AUTH, "X-Priority": "critical"}),
-                    await gw.post("/v1/chat/completions", headers={**AUTH, "X-Adapter-ID": "support"},
-                                  json={"messages": [{"role": "user", "content": "hi"}]}),
-                    await gw.post("/v1/completions", json=COMPLETION, headers={**AUTH, "X-Priority": "sheddable"})]
+            return [
+                await gw.post(
+                    "/v1/completions", json={**COMPLETION, "model": "a1"}, headers={**AUTH, "X-Priority": "critical"}
+                ),
+                await gw.post(
+                    "/v1/chat/completions",
+                    headers={**AUTH, "X-Adapter-ID": "support"},
+                    json={"messages": [{"role": "user", "content": "hi"}]},
+                ),
+                await gw.post("/v1/completions", json=COMPLETION, headers={**AUTH, "X-Priority": "sheddable"}),
+            ]
 
     adapter, rollout, base = run(scenario())
     for resp in (adapter, rollout, base):
@@ -274,8 +319,10 @@ def test_success_forwards_adapter_and_capped_priority_with_headers(mock: MockUps
 def test_models_lists_base_adapters_and_rollouts_the_tenant_may_use(mock: MockUpstream) -> None:
     async def scenario() -> list[httpx.Response]:
         async with asgi(make_app([mock])) as gw:
-            return [await gw.get("/v1/models", headers=AUTH),
-                    await gw.get("/v1/models", headers={"Authorization": f"Bearer {OTHER_KEY}"})]
+            return [
+                await gw.get("/v1/models", headers=AUTH),
+                await gw.get("/v1/models", headers={"Authorization": f"Bearer {OTHER_KEY}"}),
+            ]
 
     acme, globex = run(scenario())
     assert acme.json()["object"] == "list"
@@ -322,9 +369,11 @@ def test_over_the_token_budget_is_429_tokens_exhausted(mock: MockUpstream) -> No
 
     async def scenario() -> list[httpx.Response]:
         async with asgi(make_app([mock], policy)) as gw:
-            return [await gw.post("/v1/completions", json={"prompt": "hello", "max_tokens": 200}, headers=AUTH),
-                    await gw.post("/v1/completions", json={"prompt": "hello", "max_tokens": 200}, headers=AUTH),
-                    await gw.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1000}, headers=AUTH)]
+            return [
+                await gw.post("/v1/completions", json={"prompt": "hello", "max_tokens": 200}, headers=AUTH),
+                await gw.post("/v1/completions", json={"prompt": "hello", "max_tokens": 200}, headers=AUTH),
+                await gw.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1000}, headers=AUTH),
+            ]
 
     first, second, too_big = run(scenario())
     # first reserves 2 + 200 and uses 5 + 8: the unused tokens come back, so the second fits too
@@ -378,7 +427,8 @@ def test_breaker_opens_after_failure_threshold_then_circuit_open(mock: MockUpstr
 
 
 def test_answered_500s_do_not_open_the_breaker_but_are_retried_elsewhere(
-        mock: MockUpstream, mock_b: MockUpstream) -> None:
+    mock: MockUpstream, mock_b: MockUpstream
+) -> None:
     # a 500 is the request's failure (e.g. a broken adapter), not the engine's: it must not eject the engine
     mock.behavior.fail_status = 500
     policy = parse_policy(policy_yaml(breaker="{failure_threshold: 2, open_seconds: 30}"))
@@ -418,8 +468,13 @@ def test_no_upstream_and_draining_are_503(mock: MockUpstream) -> None:
         async with asgi(app) as gw:
             ready = await gw.get("/readyz")
             app.state.gateway.drain()
-            return [none, ready, await gw.post("/v1/completions", json=COMPLETION, headers=AUTH),
-                    await gw.get("/readyz"), await gw.get("/healthz")]
+            return [
+                none,
+                ready,
+                await gw.post("/v1/completions", json=COMPLETION, headers=AUTH),
+                await gw.get("/readyz"),
+                await gw.get("/healthz"),
+            ]
 
     none, ready, draining, not_ready, alive = run(scenario())
     assert_error(none, 503, "service_unavailable", "no_upstream")
@@ -454,9 +509,11 @@ def test_queued_requests_are_served_by_priority(mock: MockUpstream) -> None:
         admission = app.state.gateway.admission
         mock.hold()
         async with asgi(app) as gw:
+
             async def send(priority: str) -> httpx.Response:
-                return await gw.post("/v1/completions", json={**COMPLETION, "prompt": priority},
-                                     headers={**AUTH, "X-Priority": priority})
+                return await gw.post(
+                    "/v1/completions", json={**COMPLETION, "prompt": priority}, headers={**AUTH, "X-Priority": priority}
+                )
 
             tasks = [asyncio.ensure_future(send("standard"))]
             await wait_until(lambda: mock.count == 1)
@@ -483,8 +540,10 @@ def test_admin_policy_and_reload_keep_the_last_good_policy(mock: MockUpstream, t
         admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
         new = {"Authorization": f"Bearer {new_key}"}
         async with asgi(app) as gw:
-            out = {"tenant": await gw.get("/admin/policy", headers=AUTH),
-                   "policy": await gw.get("/admin/policy", headers=admin)}
+            out = {
+                "tenant": await gw.get("/admin/policy", headers=AUTH),
+                "policy": await gw.get("/admin/policy", headers=admin),
+            }
             path.write_text(policy_yaml().replace("burst: 100", "burst: 0"))
             out["bad"] = await gw.post("/admin/reload", headers=admin)
             out["mid"] = await gw.get("/admin/policy", headers=admin)
@@ -537,8 +596,9 @@ def test_stream_is_relayed_as_it_arrives_and_usage_only_when_asked(mock: MockUps
             assert first["choices"][0]["text"] == "t0 " and mock.streams_finished == 0  # upstream still going
             mock.resume()
             rest = list(events)
-        with http.stream("POST", "/v1/completions", headers=AUTH,
-                         json=stream_body(stream_options={"include_usage": True})) as resp:
+        with http.stream(
+            "POST", "/v1/completions", headers=AUTH, json=stream_body(stream_options={"include_usage": True})
+        ) as resp:
             with_usage = list(sse_events(resp.iter_lines()))
     assert rest[-1] == "[DONE]" and "[DONE]" not in rest[:-1]
     chunks = [first] + [json.loads(e) for e in rest[:-1]]
@@ -554,7 +614,8 @@ def test_stream_is_relayed_as_it_arrives_and_usage_only_when_asked(mock: MockUps
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("failure", ["status_500", "dropped"])
 def test_failure_before_the_first_byte_is_retried_on_the_other_upstream(
-        mock: MockUpstream, mock_b: MockUpstream, stream: bool, failure: str) -> None:
+    mock: MockUpstream, mock_b: MockUpstream, stream: bool, failure: str
+) -> None:
     if failure == "status_500":
         mock.behavior.fail_status = 500
     else:
@@ -568,8 +629,9 @@ def test_failure_before_the_first_byte_is_retried_on_the_other_upstream(
             if stream:
                 events = list(sse_events(resp.text.splitlines()))
                 assert events[-1] == "[DONE]" and not any("error" in e for e in events)
-                assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == \
-                    "".join(f"t{i} " for i in range(8))
+                assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == "".join(
+                    f"t{i} " for i in range(8)
+                )
             else:
                 assert resp.json()["choices"][0]["text"] == "".join(f"t{i} " for i in range(8))
     assert mock.count == 1  # the failing upstream saw the request once ...
@@ -577,11 +639,22 @@ def test_failure_before_the_first_byte_is_retried_on_the_other_upstream(
 
 
 _CHUNKS = [  # stream chunks with the usage the gateway asked for: text that looks like the JSON around it
-    {"id": "c1", "object": "text_completion", "created": 1, "model": "m",
-     "choices": [{"index": 0, "text": 'é "q" , "usage": null}', "logprobs": None, "finish_reason": None}],
-     "usage": None},
-    {"id": "c2", "object": "chat.completion.chunk", "created": 1, "model": "m",
-     "choices": [{"index": 0, "delta": {"content": "\n\n}"}, "finish_reason": "stop"}], "usage": None},
+    {
+        "id": "c1",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "text": 'é "q" , "usage": null}', "logprobs": None, "finish_reason": None}],
+        "usage": None,
+    },
+    {
+        "id": "c2",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"content": "\n\n}"}, "finish_reason": "stop"}],
+        "usage": None,
+    },
 ]
 
 
@@ -597,12 +670,13 @@ def test_stream_chunks_are_relayed_alike_in_the_engines_format_and_any_other(inc
             exchange = Exchange()
             out, done = proxy._event(call, event, exchange)
             assert not done and out.startswith(b"data: ") and out.endswith(b"\n\n")
-            assert json.loads(out[len(b"data: "):]) == expected
+            assert json.loads(out[len(b"data: ") :]) == expected
             assert exchange.ttft_s is not None  # a token reached the client
 
 
 def test_upstream_dying_mid_stream_ends_with_an_error_event_and_no_duplicates(
-        mock: MockUpstream, mock_b: MockUpstream) -> None:
+    mock: MockUpstream, mock_b: MockUpstream
+) -> None:
     mock.behavior.die_after_chunks = mock_b.behavior.die_after_chunks = 3
     with serve_in_thread(make_app([mock, mock_b])) as url, httpx.Client(base_url=url, timeout=30) as http:
         resp = http.post("/v1/completions", json=stream_body(), headers=AUTH)
@@ -622,8 +696,11 @@ def test_client_disconnect_cancels_the_upstream_stream_and_frees_the_slot(mock: 
         with http.stream("POST", "/v1/completions", json=stream_body(), headers=AUTH) as resp:
             events = sse_events(resp.iter_lines())
             assert json.loads(next(events))["choices"][0]["text"] == "t0 "
-        poll(lambda: mock.streams_aborted and not sum(app.state.gateway.admission.inflight().values()), 10,
-             what="the upstream stream cancelled and the slot freed")
+        poll(
+            lambda: mock.streams_aborted and not sum(app.state.gateway.admission.inflight().values()),
+            10,
+            what="the upstream stream cancelled and the slot freed",
+        )
     assert mock.streams_finished == 0 and mock.streams_aborted == 1
 
 
@@ -635,17 +712,27 @@ def test_openai_client_through_the_gateway_to_a_real_engine(tmp_path: Path, tiny
     try:
         with serve_in_thread(build_app(parse_policy(policy_yaml()), [engine_url], MemoryRateLimiter())) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
-            args: dict[str, Any] = {"model": "tiny-random", "temperature": 0, "max_tokens": 6,
-                                    "extra_body": {"ignore_eos": True}}
+            args: dict[str, Any] = {
+                "model": "tiny-random",
+                "temperature": 0,
+                "max_tokens": 6,
+                "extra_body": {"ignore_eos": True},
+            }
             full = client.completions.create(prompt="The quick brown fox", **args)
             chunks = list(client.completions.create(prompt="The quick brown fox", stream=True, **args))
-            chat = list(client.chat.completions.create(
-                messages=[{"role": "user", "content": "hi"}], stream=True,
-                stream_options={"include_usage": True}, **args))
+            chat = list(
+                client.chat.completions.create(
+                    messages=[{"role": "user", "content": "hi"}],
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    **args,
+                )
+            )
             raw = client.completions.with_raw_response.create(prompt="x", **args)
             with pytest.raises(openai.AuthenticationError):
                 openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).completions.create(
-                    prompt="x", **args)
+                    prompt="x", **args
+                )
             with pytest.raises(openai.NotFoundError):
                 client.completions.create(prompt="x", **{**args, "model": "sql-missing"})
             models = [m.id for m in client.models.list()]
@@ -667,9 +754,14 @@ def test_openai_client_through_the_gateway_to_a_real_engine(tmp_path: Path, tiny
 def test_bad_policy_file_exits_2_naming_the_key(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(policy_yaml().replace("burst: 100", "burst: 0"))
-    done = subprocess.run([sys.executable, "-m", "loragate", "gateway", "--policy", str(path),
-                           "--upstream", "http://127.0.0.1:1"], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        [sys.executable, "-m", "loragate", "gateway", "--policy", str(path), "--upstream", "http://127.0.0.1:1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 2
     assert "tenants[0].limits.burst" in done.stderr
 
@@ -680,8 +772,10 @@ def test_two_gateways_share_one_redis_limit(tmp_path: Path, redis_url: str, mock
     policy = policy_yaml(limits=f"{{requests_per_second: {rps}, burst: {burst}, tokens_per_minute: 1000000}}")
     gateways = [start_gateway(tmp_path, f"gw{i}", policy, [mock.url], "--redis", redis_url) for i in range(2)]
     try:
+
         async def hammer() -> tuple[list[int], float]:
             async with httpx.AsyncClient(timeout=30) as http:
+
                 async def one(i: int) -> int:
                     url = gateways[i % 2][1]
                     return (await http.post(f"{url}/v1/completions", json=COMPLETION, headers=AUTH)).status_code
@@ -711,8 +805,11 @@ def test_sigterm_drains_then_exits(tmp_path: Path, mock: MockUpstream) -> None:
         assert huge_head.status_code in (400, 431)  # the HTTP layer's limit or the app's
         mock.hold()
         result: dict[str, httpx.Response] = {}
-        inflight = threading.Thread(target=lambda: result.setdefault(
-            "r", httpx.post(f"{url}/v1/completions", json=COMPLETION, headers=AUTH, timeout=30)))
+        inflight = threading.Thread(
+            target=lambda: result.setdefault(
+                "r", httpx.post(f"{url}/v1/completions", json=COMPLETION, headers=AUTH, timeout=30)
+            )
+        )
         inflight.start()
         poll(lambda: mock.count, 10, what="the request in flight")
         proc.send_signal(signal.SIGTERM)
@@ -743,8 +840,10 @@ def test_metrics_count_requests_by_reason_and_stream_timings(mock: MockUpstream)
     text = run(scenario())
     assert 'loragate_gateway_requests_total{adapter="a1",reason="",status="200",tenant="acme"} 1.0' in text
     assert f'loragate_gateway_requests_total{{adapter="{BASE_MODEL}",reason="",status="200",tenant="acme"}} 1.0' in text
-    assert (f'loragate_gateway_requests_total{{adapter="{BASE_MODEL}",reason="rate_limited",status="429",'
-            'tenant="acme"} 1.0') in text
+    assert (
+        f'loragate_gateway_requests_total{{adapter="{BASE_MODEL}",reason="rate_limited",status="429",'
+        'tenant="acme"} 1.0'
+    ) in text
     assert 'status="401",tenant="unknown"} 1.0' in text
     assert 'loragate_gateway_time_to_first_token_seconds_count{adapter="a1"} 1.0' in text
     assert 'loragate_gateway_time_per_output_token_seconds_count{adapter="a1"} 1.0' in text

@@ -36,8 +36,9 @@ KEY = "acme-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ADAPTERS = tuple(f"ad{i}" for i in range(24))
 HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
-POLICY = policies.policy_yaml(tenant_yaml("acme", KEY, '["*"]'),
-                              admission="{max_inflight_per_upstream: 8, max_queue: 16, queue_timeout_ms: 5000}")
+POLICY = policies.policy_yaml(
+    tenant_yaml("acme", KEY, '["*"]'), admission="{max_inflight_per_upstream: 8, max_queue: 16, queue_timeout_ms: 5000}"
+)
 
 
 def _shared_port() -> int:
@@ -92,24 +93,28 @@ def _landed(engines: dict[str, MockUpstream]) -> dict[str, str]:
 
 
 def test_engines_join_and_leave_with_dns_and_affinity_moves_only_what_they_own(
-        engines: dict[str, MockUpstream]) -> None:
+    engines: dict[str, MockUpstream],
+) -> None:
     port = next(iter(engines.values())).port
     resolver = Resolver()
     discovery = DnsUpstreams("engines.test", port, resolve=resolver)
     url = {host: f"http://{host}:{port}" for host in HOSTS}
 
     async def scenario() -> dict[str, object]:
-        app = build_app(parse_policy(POLICY), [], MemoryRateLimiter(), metrics=GatewayMetrics(),
-                        discovery=discovery)
+        app = build_app(parse_policy(POLICY), [], MemoryRateLimiter(), metrics=GatewayMetrics(), discovery=discovery)
         gw = app.state.gateway
         out: dict[str, object] = {}
         async with asgi(app) as client:
+
             async def round_of_requests() -> dict[str, str]:
                 for mock in engines.values():
                     mock.reset()
                 for adapter in ADAPTERS:
-                    resp = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                                             headers={**AUTH, "X-Adapter-ID": adapter})
+                    resp = await client.post(
+                        "/v1/completions",
+                        json={"prompt": "hi", "max_tokens": 2},
+                        headers={**AUTH, "X-Adapter-ID": adapter},
+                    )
                     assert resp.status_code == 200, resp.text
                 return _landed(engines)
 
@@ -131,8 +136,11 @@ def test_engines_join_and_leave_with_dns_and_affinity_moves_only_what_they_own(
             engines[HOSTS[0]].hold()
             engines[HOSTS[0]].reset()
             first = next(a for a in ADAPTERS if out["three"][a] == HOSTS[0])
-            held = asyncio.create_task(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                                                   headers={**AUTH, "X-Adapter-ID": first}))
+            held = asyncio.create_task(
+                client.post(
+                    "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={**AUTH, "X-Adapter-ID": first}
+                )
+            )
             while engines[HOSTS[0]].count == 0:
                 await asyncio.sleep(0.01)
             resolver.answer = [HOSTS[1], HOSTS[2]]
@@ -168,7 +176,9 @@ def test_engines_join_and_leave_with_dns_and_affinity_moves_only_what_they_own(
 
 def test_resolving_and_parsing_targets() -> None:
     assert parse_target("loragate-engine-headless.ns.svc.cluster.local:8001") == (
-        "loragate-engine-headless.ns.svc.cluster.local", 8001)
+        "loragate-engine-headless.ns.svc.cluster.local",
+        8001,
+    )
     for bad in ("no-port", "name:", ":8001", "name:99999", "name:http"):
         with pytest.raises(ValueError, match="NAME:PORT"):
             parse_target(bad)
@@ -183,14 +193,20 @@ def test_resolving_and_parsing_targets() -> None:
 
 def test_a_gateway_process_serves_the_engines_its_dns_name_resolves_to(tmp_path, mock: MockUpstream) -> None:
     port = mock.url.rsplit(":", 1)[1]
-    proc, base = start_gateway(tmp_path, "gw", POLICY, [], "--upstream-dns", f"127.0.0.1:{port}",
-                               "--dns-interval-s", "0.5")
+    proc, base = start_gateway(
+        tmp_path, "gw", POLICY, [], "--upstream-dns", f"127.0.0.1:{port}", "--dns-interval-s", "0.5"
+    )
     try:
         resp = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=AUTH, timeout=30)
         assert resp.status_code == 200 and mock.count == 1, resp.text
     finally:
         stop_process(proc)
     for args, message in ((["--upstream-dns", "nonsense"], "NAME:PORT"), ([], "--upstream-dns")):
-        done = subprocess.run([sys.executable, "-m", "loragate", "gateway", "--policy", str(tmp_path / "gw.yaml"),
-                               *args], capture_output=True, text=True, cwd=REPO, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "loragate", "gateway", "--policy", str(tmp_path / "gw.yaml"), *args],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,
+        )
         assert done.returncode == 2 and message in done.stderr, done.stderr

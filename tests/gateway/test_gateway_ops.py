@@ -40,19 +40,33 @@ ROLLOUT = """  - name: support
 
 
 def ops_yaml(breaker: str = "{failure_threshold: 5, open_seconds: 30, half_open_probes: 1}") -> str:
-    return policies.policy_yaml(tenant_yaml("acme", KEY, '["*"]'), tenant_yaml("globex", OTHER_KEY, '["*"]'),
-                                rollouts=ROLLOUT, breaker=breaker,
-                                admission="{max_inflight_per_upstream: 8, max_queue: 16, queue_timeout_ms: 5000}")
+    return policies.policy_yaml(
+        tenant_yaml("acme", KEY, '["*"]'),
+        tenant_yaml("globex", OTHER_KEY, '["*"]'),
+        rollouts=ROLLOUT,
+        breaker=breaker,
+        admission="{max_inflight_per_upstream: 8, max_queue: 16, queue_timeout_ms: 5000}",
+    )
 
 
 def make_app(upstreams: list[MockUpstream], text: str | None = None, **kwargs: Any) -> Any:
-    return build_app(parse_policy(text or ops_yaml()), [m.url for m in upstreams], MemoryRateLimiter(),
-                     metrics=GatewayMetrics(), **kwargs)
+    return build_app(
+        parse_policy(text or ops_yaml()),
+        [m.url for m in upstreams],
+        MemoryRateLimiter(),
+        metrics=GatewayMetrics(),
+        **kwargs,
+    )
 
 
-ACTIONS = [("POST", "/admin/rollouts/support/pause", None), ("POST", "/admin/upstreams/drain", {"url": "x"}),
-           ("POST", "/admin/tenants/acme/suspend", None), ("POST", "/admin/overrides/clear", None),
-           ("POST", "/admin/reload", None), ("GET", "/admin/policy", None)]
+ACTIONS = [
+    ("POST", "/admin/rollouts/support/pause", None),
+    ("POST", "/admin/upstreams/drain", {"url": "x"}),
+    ("POST", "/admin/tenants/acme/suspend", None),
+    ("POST", "/admin/overrides/clear", None),
+    ("POST", "/admin/reload", None),
+    ("GET", "/admin/policy", None),
+]
 
 
 def test_no_action_without_the_admin_key(mock: MockUpstream) -> None:
@@ -77,8 +91,9 @@ def test_suspend_and_resume_a_tenant(mock: MockUpstream) -> None:
         async with asgi(make_app([mock])) as gw:
             admin = {**ADMIN, "X-Loragate-Actor": "alice"}
             out: dict[str, Any] = {
-                "suspend": await gw.post("/admin/tenants/acme/suspend", headers=admin,
-                                         json={"reason": "invoice overdue <b>"}),
+                "suspend": await gw.post(
+                    "/admin/tenants/acme/suspend", headers=admin, json={"reason": "invoice overdue <b>"}
+                ),
                 "again": await gw.post("/admin/tenants/acme/suspend", headers=admin),
                 "refused": await gw.post("/v1/completions", json=COMPLETION, headers=bearer(KEY)),
                 "models": await gw.get("/v1/models", headers=bearer(KEY)),
@@ -114,8 +129,12 @@ def test_suspend_and_resume_a_tenant(mock: MockUpstream) -> None:
     assert out["after"]["overrides"]["suspended_tenants"] == []
     assert 'loragate_gateway_tenant_suspended{tenant="acme"}' not in out["metrics_after"]
     actions = [(a["action"], a["target"], a["changed"]) for a in out["after"]["actions"]]
-    assert actions == [("tenant.resume", "acme", False), ("tenant.resume", "acme", True),
-                       ("tenant.suspend", "acme", False), ("tenant.suspend", "acme", True)]  # newest first
+    assert actions == [
+        ("tenant.resume", "acme", False),
+        ("tenant.resume", "acme", True),
+        ("tenant.suspend", "acme", False),
+        ("tenant.suspend", "acme", True),
+    ]  # newest first
 
 
 def test_drain_takes_no_new_requests_and_lets_those_in_flight_finish(mock: MockUpstream, mock_b: MockUpstream) -> None:
@@ -123,8 +142,7 @@ def test_drain_takes_no_new_requests_and_lets_those_in_flight_finish(mock: MockU
     app = make_app([mock, mock_b])
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         # One stream in flight on `mock` (the least loaded goes first; ties rotate from the first upstream).
-        with http.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True},
-                         headers=bearer(KEY)) as stream:
+        with http.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}, headers=bearer(KEY)) as stream:
             lines = stream.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             assert len(mock.received) == 1
@@ -133,20 +151,28 @@ def test_drain_takes_no_new_requests_and_lets_those_in_flight_finish(mock: MockU
             assert drained.json()["state"]["inflight"] == 1
             for _ in range(6):  # base-model and adapter requests alike go to the other one
                 assert http.post("/v1/completions", json=COMPLETION, headers=bearer(KEY)).status_code == 200
-                assert http.post("/v1/completions", json={**COMPLETION, "model": "a1"},
-                                 headers=bearer(KEY)).status_code == 200
+                assert (
+                    http.post("/v1/completions", json={**COMPLETION, "model": "a1"}, headers=bearer(KEY)).status_code
+                    == 200
+                )
             assert len(mock.received) == 1 and len(mock_b.received) == 12
             mock.resume()
             rest = [line for line in lines if line.startswith("data: ")]
             assert rest[-1] == "data: [DONE]"  # the request in flight on the drained upstream finished
         state = http.get("/admin/policy", headers=ADMIN).json()
-        assert [(u["url"], u["drained"]) for u in state["routing"]["upstreams"]] == [(mock.url, True),
-                                                                                     (mock_b.url, False)]
+        assert [(u["url"], u["drained"]) for u in state["routing"]["upstreams"]] == [
+            (mock.url, True),
+            (mock_b.url, False),
+        ]
         metrics = http.get("/metrics").text
         assert f'loragate_gateway_upstream_drained{{upstream="{mock.url}"}} 1.0' in metrics
         assert http.post("/admin/upstreams/drain", headers=ADMIN, json={"url": mock_b.url}).json()["changed"]
-        assert_error(http.post("/v1/completions", json=COMPLETION, headers=bearer(KEY)), 503, "service_unavailable",
-                     "no_upstream")
+        assert_error(
+            http.post("/v1/completions", json=COMPLETION, headers=bearer(KEY)),
+            503,
+            "service_unavailable",
+            "no_upstream",
+        )
         assert http.post("/admin/upstreams/undrain", headers=ADMIN, json={"url": mock.url}).json()["changed"]
         assert not http.post("/admin/upstreams/undrain", headers=ADMIN, json={"url": mock.url}).json()["changed"]
         assert http.post("/v1/completions", json=COMPLETION, headers=bearer(KEY)).status_code == 200
@@ -159,8 +185,10 @@ def test_reset_breaker_closes_an_open_breaker(mock: MockUpstream) -> None:
 
     async def scenario() -> dict[str, Any]:
         async with asgi(make_app([mock], text)) as gw:
-            out = {"failed": await gw.post("/v1/completions", json=COMPLETION, headers=bearer(KEY)),
-                   "open": await gw.post("/v1/completions", json=COMPLETION, headers=bearer(KEY))}
+            out = {
+                "failed": await gw.post("/v1/completions", json=COMPLETION, headers=bearer(KEY)),
+                "open": await gw.post("/v1/completions", json=COMPLETION, headers=bearer(KEY)),
+            }
             mock.behavior.fail_status = None  # the engine is fixed; nobody wants to wait 300 s
             out["reset"] = await gw.post("/admin/upstreams/reset-breaker", headers=ADMIN, json={"url": mock.url})
             out["again"] = await gw.post("/admin/upstreams/reset-breaker", headers=ADMIN, json={"url": mock.url})
@@ -178,8 +206,10 @@ def test_reset_breaker_closes_an_open_breaker(mock: MockUpstream) -> None:
 def test_rollout_actions_over_http(mock: MockUpstream) -> None:
     async def scenario() -> list[httpx.Response]:
         async with asgi(make_app([mock])) as gw:
-            return [await gw.post(f"/admin/rollouts/support/{action}", headers=ADMIN)
-                    for action in ("pause", "pause", "resume", "promote", "rollback", "reset")]
+            return [
+                await gw.post(f"/admin/rollouts/support/{action}", headers=ADMIN)
+                for action in ("pause", "pause", "resume", "promote", "rollback", "reset")
+            ]
 
     pause, pause_again, resume, promote, rollback, reset = run(scenario())
     assert pause.json()["changed"] and pause.json()["state"]["control"]["status"] == "paused"
@@ -199,22 +229,36 @@ def test_bad_admin_requests_get_clear_errors(mock: MockUpstream) -> None:
 
     async def scenario() -> list[httpx.Response]:
         async with asgi(make_app([mock], fixed)) as gw:
-            return [await gw.post(path, headers=ADMIN, **kwargs) for path, kwargs in [
-                ("/admin/rollouts/nope/pause", {}),
-                ("/admin/rollouts/support/explode", {}),
-                ("/admin/rollouts/support/pause", {}),  # a fixed split has no steps to pause
-                ("/admin/tenants/nobody/suspend", {}),
-                ("/admin/tenants/acme/explode", {}),
-                ("/admin/tenants/acme/suspend", {"json": {"reason": 7}}),
-                ("/admin/tenants/acme/suspend", {"content": b"{not json"}),
-                ("/admin/upstreams/drain", {"json": {}}),
-                ("/admin/upstreams/drain", {"json": {"url": "http://127.0.0.1:1"}}),
-                ("/admin/upstreams/explode", {"json": {"url": mock.url}}),
-                ("/admin/upstreams/drain", {"content": b'{"url": "' + b"x" * 20000 + b'"}'}),
-            ]]
+            return [
+                await gw.post(path, headers=ADMIN, **kwargs)
+                for path, kwargs in [
+                    ("/admin/rollouts/nope/pause", {}),
+                    ("/admin/rollouts/support/explode", {}),
+                    ("/admin/rollouts/support/pause", {}),  # a fixed split has no steps to pause
+                    ("/admin/tenants/nobody/suspend", {}),
+                    ("/admin/tenants/acme/explode", {}),
+                    ("/admin/tenants/acme/suspend", {"json": {"reason": 7}}),
+                    ("/admin/tenants/acme/suspend", {"content": b"{not json"}),
+                    ("/admin/upstreams/drain", {"json": {}}),
+                    ("/admin/upstreams/drain", {"json": {"url": "http://127.0.0.1:1"}}),
+                    ("/admin/upstreams/explode", {"json": {"url": mock.url}}),
+                    ("/admin/upstreams/drain", {"content": b'{"url": "' + b"x" * 20000 + b'"}'}),
+                ]
+            ]
 
-    (no_rollout, bad_action, fixed_pause, no_tenant, bad_tenant_action, bad_reason, bad_json, no_url, no_upstream,
-     bad_upstream_action, too_big) = run(scenario())
+    (
+        no_rollout,
+        bad_action,
+        fixed_pause,
+        no_tenant,
+        bad_tenant_action,
+        bad_reason,
+        bad_json,
+        no_url,
+        no_upstream,
+        bad_upstream_action,
+        too_big,
+    ) = run(scenario())
     assert_error(no_rollout, 404, "not_found")
     assert_error(bad_action, 404, "not_found")
     assert "pause, resume, promote, rollback, reset" in bad_action.json()["error"]["message"]
@@ -237,8 +281,10 @@ def test_a_reload_and_the_clear_action_lift_every_override(mock: MockUpstream, t
         async with asgi(make_app([mock], policy_path=path)) as gw:
             await gw.post("/admin/tenants/acme/suspend", headers=ADMIN)
             await gw.post("/admin/upstreams/drain", headers=ADMIN, json={"url": mock.url})
-            out = {"reload": await gw.post("/admin/reload", headers=ADMIN),
-                   "served": await gw.post("/v1/completions", json=COMPLETION, headers=bearer(KEY))}
+            out = {
+                "reload": await gw.post("/admin/reload", headers=ADMIN),
+                "served": await gw.post("/v1/completions", json=COMPLETION, headers=bearer(KEY)),
+            }
             await gw.post("/admin/tenants/globex/suspend", headers=ADMIN)
             out["clear"] = await gw.post("/admin/overrides/clear", headers=ADMIN)
             out["clear_again"] = await gw.post("/admin/overrides/clear", headers=ADMIN)
@@ -294,8 +340,12 @@ def test_two_replicas_share_overrides_and_breaker_resets_through_redis(redis_url
     assert [s["target"] for s in out["state_one"]["overrides"]["suspended_tenants"]] == ["acme"]
     assert out["state_one"]["overrides"]["shared"] is True
     assert out["open"] == ["open", "open"] and out["closed"] == ["closed", "closed"]
-    assert [a["action"] for a in out["log_on_two"]][:4] == ["upstream.reset-breaker", "upstream.undrain",
-                                                            "upstream.drain", "tenant.suspend"]
+    assert [a["action"] for a in out["log_on_two"]][:4] == [
+        "upstream.reset-breaker",
+        "upstream.undrain",
+        "upstream.drain",
+        "tenant.suspend",
+    ]
     assert out["cleared"]["suspended_tenants"] == [] and out["cleared"]["drained_upstreams"] == []
 
 
@@ -306,19 +356,29 @@ def loragate_admin(url: str, *args: str, key: str | None = ADMIN_KEY) -> subproc
     env = {k: v for k, v in os.environ.items() if k != "LORAGATE_ADMIN_KEY"}
     if key is not None:
         env["LORAGATE_ADMIN_KEY"] = key
-    return subprocess.run([sys.executable, "-m", "loragate", "admin", "--url", url, *args], env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "loragate", "admin", "--url", url, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_every_action_through_the_cli(tmp_path: Path, mock: MockUpstream, mock_b: MockUpstream) -> None:
     proc, url = start_gateway(tmp_path, "gw", ops_yaml(), [mock.url, mock_b.url])
     try:
         with httpx.Client(base_url=url, timeout=30) as http:
+
             def state() -> dict[str, Any]:
                 return http.get("/admin/policy", headers=ADMIN).json()
 
-            for action, status in [("pause", "paused"), ("resume", "progressing"), ("promote", "promoted"),
-                                   ("reset", "progressing")]:
+            for action, status in [
+                ("pause", "paused"),
+                ("resume", "progressing"),
+                ("promote", "promoted"),
+                ("reset", "progressing"),
+            ]:
                 done = loragate_admin(url, "rollout", "support", action)
                 assert done.returncode == 0, done.stderr
                 assert json.loads(done.stdout)["changed"] is True
@@ -342,16 +402,26 @@ def test_every_action_through_the_cli(tmp_path: Path, mock: MockUpstream, mock_b
             assert json.loads(loragate_admin(url, "overrides", "clear").stdout)["changed"] is True
             status = loragate_admin(url, "status")
             assert status.returncode == 0 and json.loads(status.stdout)["overrides"]["suspended_tenants"] == []
-            piped = subprocess.run(f"{sys.executable} -m loragate admin --url {url} status | head -c 1",
-                                   shell=True, env={**os.environ, "LORAGATE_ADMIN_KEY": ADMIN_KEY},
-                                   capture_output=True, text=True, timeout=60)
+            piped = subprocess.run(
+                f"{sys.executable} -m loragate admin --url {url} status | head -c 1",
+                shell=True,
+                env={**os.environ, "LORAGATE_ADMIN_KEY": ADMIN_KEY},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert piped.stdout == "{" and "Traceback" not in piped.stderr  # a reader that stops early
             assert loragate_admin(url, "reload").returncode == 0
 
             log = state()["actions"]
             assert log[0]["action"] == "reload" and log[0]["by"].endswith(")")  # "<login> (key:...)"
-            assert {a["action"] for a in log} >= {"rollout.pause", "tenant.suspend", "upstream.drain",
-                                                 "upstream.reset-breaker", "overrides.clear"}
+            assert {a["action"] for a in log} >= {
+                "rollout.pause",
+                "tenant.suspend",
+                "upstream.drain",
+                "upstream.reset-breaker",
+                "overrides.clear",
+            }
 
         unknown = loragate_admin(url, "tenant", "nobody", "suspend")
         assert unknown.returncode == 1 and "404" in unknown.stderr and "nobody" in unknown.stderr
@@ -368,6 +438,7 @@ def test_every_action_through_the_cli(tmp_path: Path, mock: MockUpstream, mock_b
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/models"])
 def test_base_model_name_is_unaffected(mock: MockUpstream, path: str) -> None:
     """Overrides never touch a tenant that is not named (the base model keeps serving it)."""
+
     async def scenario() -> httpx.Response:
         async with asgi(make_app([mock])) as gw:
             await gw.post("/admin/tenants/globex/suspend", headers=ADMIN)

@@ -110,41 +110,66 @@ VARIANT = "{adapter: a, weight: 1}"
         ("version: 2\n", "version: Input should be 1"),
         (V + "colour: red\n", "colour: unknown key (expected one of: version, defaults,"),
         (V + "tenants: [{id: a, api_keys: [], colour: red}]", "tenants[0].colour: unknown key"),
-        (V + f"defaults: {{limits: {{{LIMITS}, burst: 1, rpm: 3}}}}",
-         "defaults.limits.rpm: unknown key (expected one of: requests_per_second, burst, tokens_per_minute)"),
-        (V + "rollouts: [{name: r, variants: [{adapter: a, weight: 0}, {adapter: b, weight: 0}]}]",
-         "rollouts[0].variants: weights must sum to more than 0"),
+        (
+            V + f"defaults: {{limits: {{{LIMITS}, burst: 1, rpm: 3}}}}",
+            "defaults.limits.rpm: unknown key (expected one of: requests_per_second, burst, tokens_per_minute)",
+        ),
+        (
+            V + "rollouts: [{name: r, variants: [{adapter: a, weight: 0}, {adapter: b, weight: 0}]}]",
+            "rollouts[0].variants: weights must sum to more than 0",
+        ),
         (V + "rollouts: [{name: r, variants: []}]", "rollouts[0].variants: List should have at least 1"),
-        (V + "rollouts: [{name: r, variants: [{adapter: a, weight: -1}, {adapter: b, weight: 2}]}]",
-         "rollouts[0].variants[0].weight: Input should be greater than or equal to 0"),
-        (V + f"rollouts: [{{name: r, variants: [{VARIANT}, {VARIANT}]}}]",
-         "rollouts[0].variants: adapter 'a' is listed twice"),
-        (V + f"rollouts: [{{name: r, sticky_key: cookie, variants: [{VARIANT}]}}]",
-         "rollouts[0].sticky_key: must be 'tenant' or 'header:<Header-Name>'"),
-        (V + f"rollouts: [{{name: r, variants: [{VARIANT}]}}, {{name: r, variants: [{VARIANT}]}}]",
-         "rollouts[1].name: duplicate rollout name 'r' (first at rollouts[0])"),
-        (V + "tenants: [{id: a, api_keys: [sk-plain-secret]}]",
-         "tenants[0].api_keys[0]: must be 'sha256:<64 lowercase hex digits>' or 'env:<ENV_VAR_NAME>'"),
+        (
+            V + "rollouts: [{name: r, variants: [{adapter: a, weight: -1}, {adapter: b, weight: 2}]}]",
+            "rollouts[0].variants[0].weight: Input should be greater than or equal to 0",
+        ),
+        (
+            V + f"rollouts: [{{name: r, variants: [{VARIANT}, {VARIANT}]}}]",
+            "rollouts[0].variants: adapter 'a' is listed twice",
+        ),
+        (
+            V + f"rollouts: [{{name: r, sticky_key: cookie, variants: [{VARIANT}]}}]",
+            "rollouts[0].sticky_key: must be 'tenant' or 'header:<Header-Name>'",
+        ),
+        (
+            V + f"rollouts: [{{name: r, variants: [{VARIANT}]}}, {{name: r, variants: [{VARIANT}]}}]",
+            "rollouts[1].name: duplicate rollout name 'r' (first at rollouts[0])",
+        ),
+        (
+            V + "tenants: [{id: a, api_keys: [sk-plain-secret]}]",
+            "tenants[0].api_keys[0]: must be 'sha256:<64 lowercase hex digits>' or 'env:<ENV_VAR_NAME>'",
+        ),
         (V + f"tenants: [{{id: a, api_keys: [sha256:{ACME_HASH[7:].upper()}]}}]", "tenants[0].api_keys[0]: must be"),
         (V + f"tenants: [{{id: a, api_keys: ['{ACME_HASH[:-1]}']}}]", "tenants[0].api_keys[0]: must be"),
         (V + "tenants: [{id: a, api_keys: ['env:1BAD']}]", "tenants[0].api_keys[0]: must be"),
         (V + "admin_keys: ['env:BAD-NAME']", "admin_keys[0]: must be"),
         (V + "tenants: [{id: a, api_keys: 'env:A'}]", "tenants[0].api_keys: Input should be a list"),
-        (V + f"tenants: [{{id: a, api_keys: [], limits: {{{LIMITS}, burst: 0}}}}]",
-         "tenants[0].limits.burst: Input should be greater than or equal to 1"),
-        (V + f"defaults: {{limits: {{{LIMITS}, burst: '20'}}}}",
-         "defaults.limits.burst: Input should be a valid integer"),
-        (V + "defaults: {limits: {requests_per_second: 0, burst: 1, tokens_per_minute: 1}}",
-         "defaults.limits.requests_per_second: Input should be greater than 0"),
-        (V + "tenants: [{id: acme, api_keys: []}, {id: acme, api_keys: []}]",
-         "tenants[1].id: duplicate tenant id 'acme' (first at tenants[0])"),
-        (V + f"tenants: [{{id: a, api_keys: ['{ACME_HASH}']}}, {{id: b, api_keys: ['{ACME_HASH}']}}]",
-         "tenants[1].api_keys[0]: key already belongs to tenant 'a'"),
-        (V + "tenants: [{id: a, api_keys: [], max_priority: urgent}]",
-         "tenants[0].max_priority: Input should be 'critical', 'standard' or 'sheddable'"),
+        (
+            V + f"tenants: [{{id: a, api_keys: [], limits: {{{LIMITS}, burst: 0}}}}]",
+            "tenants[0].limits.burst: Input should be greater than or equal to 1",
+        ),
+        (
+            V + f"defaults: {{limits: {{{LIMITS}, burst: '20'}}}}",
+            "defaults.limits.burst: Input should be a valid integer",
+        ),
+        (
+            V + "defaults: {limits: {requests_per_second: 0, burst: 1, tokens_per_minute: 1}}",
+            "defaults.limits.requests_per_second: Input should be greater than 0",
+        ),
+        (
+            V + "tenants: [{id: acme, api_keys: []}, {id: acme, api_keys: []}]",
+            "tenants[1].id: duplicate tenant id 'acme' (first at tenants[0])",
+        ),
+        (
+            V + f"tenants: [{{id: a, api_keys: ['{ACME_HASH}']}}, {{id: b, api_keys: ['{ACME_HASH}']}}]",
+            "tenants[1].api_keys[0]: key already belongs to tenant 'a'",
+        ),
+        (
+            V + "tenants: [{id: a, api_keys: [], max_priority: urgent}]",
+            "tenants[0].max_priority: Input should be 'critical', 'standard' or 'sheddable'",
+        ),
         (V + "admission: {max_queue: -1}", "admission.max_queue: Input should be greater than or equal to 0"),
-        (V + "ratelimit: {on_redis_error: maybe}",
-         "ratelimit.on_redis_error: Input should be 'open' or 'closed'"),
+        (V + "ratelimit: {on_redis_error: maybe}", "ratelimit.on_redis_error: Input should be 'open' or 'closed'"),
     ],
 )
 def test_rejection_names_the_key(text: str, expected: str) -> None:
@@ -259,8 +284,16 @@ def test_admin_keys() -> None:
 
 @pytest.mark.parametrize(
     "adapter, allowed",
-    [("support", True), ("sql-users", True), ("sql-", True), ("sql", False), ("support-v2", False),
-     ("SQL-users", False), ("xsql-users", False), ("", False)],
+    [
+        ("support", True),
+        ("sql-users", True),
+        ("sql-", True),
+        ("sql", False),
+        ("support-v2", False),
+        ("SQL-users", False),
+        ("xsql-users", False),
+        ("", False),
+    ],
 )
 def test_adapter_globs(policy: Policy, adapter: str, allowed: bool) -> None:
     acme = policy.tenant("acme")
@@ -274,10 +307,14 @@ def test_no_adapter_globs_allows_no_adapter(policy: Policy) -> None:
 
 @pytest.mark.parametrize(
     "cap, asked, got",
-    [("critical", Priority.CRITICAL, Priority.CRITICAL), ("critical", Priority.SHEDDABLE, Priority.SHEDDABLE),
-     ("standard", Priority.CRITICAL, Priority.STANDARD), ("standard", Priority.SHEDDABLE, Priority.SHEDDABLE),
-     ("sheddable", Priority.CRITICAL, Priority.SHEDDABLE),
-     ("sheddable", Priority.STANDARD, Priority.SHEDDABLE)],
+    [
+        ("critical", Priority.CRITICAL, Priority.CRITICAL),
+        ("critical", Priority.SHEDDABLE, Priority.SHEDDABLE),
+        ("standard", Priority.CRITICAL, Priority.STANDARD),
+        ("standard", Priority.SHEDDABLE, Priority.SHEDDABLE),
+        ("sheddable", Priority.CRITICAL, Priority.SHEDDABLE),
+        ("sheddable", Priority.STANDARD, Priority.SHEDDABLE),
+    ],
 )
 def test_priority_cap(cap: str, asked: Priority, got: Priority) -> None:
     tenant = parse_policy(f"version: 1\ntenants: [{{id: t, api_keys: [], max_priority: {cap}}}]").tenant("t")

@@ -44,13 +44,19 @@ def progressive_yaml(steps: str = "[5, 25, 50, 100]", hold_s: float = 10, rollba
     return policy_yaml(tenant_yaml("acme", KEY, '["support", "a1", "a2"]'), rollouts=rollout)
 
 
-def make(share: Any = None, clocks: tuple[FakeClock, FakeClock] | None = None
-         ) -> tuple[Rollouts, FakeClock, FakeClock, list[Any]]:
+def make(
+    share: Any = None, clocks: tuple[FakeClock, FakeClock] | None = None
+) -> tuple[Rollouts, FakeClock, FakeClock, list[Any]]:
     """Rollouts of progressive_yaml() on fake clocks (monotonic, wall): new ones, or `clocks` (one fleet)."""
     clock, wall = clocks if clocks is not None else (FakeClock(100.0), FakeClock(1_700_000_000.0))
     stepped: list[Any] = []
-    rollouts = Rollouts(parse_policy(progressive_yaml()).rollouts, share, clock=clock, wall=wall,
-                        on_step=lambda name, control: stepped.append((name, control.status, control.step)))
+    rollouts = Rollouts(
+        parse_policy(progressive_yaml()).rollouts,
+        share,
+        clock=clock,
+        wall=wall,
+        on_step=lambda name, control: stepped.append((name, control.status, control.step)),
+    )
     return rollouts, clock, wall, stepped
 
 
@@ -91,14 +97,17 @@ def test_raising_the_new_weight_only_moves_users_from_old_to_new() -> None:
 # ---- policy validation -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("steps", "hold_s", "message"), [
-    ("[5, 25, 20, 100]", 10, r"rollouts\[0\]\.steps: .*steps must increase"),
-    ("[5, 50]", 10, r"rollouts\[0\]\.steps: .*the last step must be 100"),
-    ("[0, 100]", 10, r"rollouts\[0\]\.steps\[0\]: .*greater than 0"),
-    ("[5, 150]", 10, r"rollouts\[0\]\.steps\[1\]: .*less than or equal to 100"),
-    ('[5, "x"]', 10, r"rollouts\[0\]\.steps\[1\]: "),
-    ("[5, 100]", 5, r"rollouts\[0\]\.hold_s: must be at least rollback\.window_s \(10 s\)"),
-])
+@pytest.mark.parametrize(
+    ("steps", "hold_s", "message"),
+    [
+        ("[5, 25, 20, 100]", 10, r"rollouts\[0\]\.steps: .*steps must increase"),
+        ("[5, 50]", 10, r"rollouts\[0\]\.steps: .*the last step must be 100"),
+        ("[0, 100]", 10, r"rollouts\[0\]\.steps\[0\]: .*greater than 0"),
+        ("[5, 150]", 10, r"rollouts\[0\]\.steps\[1\]: .*less than or equal to 100"),
+        ('[5, "x"]', 10, r"rollouts\[0\]\.steps\[1\]: "),
+        ("[5, 100]", 5, r"rollouts\[0\]\.hold_s: must be at least rollback\.window_s \(10 s\)"),
+    ],
+)
 def test_steps_are_validated_with_key_paths(steps: str, hold_s: float, message: str) -> None:
     with pytest.raises(PolicyError, match=message):
         parse_policy(progressive_yaml(steps, hold_s))
@@ -113,8 +122,9 @@ def test_hold_without_steps_and_steps_with_three_variants_are_refused() -> None:
     text = progressive_yaml().replace("    steps: [5, 25, 50, 100]\n", "")
     with pytest.raises(PolicyError, match=r"rollouts\[0\]\.hold_s: only a rollout with steps"):
         parse_policy(text)
-    text = progressive_yaml().replace("{adapter: a2, weight: 1}]",
-                                      "{adapter: a2, weight: 1}, {adapter: a3, weight: 1}]")
+    text = progressive_yaml().replace(
+        "{adapter: a2, weight: 1}]", "{adapter: a2, weight: 1}, {adapter: a3, weight: 1}]"
+    )
     with pytest.raises(PolicyError, match=r"rollouts\[0\]\.variants: a rollout with steps has exactly two"):
         parse_policy(text)
 
@@ -151,8 +161,9 @@ def test_steps_advance_when_the_gate_holds_and_the_last_promotes() -> None:
     run(scenario())
     assert stepped == [("support", PROGRESSING, 1), ("support", PROGRESSING, 2), ("support", PROMOTED, 3)]
     # Promoted: everyone gets the new variant, whatever their bucket.
-    assert {rollouts.route("support", _tenant(rollouts), {"x-user-id": f"u{i}"}.get).adapter
-            for i in range(200)} == {"a2"}
+    assert {rollouts.route("support", _tenant(rollouts), {"x-user-id": f"u{i}"}.get).adapter for i in range(200)} == {
+        "a2"
+    }
     described = rollouts.describe()[0]
     assert described["control"]["status"] == "promoted" and described["control"]["weight"] == 100
     assert [v["current_weight"] for v in described["variants"]] == [0.0, 100.0]
@@ -294,15 +305,20 @@ def test_two_gateway_processes_step_together_and_a_slow_canary_rolls_back(tmp_pa
                     return rollout(url)["control"]
 
                 def send(i: int) -> None:  # new users each time: spread over both variants
-                    http.post(f"{urls[i % 2]}/v1/completions", json=COMPLETION,
-                              headers=support(f"user-{time.monotonic_ns()}-{i}"))
+                    http.post(
+                        f"{urls[i % 2]}/v1/completions",
+                        json=COMPLETION,
+                        headers=support(f"user-{time.monotonic_ns()}-{i}"),
+                    )
 
                 def traffic_until(predicate: Any) -> Any:
                     """20 requests at a time over both gateways until predicate(their rollout states)."""
+
                     def probe() -> list[dict[str, Any]] | None:
                         list(pool.map(send, range(20)))
                         states = [rollout(url) for url in urls]
                         return states if predicate(states) else None
+
                     return poll(probe, timeout_s=30, interval_s=0.2, what="the fleet's rollout state")
 
                 states = traffic_until(lambda s: all(r["control"]["status"] == "promoted" for r in s))
@@ -319,8 +335,11 @@ def test_two_gateway_processes_step_together_and_a_slow_canary_rolls_back(tmp_pa
                 assert control(urls[1])["status"] == "promoted"
 
                 assert http.post(f"{urls[1]}/admin/rollouts/support/reset", headers=ADMIN).json()["changed"] is True
-                poll(lambda: (True,) if control(urls[0])["status"] == "progressing" else None, timeout_s=10,
-                     what="the reset on the other gateway")
+                poll(
+                    lambda: (True,) if control(urls[0])["status"] == "progressing" else None,
+                    timeout_s=10,
+                    what="the reset on the other gateway",
+                )
                 engine.behavior.delay_s = 0.8  # the engine turns slow: TTFT 800 ms > 400 ms
                 states = traffic_until(lambda s: all(r["rolled_back"] is not None for r in s))
                 assert {r["rolled_back"]["reason"] for r in states} == {"ttft_p99"}

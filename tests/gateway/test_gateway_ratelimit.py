@@ -27,8 +27,8 @@ from redis_server import RedisServer, redis_server_fixture, redis_url_fixture
 
 REPO = Path(__file__).resolve().parents[2]
 
-redis_url = redis_url_fixture()                              # one server for the module
-redis_server = redis_server_fixture(scope="function")        # a private one, for the test that stops it
+redis_url = redis_url_fixture()  # one server for the module
+redis_server = redis_server_fixture(scope="function")  # a private one, for the test that stops it
 
 
 def limits(rps: float, burst: int, tpm: int = 10**9) -> Limits:
@@ -38,7 +38,7 @@ def limits(rps: float, burst: int, tpm: int = 10**9) -> Limits:
 @dataclass
 class Rig:
     limiter: RateLimiter
-    advance: Callable[[float], Awaitable[None]]    # let time pass: fake clock or a real sleep
+    advance: Callable[[float], Awaitable[None]]  # let time pass: fake clock or a real sleep
 
 
 @contextlib.asynccontextmanager
@@ -54,7 +54,7 @@ async def open_rig(kind: str, url: str) -> AsyncIterator[Rig]:
     limiter = RedisRateLimiter(url, on_error="closed", prefix=f"test:{uuid.uuid4().hex}:")
 
     async def sleep(seconds: float) -> None:
-        await asyncio.sleep(seconds + 0.01)        # + slack: the event loop may wake a hair early
+        await asyncio.sleep(seconds + 0.01)  # + slack: the event loop may wake a hair early
 
     try:
         yield Rig(limiter, sleep)
@@ -82,21 +82,22 @@ def test_burst_then_rate(rig: Callable[[], contextlib.AbstractAsyncContextManage
     assert [d.allowed for d in burst] == [True] * 10
     assert [d.remaining for d in burst] == list(range(9, -1, -1))
     assert all(d.limit == 10 for d in burst)
-    assert 1.8 < burst[-1].reset_s <= 2.0 + 1e-9           # 10 emission intervals of 0.2 s to refill
+    assert 1.8 < burst[-1].reset_s <= 2.0 + 1e-9  # 10 emission intervals of 0.2 s to refill
     assert (refused.allowed, refused.reason, refused.remaining) == (False, "rate_limited", 0)
     assert 0 < refused.retry_after_s <= 0.2 + 1e-6
-    assert again.allowed                                   # waiting retry_after is enough
-    assert (after.allowed, after.reason) == (False, "rate_limited")   # ... for one request, not a new burst
+    assert again.allowed  # waiting retry_after is enough
+    assert (after.allowed, after.reason) == (False, "rate_limited")  # ... for one request, not a new burst
     assert 0.15 < after.retry_after_s <= 0.2 + 1e-6
 
 
 def test_idle_time_does_not_bank_more_than_a_burst(
-        rig: Callable[[], contextlib.AbstractAsyncContextManager[Rig]]) -> None:
+    rig: Callable[[], contextlib.AbstractAsyncContextManager[Rig]],
+) -> None:
     async def scenario() -> list[bool]:
         async with rig() as r:
-            lim = limits(rps=50, burst=5)                      # full again 0.1 s after a burst
+            lim = limits(rps=50, burst=5)  # full again 0.1 s after a burst
             await r.limiter.acquire("t", lim, 1)
-            await r.advance(0.3)                               # idle three times longer than needed
+            await r.advance(0.3)  # idle three times longer than needed
             return [(await r.limiter.acquire("t", lim, 1))[0].allowed for _ in range(8)]
 
     assert asyncio.run(scenario()) == [True] * 5 + [False] * 3
@@ -105,25 +106,25 @@ def test_idle_time_does_not_bank_more_than_a_burst(
 def test_tokens_reserve_and_reconcile(rig: Callable[[], contextlib.AbstractAsyncContextManager[Rig]]) -> None:
     async def scenario() -> list[Decision]:
         async with rig() as r:
-            lim = limits(rps=100, burst=100, tpm=1000)             # refills 16.7 tokens/s
+            lim = limits(rps=100, burst=100, tpm=1000)  # refills 16.7 tokens/s
             first, reservation = await r.limiter.acquire("t", lim, 600)
             assert reservation is not None and reservation.tokens == 600
             second, none = await r.limiter.acquire("t", lim, 600)
             assert none is None
-            await r.limiter.reconcile(reservation, used_tokens=100)    # 500 back: ~900 left
+            await r.limiter.reconcile(reservation, used_tokens=100)  # 500 back: ~900 left
             third, _ = await r.limiter.acquire("t", lim, 600)
-            fourth, _ = await r.limiter.acquire("t", lim, 400)         # ~300 left
+            fourth, _ = await r.limiter.acquire("t", lim, 400)  # ~300 left
             too_big, _ = await r.limiter.acquire("t", lim, 1001)
             return [first, second, third, fourth, too_big]
 
     first, second, third, fourth, too_big = asyncio.run(scenario())
     assert first.allowed and third.allowed
     assert (second.allowed, second.reason) == (False, "tokens_exhausted")
-    assert 11.5 < second.retry_after_s <= 12.0 + 1e-6          # (600 - 400) tokens at 1000/60 per s
+    assert 11.5 < second.retry_after_s <= 12.0 + 1e-6  # (600 - 400) tokens at 1000/60 per s
     assert (fourth.allowed, fourth.reason) == (False, "tokens_exhausted")
-    assert 5.5 < fourth.retry_after_s <= 6.0 + 1e-6            # (400 - 300) / (1000/60)
+    assert 5.5 < fourth.retry_after_s <= 6.0 + 1e-6  # (400 - 300) / (1000/60)
     assert (too_big.allowed, too_big.reason, too_big.retry_after_s) == (False, "tokens_exhausted", 60.0)
-    assert second.remaining > 0                                 # the request bucket was not the problem
+    assert second.remaining > 0  # the request bucket was not the problem
 
 
 def test_reconcile_debits_overuse(rig: Callable[[], contextlib.AbstractAsyncContextManager[Rig]]) -> None:
@@ -132,7 +133,7 @@ def test_reconcile_debits_overuse(rig: Callable[[], contextlib.AbstractAsyncCont
             lim = limits(rps=100, burst=100, tpm=1000)
             _, reservation = await r.limiter.acquire("t", lim, 100)
             assert reservation is not None
-            await r.limiter.reconcile(reservation, used_tokens=400)     # 300 over: 600 left
+            await r.limiter.reconcile(reservation, used_tokens=400)  # 300 over: 600 left
             over = (await r.limiter.acquire("t", lim, 610))[0]
             exact = (await r.limiter.acquire("t", lim, 600))[0]
             return over.allowed, exact.allowed
@@ -147,8 +148,8 @@ def test_reconcile_never_credits_above_capacity() -> None:
         lim = limits(rps=100, burst=100, tpm=1000)
         _, reservation = await limiter.acquire("t", lim, 100)
         assert reservation is not None
-        clock.now += 60                                        # refilled to capacity meanwhile
-        await limiter.reconcile(reservation, used_tokens=0)    # the 100 back must not overflow
+        clock.now += 60  # refilled to capacity meanwhile
+        await limiter.reconcile(reservation, used_tokens=0)  # the 100 back must not overflow
         full = (await limiter.acquire("t", lim, 1000))[0]
         one_more = (await limiter.acquire("t", lim, 1))[0]
         return full.allowed, one_more.allowed
@@ -158,17 +159,34 @@ def test_reconcile_never_credits_above_capacity() -> None:
 
 # (delay before, tokens, reconcile the first reservation with this many used tokens before acquiring)
 SCRIPT: list[tuple[float, int, int | None]] = [
-    (0, 100, None), (0, 200, None), (0, 250, None), (0, 10, None), (0.3, 100, None), (0, 40, None),
-    (0, 10, None), (0.25, 90, 20), (0, 10, None),
+    (0, 100, None),
+    (0, 200, None),
+    (0, 250, None),
+    (0, 10, None),
+    (0.3, 100, None),
+    (0, 40, None),
+    (0, 10, None),
+    (0.25, 90, 20),
+    (0, 10, None),
 ]
-EXPECTED = [(True, None), (True, None), (True, None), (False, "rate_limited"), (False, "tokens_exhausted"),
-            (True, None), (False, "rate_limited"), (True, None), (False, "tokens_exhausted")]
+EXPECTED = [
+    (True, None),
+    (True, None),
+    (True, None),
+    (False, "rate_limited"),
+    (False, "tokens_exhausted"),
+    (True, None),
+    (False, "rate_limited"),
+    (True, None),
+    (False, "tokens_exhausted"),
+]
 
 
 def test_memory_and_redis_agree(redis_url: str) -> None:
     """The same script through both limiters. Redis runs on real time, so its run records when each step really
     happened (a slow machine oversleeps) and the in-memory limiter replays the script at those instants on a fake
     clock. Every refusal waits >= 0.2 s, so the few ms a Redis round trip takes cannot flip a decision."""
+
     async def play(limiter: RateLimiter, at: Callable[[int], Awaitable[None]]) -> list[Decision]:
         lim = limits(rps=4, burst=3, tpm=600)
         decisions, reservations = [], []
@@ -187,7 +205,7 @@ def test_memory_and_redis_agree(redis_url: str) -> None:
 
         async def at(i: int) -> None:
             if SCRIPT[i][0]:
-                await asyncio.sleep(SCRIPT[i][0] + 0.01)   # + slack: the event loop may wake a hair early
+                await asyncio.sleep(SCRIPT[i][0] + 0.01)  # + slack: the event loop may wake a hair early
             instants.append(time.monotonic())
 
         try:
@@ -213,8 +231,9 @@ def test_memory_and_redis_agree(redis_url: str) -> None:
 def test_concurrent_acquires_cannot_overrun(rig: Callable[[], contextlib.AbstractAsyncContextManager[Rig]]) -> None:
     async def scenario() -> tuple[list[Decision], list[Decision]]:
         async with rig() as r:
-            tok = await asyncio.gather(*(r.limiter.acquire("tok", limits(1000, 1000, tpm=1000), 100)
-                                         for _ in range(50)))
+            tok = await asyncio.gather(
+                *(r.limiter.acquire("tok", limits(1000, 1000, tpm=1000), 100) for _ in range(50))
+            )
             req = await asyncio.gather(*(r.limiter.acquire("req", limits(1, 10), 1) for _ in range(50)))
             return [d for d, _ in tok], [d for d, _ in req]
 
@@ -256,13 +275,20 @@ asyncio.run(main(a[0], a[1], a[2], float(a[3]), int(a[4]), float(a[5]), float(a[
 def test_two_processes_share_one_limit(redis_url: str) -> None:
     rps, burst, window_s = 20.0, 10, 1.5
     prefix = f"test:{uuid.uuid4().hex}:"
-    start_at = time.time() + 1.0                  # all workers connected and waiting by then
+    start_at = time.time() + 1.0  # all workers connected and waiting by then
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     args = [redis_url, prefix, "<tenant>", str(rps), str(burst), str(start_at), str(start_at + window_s)]
     # Two processes share tenant "shared"; a third, alone on "single", is the one-process reference.
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, *[tenant if a == "<tenant>" else a for a in args]],
-                              env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for tenant in ("shared", "shared", "single")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, *[tenant if a == "<tenant>" else a for a in args]],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for tenant in ("shared", "shared", "single")
+    ]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=30)
@@ -270,15 +296,14 @@ def test_two_processes_share_one_limit(redis_url: str) -> None:
         results.append(json.loads(out))
 
     def total_and_span(group: list[dict[str, float]]) -> tuple[int, float]:
-        return (int(sum(r["admitted"] for r in group)),
-                max(r["last"] for r in group) - min(r["first"] for r in group))
+        return (int(sum(r["admitted"] for r in group)), max(r["last"] for r in group) - min(r["first"] for r in group))
 
     shared, shared_span = total_and_span(results[:2])
     single, single_span = total_and_span(results[2:])
-    assert all(r["attempts"] > 100 for r in results)           # each really hammered
+    assert all(r["attempts"] > 100 for r in results)  # each really hammered
     assert results[0]["admitted"] > 0 and results[1]["admitted"] > 0
     for total, span in ((shared, shared_span), (single, single_span)):
-        assert total <= burst + rps * span + 2                  # GCRA's bound over the span, + boundary slack
+        assert total <= burst + rps * span + 2  # GCRA's bound over the span, + boundary slack
         assert total >= burst + rps * span * 0.6
     assert abs(shared - single) <= 3 + rps * abs(shared_span - single_span)
 
@@ -287,7 +312,7 @@ def test_keys_expire_when_idle(redis_url: str) -> None:
     limiter = RedisRateLimiter(redis_url, prefix=f"test:{uuid.uuid4().hex}:")
 
     async def scenario() -> None:
-        await limiter.acquire("idle", limits(rps=5, burst=10, tpm=60000), 600)   # 0.2 s and 0.6 s to refill
+        await limiter.acquire("idle", limits(rps=5, burst=10, tpm=60000), 600)  # 0.2 s and 0.6 s to refill
         await limiter.aclose()
 
     asyncio.run(scenario())
@@ -319,12 +344,12 @@ def test_redis_down(redis_server: RedisServer) -> None:
         with pytest.raises(RateLimiterUnavailable):
             await asyncio.wait_for(fail_closed.acquire("t", lim, 10), 3)
         assert fail_closed.redis_errors == 1
-        await asyncio.wait_for(fail_closed.reconcile(reservation, 5), 3)    # best effort: logged, not raised
+        await asyncio.wait_for(fail_closed.reconcile(reservation, 5), 3)  # best effort: logged, not raised
         assert fail_closed.redis_errors == 2
         assert not await asyncio.wait_for(fail_open.healthy(), 3)
         assert not await asyncio.wait_for(fail_closed.healthy(), 3)
 
-        redis_server.start()                       # same port: the limiter reconnects on its own
+        redis_server.start()  # same port: the limiter reconnects on its own
         assert await fail_closed.healthy()
         assert (await fail_closed.acquire("t", lim, 10))[0].allowed
         assert fail_closed.redis_errors == 2

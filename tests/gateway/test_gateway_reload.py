@@ -59,24 +59,34 @@ def with_new_key(text: str) -> str:
 
 
 def app_on(path: Path, upstreams: list[MockUpstream]) -> Any:
-    return build_app(parse_policy(path.read_text()), [m.url for m in upstreams], MemoryRateLimiter(),
-                     metrics=GatewayMetrics(), policy_path=path)
+    return build_app(
+        parse_policy(path.read_text()),
+        [m.url for m in upstreams],
+        MemoryRateLimiter(),
+        metrics=GatewayMetrics(),
+        policy_path=path,
+    )
 
 
 BROKEN = {
     "bad YAML": ("version: 1\ntenants: [", "line"),
-    "unknown key": (rollout_policy_yaml().replace("    adapters: [\"*\"]", "    adapters: [\"*\"]\n    colour: red"),
-                    "tenants[1].colour: unknown key"),
+    "unknown key": (
+        rollout_policy_yaml().replace('    adapters: ["*"]', '    adapters: ["*"]\n    colour: red'),
+        "tenants[1].colour: unknown key",
+    ),
     "weights sum to 0": (rollout_policy_yaml(weights=(0, 0)), "rollouts[0].variants: weights must sum to more than 0"),
     "variant is a pattern": (rollout_policy_yaml(variants=("a1", "a*")), "rollouts[0].variants[1].adapter"),
-    "variant nobody serves": (rollout_policy_yaml(variants=("a1", "a9")),
-                              "rollouts[0].variants[1].adapter: unknown adapter 'a9'"),
+    "variant nobody serves": (
+        rollout_policy_yaml(variants=("a1", "a9")),
+        "rollouts[0].variants[1].adapter: unknown adapter 'a9'",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_broken_file_is_refused_naming_the_key_and_the_gateway_keeps_serving(
-        case: str, mock: MockUpstream, tmp_path: Path) -> None:
+    case: str, mock: MockUpstream, tmp_path: Path
+) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text(rollout_policy_yaml())
     broken, expected = BROKEN[case]
@@ -90,10 +100,13 @@ def test_broken_file_is_refused_naming_the_key_and_the_gateway_keeps_serving(
             path.write_text(broken)
             await gw_state.housekeeping()  # one round of the background loop: sees the change
             await gw_state.housekeeping()  # the same broken bytes: not retried, not counted again
-            return {"before": before, "after": (await gw.get("/admin/policy", headers=ADMIN)).json(),
-                    "serves": await gw.post("/v1/completions", json=COMPLETION, headers=support("u1")),
-                    "api": await gw.post("/admin/reload", headers=ADMIN),
-                    "metrics": (await gw.get("/metrics")).text}
+            return {
+                "before": before,
+                "after": (await gw.get("/admin/policy", headers=ADMIN)).json(),
+                "serves": await gw.post("/v1/completions", json=COMPLETION, headers=support("u1")),
+                "api": await gw.post("/admin/reload", headers=ADMIN),
+                "metrics": (await gw.get("/metrics")).text,
+            }
 
     out = run(scenario())
     assert out["after"]["sha256"] == out["before"]["sha256"]  # the last good policy is still active
@@ -106,7 +119,8 @@ def test_broken_file_is_refused_naming_the_key_and_the_gateway_keeps_serving(
 
 
 def test_file_change_reloads_atomically_and_in_flight_requests_keep_their_policy(
-        mock: MockUpstream, tmp_path: Path) -> None:
+    mock: MockUpstream, tmp_path: Path
+) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text(rollout_policy_yaml())
     new = {"Authorization": f"Bearer {NEW_KEY}"}
@@ -153,7 +167,8 @@ def configmap(root: Path, text: str, version: int) -> Path:
 
 
 def test_configmap_symlink_swap_is_reloaded_and_unchanged_rollouts_keep_their_rollback(
-        mock: MockUpstream, tmp_path: Path) -> None:
+    mock: MockUpstream, tmp_path: Path
+) -> None:
     text = rollout_policy_yaml(weights=(50, 50))
     path = configmap(tmp_path, text, 1)
     mock.behavior.fail_adapters = frozenset({"a2"})
@@ -169,8 +184,11 @@ def test_configmap_symlink_swap_is_reloaded_and_unchanged_rollouts_keep_their_ro
             sha = (await gw.get("/admin/policy", headers=ADMIN)).json()["sha256"]
             configmap(tmp_path, with_new_key(text), 2)  # a tenant change; the rollout is the same
             await gw_state.housekeeping()
-            out = {"new": await gw.post("/v1/completions", json=COMPLETION, headers=new),
-                   "kept": (await gw.get("/admin/policy", headers=ADMIN)).json(), "sha": sha}
+            out = {
+                "new": await gw.post("/v1/completions", json=COMPLETION, headers=new),
+                "kept": (await gw.get("/admin/policy", headers=ADMIN)).json(),
+                "sha": sha,
+            }
             configmap(tmp_path, with_new_key(rollout_policy_yaml(weights=(50, 51))), 3)  # the rollout changes
             await gw_state.housekeeping()
             out["fresh"] = (await gw.get("/admin/policy", headers=ADMIN)).json()
@@ -214,9 +232,11 @@ def test_each_adapter_lands_on_its_rendezvous_upstream_and_base_spreads(mock: Mo
             async with asgi(build_app(parse_policy(rollout_policy_yaml()), urls, MemoryRateLimiter())) as gw:
                 for _ in range(4):
                     for adapter in ("a1", "a2", "a3"):
-                        resp = await gw.post("/v1/completions", json=COMPLETION,
-                                             headers={"Authorization": f"Bearer {OTHER_KEY}",
-                                                      "X-Adapter-ID": adapter})
+                        resp = await gw.post(
+                            "/v1/completions",
+                            json=COMPLETION,
+                            headers={"Authorization": f"Bearer {OTHER_KEY}", "X-Adapter-ID": adapter},
+                        )
                         assert resp.status_code == 200
                     base = await gw.post("/v1/completions", json=COMPLETION, headers=AUTH)
                     assert base.status_code == 200
@@ -232,11 +252,12 @@ def test_each_adapter_lands_on_its_rendezvous_upstream_and_base_spreads(mock: Mo
         assert base == [2, 2]  # one at a time: the least loaded, ties taken in turn
 
 
-
 def test_reload_applies_admission_and_breaker_settings_in_place(mock: MockUpstream, tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
-    tight = rollout_policy_yaml().replace("admission: {max_inflight_per_upstream: 64, max_queue: 64",
-                                  "admission: {max_inflight_per_upstream: 1, max_queue: 4")
+    tight = rollout_policy_yaml().replace(
+        "admission: {max_inflight_per_upstream: 64, max_queue: 64",
+        "admission: {max_inflight_per_upstream: 1, max_queue: 4",
+    )
     assert tight != rollout_policy_yaml()
     path.write_text(tight)
 
@@ -250,8 +271,9 @@ def test_reload_applies_admission_and_breaker_settings_in_place(mock: MockUpstre
             second = asyncio.create_task(post())
             await asyncio.sleep(0.3)
             out: dict[str, Any] = {"held_before": mock.count}  # one in flight, one queued
-            wider = tight.replace("max_inflight_per_upstream: 1, max_queue: 4",
-                                  "max_inflight_per_upstream: 2, max_queue: 0")
+            wider = tight.replace(
+                "max_inflight_per_upstream: 1, max_queue: 4", "max_inflight_per_upstream: 2, max_queue: 0"
+            )
             path.write_text(wider + "breaker: {failure_threshold: 1, open_seconds: 30}\n")
             await gw_state.housekeeping()
             await wait_until(lambda: mock.count >= 2, 10)  # the queued one got the new slot at once
@@ -281,8 +303,11 @@ def test_affinity_off_spreads_adapter_requests_like_base_ones(mock: MockUpstream
         async def scenario() -> Any:
             async with asgi(build_app(parse_policy(text), [m.url for m in upstreams], MemoryRateLimiter())) as gw:
                 for _ in range(4):
-                    resp = await gw.post("/v1/completions", json=COMPLETION,
-                                         headers={"Authorization": f"Bearer {OTHER_KEY}", "X-Adapter-ID": "a1"})
+                    resp = await gw.post(
+                        "/v1/completions",
+                        json=COMPLETION,
+                        headers={"Authorization": f"Bearer {OTHER_KEY}", "X-Adapter-ID": "a1"},
+                    )
                     assert resp.status_code == 200
                 return (await gw.get("/admin/policy", headers=ADMIN)).json()["routing"]
 

@@ -51,8 +51,13 @@ def mock() -> Iterator[MockUpstream]:
 
 
 def make_app(upstreams: list[MockUpstream], text: str | None = None, **kwargs: Any) -> Any:
-    return build_app(parse_policy(text or rollout_policy_yaml()), [m.url for m in upstreams], MemoryRateLimiter(),
-                     metrics=GatewayMetrics(), **kwargs)
+    return build_app(
+        parse_policy(text or rollout_policy_yaml()),
+        [m.url for m in upstreams],
+        MemoryRateLimiter(),
+        metrics=GatewayMetrics(),
+        **kwargs,
+    )
 
 
 # ---- the split ---------------------------------------------------------------------------------------
@@ -99,6 +104,7 @@ def test_same_user_same_variant_from_two_gateway_processes(tmp_path: Path, mock:
 def test_missing_sticky_header_falls_back_to_the_tenant(mock: MockUpstream) -> None:
     async def scenario() -> tuple[set[str], set[str], set[str]]:
         async with asgi(make_app([mock], rollout_policy_yaml(weights=(50, 50)))) as gw:
+
             async def served(headers: dict[str, str]) -> str:
                 resp = await gw.post("/v1/completions", json=COMPLETION, headers=headers)
                 assert resp.status_code == 200, resp.text
@@ -122,8 +128,12 @@ def test_sticky_key_tenant_ignores_the_user_header(mock: MockUpstream) -> None:
 
     async def scenario() -> set[str]:
         async with asgi(make_app([mock], text)) as gw:
-            return {(await gw.post("/v1/completions", json=COMPLETION, headers=support(f"user-{i}")))
-                    .headers["X-Loragate-Adapter"] for i in range(30)}
+            return {
+                (await gw.post("/v1/completions", json=COMPLETION, headers=support(f"user-{i}"))).headers[
+                    "X-Loragate-Adapter"
+                ]
+                for i in range(30)
+            }
 
     rollout = parse_policy(text).rollout("support")
     assert rollout is not None
@@ -135,12 +145,13 @@ def test_override_forces_a_variant_the_tenant_may_use(mock: MockUpstream) -> Non
     async def scenario() -> dict[str, httpx.Response]:
         async with asgi(make_app([mock])) as gw:
             post = lambda headers: gw.post("/v1/completions", json=COMPLETION, headers=headers)  # noqa: E731
-            return {"globex_a2": await post(support("u1", {"Authorization": f"Bearer {OTHER_KEY}"},
-                                                    **{"X-Variant": "a2"})),
-                    "acme_a1": await post(support("u1", **{"X-Variant": "a1"})),
-                    "acme_a2": await post(support("u1", **{"X-Variant": "a2"})),
-                    "not_a_variant": await post(support("u1", **{"X-Variant": "a3"})),
-                    "blank": await post(support("u1", **{"X-Variant": " "}))}
+            return {
+                "globex_a2": await post(support("u1", {"Authorization": f"Bearer {OTHER_KEY}"}, **{"X-Variant": "a2"})),
+                "acme_a1": await post(support("u1", **{"X-Variant": "a1"})),
+                "acme_a2": await post(support("u1", **{"X-Variant": "a2"})),
+                "not_a_variant": await post(support("u1", **{"X-Variant": "a3"})),
+                "blank": await post(support("u1", **{"X-Variant": " "})),
+            }
 
     out = run(scenario())
     assert out["globex_a2"].status_code == 200 and out["globex_a2"].headers["X-Loragate-Adapter"] == "a2"
@@ -150,8 +161,11 @@ def test_override_forces_a_variant_the_tenant_may_use(mock: MockUpstream) -> Non
     assert_error(out["not_a_variant"], 400)
     assert "X-Variant" in out["not_a_variant"].json()["error"]["message"]
     assert out["blank"].status_code == 200  # an empty override is no override
-    assert [r.headers["x-adapter-id"] for r in mock.received] == ["a2", "a1",
-                                                                  out["blank"].headers["X-Loragate-Adapter"]]
+    assert [r.headers["x-adapter-id"] for r in mock.received] == [
+        "a2",
+        "a1",
+        out["blank"].headers["X-Loragate-Adapter"],
+    ]
 
 
 # ---- rollback ----------------------------------------------------------------------------------------
@@ -171,11 +185,14 @@ def test_rollback_after_min_requests_of_canary_failures_only(mock: MockUpstream,
                 out["before"].append(await gw.post("/v1/completions", json=COMPLETION, headers=support(user)))
             out["policy_before"] = (await gw.get("/admin/policy", headers=ADMIN)).json()
             out["tenth"] = await gw.post("/v1/completions", json=COMPLETION, headers=support(canary[9]))
-            out["after"] = [await gw.post("/v1/completions", json=COMPLETION, headers=support(u))
-                            for u in canary[10:12]]
-            out["override"] = await gw.post("/v1/completions", json=COMPLETION,
-                                            headers=support(canary[0], {"Authorization": f"Bearer {OTHER_KEY}"},
-                                                            **{"X-Variant": "a2"}))
+            out["after"] = [
+                await gw.post("/v1/completions", json=COMPLETION, headers=support(u)) for u in canary[10:12]
+            ]
+            out["override"] = await gw.post(
+                "/v1/completions",
+                json=COMPLETION,
+                headers=support(canary[0], {"Authorization": f"Bearer {OTHER_KEY}"}, **{"X-Variant": "a2"}),
+            )
             out["policy"] = (await gw.get("/admin/policy", headers=ADMIN)).json()
             out["metrics"] = (await gw.get("/metrics")).text
             out["reload"] = await gw.post("/admin/reload", headers=ADMIN)
@@ -187,7 +204,11 @@ def test_rollback_after_min_requests_of_canary_failures_only(mock: MockUpstream,
     assert {r.headers["X-Loragate-Adapter"] for r in out["before"]} == {"a2"}  # the failing variant, named
     assert out["policy_before"]["rollouts"][0]["rolled_back"] is None
     assert out["policy_before"]["rollouts"][0]["variants"][1]["window"] == {
-        "requests": 9, "errors": 9, "error_rate": 1.0, "ttft_p99_ms": None}
+        "requests": 9,
+        "errors": 9,
+        "error_rate": 1.0,
+        "ttft_p99_ms": None,
+    }
     assert out["tenth"].status_code == 500  # the 10th failure reaches min_requests and trips the rollback
     for resp in out["after"]:  # canary users now get the first variant
         assert resp.status_code == 200 and resp.headers["X-Loragate-Adapter"] == "a1"
@@ -196,10 +217,10 @@ def test_rollback_after_min_requests_of_canary_failures_only(mock: MockUpstream,
     assert rolled["variant"] == "a2" and rolled["reason"] == "error_rate" and "10 requests" in rolled["detail"]
     assert 'loragate_gateway_rollout_rollbacks_total{reason="error_rate",rollout="support"} 1.0' in out["metrics"]
     assert 'loragate_gateway_rollout_rolled_back{rollout="support"} 1.0' in out["metrics"]
-    assert ('loragate_gateway_rollout_requests_total{result="error",rollout="support",variant="a2"} 11.0'
-            in out["metrics"])
-    assert ('loragate_gateway_rollout_requests_total{result="ok",rollout="support",variant="a1"} 2.0'
-            in out["metrics"])
+    assert (
+        'loragate_gateway_rollout_requests_total{result="error",rollout="support",variant="a2"} 11.0' in out["metrics"]
+    )
+    assert 'loragate_gateway_rollout_requests_total{result="ok",rollout="support",variant="a1"} 2.0' in out["metrics"]
     assert out["reload"].status_code == 200
     assert out["reload"].json()["rollouts"][0]["rolled_back"] is None
     assert out["again"].status_code == 500  # reloaded: the split is back, the canary user gets the canary
@@ -211,8 +232,10 @@ def test_first_variant_failures_never_roll_back(mock: MockUpstream) -> None:
 
     async def scenario() -> dict[str, Any]:
         async with asgi(make_app([mock], text)) as gw:
-            statuses = [(await gw.post("/v1/completions", json=COMPLETION, headers=support(f"user-{i}"))).status_code
-                        for i in range(60)]
+            statuses = [
+                (await gw.post("/v1/completions", json=COMPLETION, headers=support(f"user-{i}"))).status_code
+                for i in range(60)
+            ]
             return {"statuses": statuses, "policy": (await gw.get("/admin/policy", headers=ADMIN)).json()}
 
     out = run(scenario())
@@ -234,12 +257,17 @@ def test_an_overloaded_engine_does_not_count_against_the_canary(mock: MockUpstre
     assert state["rolled_back"] is None
     # the engine's breaker opened after 5 (then circuit_open sheds, which reach no variant)
     assert mock.count == 5 and state["variants"][1]["window"] == {
-        "requests": 5, "errors": 0, "error_rate": 0.0, "ttft_p99_ms": None}
+        "requests": 5,
+        "errors": 0,
+        "error_rate": 0.0,
+        "ttft_p99_ms": None,
+    }
 
 
 def test_ttft_p99_bound_rolls_back_and_windows_slide() -> None:
-    policy = parse_policy(rollout_policy_yaml(rollback="{max_error_rate: 1, max_ttft_p99_ms: 500, min_requests: 100, "
-                                               "window_s: 10}"))
+    policy = parse_policy(
+        rollout_policy_yaml(rollback="{max_error_rate: 1, max_ttft_p99_ms: 500, min_requests: 100, window_s: 10}")
+    )
     now = [0.0]
     rollouts = Rollouts(policy.rollouts, clock=lambda: now[0])
     for _ in range(99):
@@ -306,8 +334,9 @@ def test_two_replicas_pool_their_windows_in_redis(redis_url: str) -> None:
     assert out["cleared"] == (False, False)  # the rollback and the pooled counts are gone
 
 
-def test_rollback_is_shared_through_redis_by_two_gateway_processes(tmp_path: Path, redis_url: str,
-                                                                   mock: MockUpstream) -> None:
+def test_rollback_is_shared_through_redis_by_two_gateway_processes(
+    tmp_path: Path, redis_url: str, mock: MockUpstream
+) -> None:
     text = rollout_policy_yaml(weights=(50, 50))
     mock.behavior.fail_adapters = frozenset({"a2"})
     canary = canary_users(text, 14)
@@ -315,8 +344,11 @@ def test_rollback_is_shared_through_redis_by_two_gateway_processes(tmp_path: Pat
     (_, one), (_, two) = gateways
     try:
         with httpx.Client(timeout=30) as http:
-            post = lambda url, user: http.post(f"{url}/v1/completions", json=COMPLETION,  # noqa: E731
-                                               headers=support(user))
+            post = lambda url, user: http.post(
+                f"{url}/v1/completions",
+                json=COMPLETION,  # noqa: E731
+                headers=support(user),
+            )
             # 5 canary failures on each gateway: neither has min_requests (10) of its own, the fleet has
             assert [post(url, u).status_code for url, u in zip([one, two] * 5, canary[:10])] == [500] * 10
             for url in (one, two):
@@ -334,6 +366,7 @@ def test_rollback_is_shared_through_redis_by_two_gateway_processes(tmp_path: Pat
 
 def wait_for_rollback(http: httpx.Client, url: str, rolled_back: bool) -> Any:
     """GET /admin/policy until the rollout's `rolled_back` is set (or cleared); returns it."""
+
     def probe() -> tuple[Any] | None:
         state = http.get(f"{url}/admin/policy", headers=ADMIN).json()["rollouts"][0]["rolled_back"]
         return (state,) if (state is not None) == rolled_back else None
@@ -344,12 +377,14 @@ def wait_for_rollback(http: httpx.Client, url: str, rolled_back: bool) -> Any:
 # ---- through a real engine ------------------------------------------------------------------------------
 
 
-def test_canary_through_a_real_engine_serves_what_it_names(tmp_path: Path, tiny_model_dir: Path,
-                                                           tiny_adapters: dict[str, Path]) -> None:
+def test_canary_through_a_real_engine_serves_what_it_names(
+    tmp_path: Path, tiny_model_dir: Path, tiny_adapters: dict[str, Path]
+) -> None:
     """The official client through the gateway to a real engine: every answer is PEFT's greedy output of
     the variant X-Loragate-Adapter names, and each user keeps their variant."""
-    text = rollout_policy_yaml(weights=(50, 50), variants=("qv-r8", "all-r4"), rollback=None,
-                       acme_adapters='["support"]')
+    text = rollout_policy_yaml(
+        weights=(50, 50), variants=("qv-r8", "all-r4"), rollback=None, acme_adapters='["support"]'
+    )
     rollout = parse_policy(text).rollout("support")
     assert rollout is not None
     users = [f"user-{i}" for i in range(8)]
@@ -364,8 +399,13 @@ def test_canary_through_a_real_engine_serves_what_it_names(tmp_path: Path, tiny_
         answers = {}
         for user in users + users[:2]:  # the first two twice: sticky
             raw = client.completions.with_raw_response.create(
-                model="support", prompt=prompt, temperature=0, max_tokens=6, extra_body={"ignore_eos": True},
-                extra_headers={"X-User-ID": user})
+                model="support",
+                prompt=prompt,
+                temperature=0,
+                max_tokens=6,
+                extra_body={"ignore_eos": True},
+                extra_headers={"X-User-ID": user},
+            )
             answers.setdefault(user, []).append((raw.headers["X-Loragate-Adapter"], raw.parse().choices[0].text))
     finally:
         stop_process(gateway)
@@ -376,8 +416,9 @@ def test_canary_through_a_real_engine_serves_what_it_names(tmp_path: Path, tiny_
 
     tokenizer = load_tokenizer(tiny_model_dir)
     ids = tokenizer(prompt)["input_ids"]
-    expected = {name: tokenizer.decode(peft_greedy(tiny_model_dir, tiny_adapters[name], ids, 6))
-                for name in ("qv-r8", "all-r4")}
+    expected = {
+        name: tokenizer.decode(peft_greedy(tiny_model_dir, tiny_adapters[name], ids, 6)) for name in ("qv-r8", "all-r4")
+    }
     assert expected["qv-r8"] != expected["all-r4"]
     for user, seen in answers.items():
         assert {adapter for adapter, _ in seen} == {assigned[user]}, user

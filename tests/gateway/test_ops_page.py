@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # A tenant id, a rollout name and an adapter id that would run script if the page parsed them as HTML.
 EVIL_TENANT = '<script>window.pwned = "tenant"</script>'
-EVIL_ROLLOUT = '<img src=x onerror="window.pwned = \'rollout\'">'
+EVIL_ROLLOUT = "<img src=x onerror=\"window.pwned = 'rollout'\">"
 EVIL_ADAPTER = "<b>canary<b>"
 KEY = "acme-secret"
 
@@ -57,9 +57,19 @@ def browser() -> Iterator[Any]:
         _require("playwright")
     with sync_playwright() as p:
         # The flags keep Chromium off the network: this machine has none beyond loopback.
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
         yield browser
         browser.close()
 
@@ -70,8 +80,11 @@ def ops_policy() -> str:
     steps: [10, 50, 100]
     hold_s: 60
     rollback: {{max_error_rate: 0.2, max_ttft_p99_ms: 60000, min_requests: 10, window_s: 60}}"""
-    return policies.policy_yaml(tenant_yaml("acme", KEY, '["*"]'),
-                                tenant_yaml(json.dumps(EVIL_TENANT), "evil-secret", '["*"]'), rollouts=rollout)
+    return policies.policy_yaml(
+        tenant_yaml("acme", KEY, '["*"]'),
+        tenant_yaml(json.dumps(EVIL_TENANT), "evil-secret", '["*"]'),
+        rollouts=rollout,
+    )
 
 
 def test_ops_page_shows_live_state_escapes_names_and_its_buttons_act(browser: Any, tmp_path: Path) -> None:
@@ -81,8 +94,12 @@ def test_ops_page_shows_live_state_escapes_names_and_its_buttons_act(browser: An
         app = build_app(parse_policy(ops_policy()), [engine.url], MemoryRateLimiter(), metrics=GatewayMetrics())
         with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
             for _ in range(3):
-                assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                                 headers=bearer(KEY)).status_code == 200
+                assert (
+                    http.post(
+                        "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=bearer(KEY)
+                    ).status_code
+                    == 200
+                )
             page = browser.new_page()
             problems: list[str] = []
             page.on("console", lambda msg: problems.append(msg.text) if msg.type in ("error", "warning") else None)
@@ -110,15 +127,23 @@ def test_ops_page_shows_live_state_escapes_names_and_its_buttons_act(browser: An
 
             # Buttons act through the admin API.
             rollout.locator("button[data-action=pause]").click()
-            poll(lambda: (True,) if admin_state(http)["rollouts"][0]["control"]["status"] == "paused" else None,
-                 timeout_s=10, what="the rollout paused by the page")
+            poll(
+                lambda: (True,) if admin_state(http)["rollouts"][0]["control"]["status"] == "paused" else None,
+                timeout_s=10,
+                what="the rollout paused by the page",
+            )
             page.wait_for_selector(".rollout h3:has-text('paused')")
             page.locator("#tenants tr", has_text="acme").locator("button[data-action=suspend]").click()
-            poll(lambda: (True,) if admin_state(http)["tenants"]["acme"]["suspended"] else None, timeout_s=10,
-                 what="the tenant suspended by the page")
+            poll(
+                lambda: (True,) if admin_state(http)["tenants"]["acme"]["suspended"] else None,
+                timeout_s=10,
+                what="the tenant suspended by the page",
+            )
             page.wait_for_selector("#overrides td:has-text('acme')")
-            assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                             headers=bearer(KEY)).status_code == 403
+            assert (
+                http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=bearer(KEY)).status_code
+                == 403
+            )
             page.wait_for_selector("#actions td:has-text('tenant.suspend')")
             page.screenshot(path=str(artifacts / "ops-page.png"), full_page=True)
             assert problems == []

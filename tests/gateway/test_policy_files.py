@@ -29,8 +29,9 @@ REGENERATE = "regenerate it with: python -m loragate policy schema > policies/sc
 
 
 def loragate(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "loragate", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "loragate", *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +43,22 @@ def validator() -> jsonschema.Draft202012Validator:
 
 def test_the_examples_exist() -> None:
     names = {p.relative_to(POLICIES).as_posix() for p in POLICY_FILES}
-    assert {"default.yaml", "examples/multi-tenant.yaml", "examples/canary.yaml",
-            "examples/ab-by-tenant.yaml", "examples/progressive.yaml"} <= names
+    assert {
+        "default.yaml",
+        "examples/multi-tenant.yaml",
+        "examples/canary.yaml",
+        "examples/ab-by-tenant.yaml",
+        "examples/progressive.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", POLICY_FILES, ids=lambda p: p.relative_to(POLICIES).as_posix())
 def test_policy_file_loads_and_matches_the_schema(path: Path, validator: jsonschema.Draft202012Validator) -> None:
     load_policy(path)
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-              for e in validator.iter_errors(yaml.safe_load(path.read_text(encoding="utf-8")))]
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in validator.iter_errors(yaml.safe_load(path.read_text(encoding="utf-8")))
+    ]
     assert errors == []
 
 
@@ -65,8 +73,12 @@ def test_canary_example_is_the_documented_rollout() -> None:
     assert rollout is not None and rollout.rollback is not None
     assert [(v.adapter, v.weight) for v in rollout.variants] == [("support-v1", 90), ("support-v2", 10)]
     assert (rollout.sticky_key, rollout.override_header) == ("header:X-User-ID", "X-Variant")
-    assert rollout.rollback.model_dump() == {"max_error_rate": 0.05, "max_ttft_p99_ms": 2000,
-                                             "min_requests": 100, "window_s": 60}
+    assert rollout.rollback.model_dump() == {
+        "max_error_rate": 0.05,
+        "max_ttft_p99_ms": 2000,
+        "min_requests": 100,
+        "window_s": 60,
+    }
 
 
 def test_progressive_example_steps_to_100_with_a_gate() -> None:
@@ -89,8 +101,14 @@ VALID: dict[str, Any] = {
     "version": 1,
     "admin_keys": ["env:ADMIN_KEY"],
     "tenants": [{"id": "acme", "api_keys": ["sha256:" + "ab" * 32, "env:ACME_KEY"], "adapters": ["sql-*"]}],
-    "rollouts": [{"name": "support", "sticky_key": "header:X-User-ID", "override_header": "X-Variant",
-                  "variants": [{"adapter": "support-v1", "weight": 90}, {"adapter": "support-v2", "weight": 10}]}],
+    "rollouts": [
+        {
+            "name": "support",
+            "sticky_key": "header:X-User-ID",
+            "override_header": "X-Variant",
+            "variants": [{"adapter": "support-v1", "weight": 90}, {"adapter": "support-v2", "weight": 10}],
+        }
+    ],
     "admission": {"max_inflight_per_upstream": 8, "spill_inflight": 6},
 }
 
@@ -111,20 +129,23 @@ def test_schema_accepts_a_valid_policy(validator: jsonschema.Draft202012Validato
     parse_policy(json.dumps(VALID))
 
 
-@pytest.mark.parametrize(("path", "value"), [
-    ("tenants.0.colour", "red"),                       # an unknown key
-    ("colour", "red"),                                 # an unknown top-level key
-    ("rollouts.0.variants.0.weight", "90"),            # a weight given as a string
-    ("version", 2),
-    ("tenants.0.api_keys.0", "sk-a-raw-key-pasted-by-mistake"),
-    ("admin_keys.0", "sha256:ABC"),
-    ("rollouts.0.sticky_key", "cookie:session"),
-    ("rollouts.0.override_header", "X Variant"),
-    ("rollouts.0.variants.0.adapter", "support-*"),
-    ("rollouts.0.variants", [{"adapter": "a", "weight": 0}, {"adapter": "b", "weight": 0}]),
-    ("tenants.0.max_priority", "urgent"),
-    ("admission.spill_inflight", 0),
-])
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("tenants.0.colour", "red"),  # an unknown key
+        ("colour", "red"),  # an unknown top-level key
+        ("rollouts.0.variants.0.weight", "90"),  # a weight given as a string
+        ("version", 2),
+        ("tenants.0.api_keys.0", "sk-a-raw-key-pasted-by-mistake"),
+        ("admin_keys.0", "sha256:ABC"),
+        ("rollouts.0.sticky_key", "cookie:session"),
+        ("rollouts.0.override_header", "X Variant"),
+        ("rollouts.0.variants.0.adapter", "support-*"),
+        ("rollouts.0.variants", [{"adapter": "a", "weight": 0}, {"adapter": "b", "weight": 0}]),
+        ("tenants.0.max_priority", "urgent"),
+        ("admission.spill_inflight", 0),
+    ],
+)
 def test_schema_rejects(validator: jsonschema.Draft202012Validator, path: str, value: Any) -> None:
     doc = _with(path, value)
     assert not validator.is_valid(doc)
@@ -133,8 +154,9 @@ def test_schema_rejects(validator: jsonschema.Draft202012Validator, path: str, v
 
 
 def test_committed_schema_is_current() -> None:
-    assert SCHEMA_FILE.read_text(encoding="utf-8") == render_policy_json_schema(), \
+    assert SCHEMA_FILE.read_text(encoding="utf-8") == render_policy_json_schema(), (
         f"policies/schema.json is stale; {REGENERATE}"
+    )
 
 
 def test_schema_is_draft_2020_12_without_an_id() -> None:
@@ -145,6 +167,7 @@ def test_schema_is_draft_2020_12_without_an_id() -> None:
 
 
 # --- the CLI -----------------------------------------------------------------------------------------
+
 
 def test_policy_schema_prints_the_committed_schema() -> None:
     result = loragate("policy", "schema")
@@ -165,14 +188,19 @@ def test_policy_check_good_files() -> None:
 
 BROKEN = {
     "bad-yaml.yaml": ("version: 1\ntenants: [\n", "line"),
-    "unknown-key.yaml": ("version: 1\ntenants:\n  - id: a\n    api_keys: []\n    colour: red\n",
-                         "tenants[0].colour: unknown key"),
-    "zero-weights.yaml": ("version: 1\nrollouts:\n  - name: r\n    variants:\n"
-                          "      - {adapter: a, weight: 0}\n      - {adapter: b, weight: 0}\n",
-                          "rollouts[0].variants: weights must sum to more than 0"),
-    "pattern-variant.yaml": ("version: 1\nrollouts:\n  - name: support\n    variants:\n"
-                             "      - {adapter: support-*, weight: 1}\n",
-                             "rollouts[0].variants[0].adapter: must name one adapter id"),
+    "unknown-key.yaml": (
+        "version: 1\ntenants:\n  - id: a\n    api_keys: []\n    colour: red\n",
+        "tenants[0].colour: unknown key",
+    ),
+    "zero-weights.yaml": (
+        "version: 1\nrollouts:\n  - name: r\n    variants:\n"
+        "      - {adapter: a, weight: 0}\n      - {adapter: b, weight: 0}\n",
+        "rollouts[0].variants: weights must sum to more than 0",
+    ),
+    "pattern-variant.yaml": (
+        "version: 1\nrollouts:\n  - name: support\n    variants:\n      - {adapter: support-*, weight: 1}\n",
+        "rollouts[0].variants[0].adapter: must name one adapter id",
+    ),
 }
 
 

@@ -144,7 +144,8 @@ def test_configmap_swap_to_the_same_content_does_not_fire(tmp_path: Path) -> Non
 
 
 def test_vanished_file_does_not_fire_until_back_with_new_content(
-        policy_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    policy_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     calls = Calls()
     watcher = PolicyWatcher(policy_file, calls)
     policy_file.unlink()
@@ -185,8 +186,7 @@ def test_interval_must_be_positive(policy_file: Path) -> None:
         PolicyWatcher(policy_file, Calls(), interval_s=0)
 
 
-def test_run_calls_back_and_survives_a_failing_callback(
-        policy_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_run_calls_back_and_survives_a_failing_callback(policy_file: Path, caplog: pytest.LogCaptureFixture) -> None:
     seen: list[str] = []
 
     def on_change() -> None:

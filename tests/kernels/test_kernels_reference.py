@@ -35,11 +35,11 @@ def one_thread():
 
 @dataclass
 class Case:
-    y_wide: torch.Tensor        # [T, out + 7]; y is columns 3 : 3 + out
-    x: torch.Tensor             # [T, in]
+    y_wide: torch.Tensor  # [T, out + 7]; y is columns 3 : 3 + out
+    x: torch.Tensor  # [T, in]
     seg_starts: list[int]
     seg_slots: list[int]
-    pool: torch.Tensor          # a slice of a larger tensor
+    pool: torch.Tensor  # a slice of a larger tensor
     a_offsets: list[int]
     b_offsets: list[int]
     ranks: list[int]
@@ -47,7 +47,7 @@ class Case:
 
     @property
     def y(self) -> torch.Tensor:
-        return self.y_wide[:, 3:3 + self.out]
+        return self.y_wide[:, 3 : 3 + self.out]
 
     def tables(self) -> tuple:
         return self.seg_starts, self.seg_slots, self.pool
@@ -58,8 +58,7 @@ def segment_plan(popularity: str) -> list[int]:
     return {"distinct": [1] * 9, "uniform": [3] * 4, "skewed": [13, 1, 1, 1], "identical": [11]}[popularity]
 
 
-def make_case(d_in: int, d_out: int, max_rank: int, popularity: str, dtype: torch.dtype,
-              seed: int = 0) -> Case:
+def make_case(d_in: int, d_out: int, max_rank: int, popularity: str, dtype: torch.dtype, seed: int = 0) -> Case:
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     lens = segment_plan(popularity)
@@ -76,10 +75,10 @@ def make_case(d_in: int, d_out: int, max_rank: int, popularity: str, dtype: torc
         (a_offsets if which == "a" else b_offsets)[k] = cursor
         cursor += size + rng.randrange(1, 8)
     backing = torch.full((cursor + 40,), float("nan"), dtype=dtype)
-    pool = backing[11:11 + cursor + 20]
+    pool = backing[11 : 11 + cursor + 20]
     for k, r in enumerate(ranks):
-        pool[a_offsets[k]:a_offsets[k] + r * d_in] = torch.randn(r * d_in, generator=g) * 0.2
-        pool[b_offsets[k]:b_offsets[k] + d_out * r] = torch.randn(d_out * r, generator=g) * 0.2
+        pool[a_offsets[k] : a_offsets[k] + r * d_in] = torch.randn(r * d_in, generator=g) * 0.2
+        pool[b_offsets[k] : b_offsets[k] + d_out * r] = torch.randn(d_out * r, generator=g) * 0.2
     # Segments: 2 untouched rows, the adapters (an empty segment after the first, the rank-0 slot
     # before the last), 3 untouched rows.
     seg_lens = lens[:1] + [0] + lens[1:-1] + [2] + lens[-1:] if n > 1 else [0] + lens + [2]
@@ -107,33 +106,32 @@ def oracle(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         r = case.ranks[k]
         if r == 0:
             continue
-        a = case.pool[case.a_offsets[k]:case.a_offsets[k] + r * d_in].double().reshape(r, d_in)
-        b = case.pool[case.b_offsets[k]:case.b_offsets[k] + case.out * r].double().reshape(case.out, r)
+        a = case.pool[case.a_offsets[k] : case.a_offsets[k] + r * d_in].double().reshape(r, d_in)
+        b = case.pool[case.b_offsets[k] : case.b_offsets[k] + case.out * r].double().reshape(case.out, r)
         h[row, :r] = a @ case.x[row].double()
         delta[row] = b @ h[row, :r]
         touched[row] = True
     return delta, h, touched
 
 
-def assert_update(case: Case, y_wide_before: torch.Tensor, delta: torch.Tensor,
-                  touched: torch.Tensor) -> None:
+def assert_update(case: Case, y_wide_before: torch.Tensor, delta: torch.Tensor, touched: torch.Tensor) -> None:
     """Inside y's columns, touched rows gained delta; every other element is bit-identical."""
-    y_after, y_before = case.y, y_wide_before[:, 3:3 + case.out]
+    y_after, y_before = case.y, y_wide_before[:, 3 : 3 + case.out]
     scale = max(delta.abs().max().item(), 1.0)
     tol = TOLERANCE[case.x.dtype] * scale
-    torch.testing.assert_close(y_after[touched].double(), y_before[touched].double() + delta[touched],
-                               rtol=0, atol=tol)
+    torch.testing.assert_close(y_after[touched].double(), y_before[touched].double() + delta[touched], rtol=0, atol=tol)
     assert torch.equal(y_after[~touched], y_before[~touched])
     assert torch.equal(case.y_wide[:, :3], y_wide_before[:, :3])
-    assert torch.equal(case.y_wide[:, 3 + case.out:], y_wide_before[:, 3 + case.out:])
+    assert torch.equal(case.y_wide[:, 3 + case.out :], y_wide_before[:, 3 + case.out :])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("hidden", HIDDEN, ids=[f"{i}x{o}" for i, o in HIDDEN])
 @pytest.mark.parametrize("rank", RANKS)
-def test_sgmv_shrink_expand_match_oracle(rank: int, hidden: tuple[int, int], popularity: str,
-                                         dtype: torch.dtype) -> None:
+def test_sgmv_shrink_expand_match_oracle(
+    rank: int, hidden: tuple[int, int], popularity: str, dtype: torch.dtype
+) -> None:
     case = make_case(*hidden, rank, popularity, dtype, seed=rank * 31 + hidden[1])
     delta, h_ref, touched = oracle(case)
     before = case.y_wide.clone()
@@ -146,10 +144,9 @@ def test_sgmv_shrink_expand_match_oracle(rank: int, hidden: tuple[int, int], pop
     lora_shrink(h, case.x, *case.tables(), case.a_offsets, case.ranks)
     written = torch.zeros_like(h, dtype=torch.bool)
     for s, k in enumerate(case.seg_slots):
-        written[case.seg_starts[s]:case.seg_starts[s + 1], :case.ranks[k]] = True
+        written[case.seg_starts[s] : case.seg_starts[s + 1], : case.ranks[k]] = True
     h_scale = max(h_ref.abs().max().item(), 1.0)
-    torch.testing.assert_close(h[written].double(), h_ref[written[:, :-2]],
-                               rtol=0, atol=TOLERANCE[dtype] * h_scale)
+    torch.testing.assert_close(h[written].double(), h_ref[written[:, :-2]], rtol=0, atol=TOLERANCE[dtype] * h_scale)
     assert torch.isnan(h[~written]).all()
 
     case.y_wide.copy_(before)
@@ -160,10 +157,17 @@ def test_sgmv_shrink_expand_match_oracle(rank: int, hidden: tuple[int, int], pop
 def test_index_tensors_give_the_same_result() -> None:
     case = make_case(64, 24, 8, "uniform", torch.float32)
     expected = case.y_wide.clone()
-    lora_sgmv(expected[:, 3:3 + case.out], case.x, *case.tables(), case.a_offsets, case.b_offsets, case.ranks)
+    lora_sgmv(expected[:, 3 : 3 + case.out], case.x, *case.tables(), case.a_offsets, case.b_offsets, case.ranks)
     as_tensors = [torch.tensor(v) for v in (case.seg_starts, case.seg_slots)]
-    lora_sgmv(case.y, case.x, *as_tensors, case.pool, torch.tensor(case.a_offsets),
-              torch.tensor(case.b_offsets), torch.tensor(case.ranks))
+    lora_sgmv(
+        case.y,
+        case.x,
+        *as_tensors,
+        case.pool,
+        torch.tensor(case.a_offsets),
+        torch.tensor(case.b_offsets),
+        torch.tensor(case.ranks),
+    )
     assert torch.equal(case.y_wide, expected)
 
 
@@ -172,7 +176,7 @@ def test_strided_x_matches_contiguous_x() -> None:
     wide_x = torch.randn(case.x.shape[0], 64 + 5)
     wide_x[:, 5:] = case.x
     expected = case.y_wide.clone()
-    lora_sgmv(expected[:, 3:3 + case.out], case.x, *case.tables(), case.a_offsets, case.b_offsets, case.ranks)
+    lora_sgmv(expected[:, 3 : 3 + case.out], case.x, *case.tables(), case.a_offsets, case.b_offsets, case.ranks)
     lora_sgmv(case.y, wide_x[:, 5:], *case.tables(), case.a_offsets, case.b_offsets, case.ranks)
     torch.testing.assert_close(case.y_wide, expected, rtol=1e-6, atol=1e-6)
 

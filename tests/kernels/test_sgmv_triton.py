@@ -39,7 +39,7 @@ class GroupCase:
 
     @property
     def y(self) -> torch.Tensor:
-        return self.y_wide[:, 2:2 + self.out_cols[-1]]
+        return self.y_wide[:, 2 : 2 + self.out_cols[-1]]
 
 
 def make_group_case(d_in: int, outs: list[int], layout: str, dtype: torch.dtype, seed: int) -> GroupCase:
@@ -66,7 +66,7 @@ def make_group_case(d_in: int, outs: list[int], layout: str, dtype: torch.dtype,
     pool = torch.full((cursor + 16,), float("nan"), dtype=torch.float32)
     for k, which, size in blocks:
         start = a_offsets[k] if which == "a" else b_offsets[which][k]
-        pool[start:start + size] = torch.randn(size, generator=g) * 0.2
+        pool[start : start + size] = torch.randn(size, generator=g) * 0.2
     pool = pool.to(dtype)
     # Segments (slot per segment): T = 1 is the one-row case.
     plans = {
@@ -98,25 +98,25 @@ def oracle(case: GroupCase) -> tuple[torch.Tensor, torch.Tensor]:
         for row in range(case.seg_starts[s], case.seg_starts[s + 1]):
             c, offset = 0, case.a_offsets[k]
             module_ranks = [case.ranks[m][k] for m in range(len(case.ranks))]
-            a_all = pool[offset:offset + sum(module_ranks) * d_in].reshape(-1, d_in)
+            a_all = pool[offset : offset + sum(module_ranks) * d_in].reshape(-1, d_in)
             for m, r in enumerate(module_ranks):
                 if r == 0:
                     continue
                 lo, hi = case.out_cols[m], case.out_cols[m + 1]
-                b = pool[case.b_offsets[m][k]:case.b_offsets[m][k] + (hi - lo) * r].reshape(hi - lo, r)
-                delta[row, lo:hi] = b @ (a_all[c:c + r] @ case.x[row].double())
+                b = pool[case.b_offsets[m][k] : case.b_offsets[m][k] + (hi - lo) * r].reshape(hi - lo, r)
+                delta[row, lo:hi] = b @ (a_all[c : c + r] @ case.x[row].double())
                 touched[row, lo:hi] = True
                 c += r
     return delta, touched
 
 
 def assert_update(case: GroupCase, before: torch.Tensor, delta: torch.Tensor, touched: torch.Tensor) -> None:
-    y_after, y_before = case.y.cpu().double(), before[:, 2:2 + case.out_cols[-1]].double()
+    y_after, y_before = case.y.cpu().double(), before[:, 2 : 2 + case.out_cols[-1]].double()
     tol = TOLERANCE[case.x.dtype] * max(delta.abs().max().item(), 1.0)
     torch.testing.assert_close(y_after[touched], y_before[touched] + delta[touched], rtol=0, atol=tol)
-    assert torch.equal(case.y.cpu()[~touched], before[:, 2:2 + case.out_cols[-1]][~touched])
+    assert torch.equal(case.y.cpu()[~touched], before[:, 2 : 2 + case.out_cols[-1]][~touched])
     assert torch.equal(case.y_wide.cpu()[:, :2], before[:, :2])
-    assert torch.equal(case.y_wide.cpu()[:, 2 + case.out_cols[-1]:], before[:, 2 + case.out_cols[-1]:])
+    assert torch.equal(case.y_wide.cpu()[:, 2 + case.out_cols[-1] :], before[:, 2 + case.out_cols[-1] :])
 
 
 def run_triton(case: GroupCase) -> None:
@@ -125,14 +125,17 @@ def run_triton(case: GroupCase) -> None:
         setattr(case, name, getattr(case, name).to(DEVICE))
     ranks = torch.tensor(case.ranks, dtype=torch.int32)
     h_cols = torch.cumsum(ranks, dim=0, dtype=torch.int32) - ranks
-    tables = GroupTables(torch.tensor(case.a_offsets), ranks, torch.tensor(case.b_offsets), h_cols,
-                         ranks.sum(0, dtype=torch.int32))
-    tables = GroupTables(*(t.to(DEVICE) for t in (tables.a_offsets, tables.ranks, tables.b_offsets, tables.h_cols,
-                                                  tables.rank_total)))
+    tables = GroupTables(
+        torch.tensor(case.a_offsets), ranks, torch.tensor(case.b_offsets), h_cols, ranks.sum(0, dtype=torch.int32)
+    )
+    tables = GroupTables(
+        *(t.to(DEVICE) for t in (tables.a_offsets, tables.ranks, tables.b_offsets, tables.h_cols, tables.rank_total))
+    )
     plan = plan_segments(case.seg_starts, case.seg_slots, DEVICE)
     out_cols = torch.tensor(case.out_cols, dtype=torch.int32, device=DEVICE)
-    lora_sgmv_group_triton(case.y, case.x, plan, case.pool, tables, out_cols, column_tiles(case.out_cols, DEVICE),
-                           int(ranks.sum(0).max()))
+    lora_sgmv_group_triton(
+        case.y, case.x, plan, case.pool, tables, out_cols, column_tiles(case.out_cols, DEVICE), int(ranks.sum(0).max())
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
@@ -150,8 +153,17 @@ def test_triton_group_kernels_match_the_oracle(dtype: torch.dtype, layout: str) 
 def test_triton_equals_the_torch_twin(outs: list[int]) -> None:
     twin = make_group_case(32, outs, "mixed", torch.float32, seed=7)
     triton_case = make_group_case(32, outs, "mixed", torch.float32, seed=7)
-    lora_sgmv_group(twin.y, twin.x, twin.seg_starts, twin.seg_slots, twin.pool, twin.a_offsets, twin.ranks,
-                    twin.b_offsets, twin.out_cols)
+    lora_sgmv_group(
+        twin.y,
+        twin.x,
+        twin.seg_starts,
+        twin.seg_slots,
+        twin.pool,
+        twin.a_offsets,
+        twin.ranks,
+        twin.b_offsets,
+        twin.out_cols,
+    )
     run_triton(triton_case)
     torch.testing.assert_close(triton_case.y.cpu(), twin.y, rtol=1e-4, atol=1e-4)
 
@@ -161,8 +173,17 @@ def test_the_torch_twin_matches_the_oracle(layout: str) -> None:
     case = make_group_case(48, [40, 24, 24], layout, torch.float32, seed=3)
     delta, touched = oracle(case)
     before = case.y_wide.clone()
-    lora_sgmv_group(case.y, case.x, case.seg_starts, case.seg_slots, case.pool, case.a_offsets, case.ranks,
-                    case.b_offsets, case.out_cols)
+    lora_sgmv_group(
+        case.y,
+        case.x,
+        case.seg_starts,
+        case.seg_slots,
+        case.pool,
+        case.a_offsets,
+        case.ranks,
+        case.b_offsets,
+        case.out_cols,
+    )
     assert not torch.isnan(case.y).any()
     assert_update(case, before, delta, touched)
 

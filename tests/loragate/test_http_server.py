@@ -38,9 +38,18 @@ HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_CONNECTIONS = 1.0, 1.5, 3
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, MockUpstream]]:
     tmp = tmp_path_factory.mktemp("slow")
     with MockUpstream() as mock:
-        proc, url = start_gateway(tmp, "gateway", POLICY, [mock.url], "--header-timeout-s", str(HEADER_TIMEOUT_S),
-                                  "--body-timeout-s", str(BODY_TIMEOUT_S),
-                                  "--max-connections", str(MAX_CONNECTIONS))
+        proc, url = start_gateway(
+            tmp,
+            "gateway",
+            POLICY,
+            [mock.url],
+            "--header-timeout-s",
+            str(HEADER_TIMEOUT_S),
+            "--body-timeout-s",
+            str(BODY_TIMEOUT_S),
+            "--max-connections",
+            str(MAX_CONNECTIONS),
+        )
         try:
             yield url, mock
         finally:
@@ -75,8 +84,12 @@ def _answer(sock: socket.socket) -> tuple[int, dict]:
 
 
 def _serves(url: str) -> bool:
-    resp = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    resp = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": "hi", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+    )
     return resp.status_code == 200
 
 
@@ -104,9 +117,10 @@ def test_a_trickled_request_body_is_answered_408_and_closed(gateway: tuple[str, 
     count = mock.count
     sock = _connect(url)
     body = json.dumps({"prompt": "hello there", "max_tokens": 2}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
-                 + b"\r\n\r\n")
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
     _trickle(sock, body, every_s=BODY_TIMEOUT_S * 10 / len(body))
     status, answer = _answer(sock)
     assert status == 408 and "body" in answer["error"]["message"]
@@ -123,9 +137,15 @@ def test_connections_past_the_cap_are_answered_503_and_closed(gateway: tuple[str
         request = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
         for _ in range(MAX_CONNECTIONS):
             sock = _connect(url)
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
-                         + str(len(request)).encode() + b"\r\n\r\n" + request)
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Authorization: Bearer "
+                + KEY.encode()
+                + b"\r\nContent-Length: "
+                + str(len(request)).encode()
+                + b"\r\n\r\n"
+                + request
+            )
             held.append(sock)
         poll(lambda: mock.count == before + MAX_CONNECTIONS, 30, what="every held request reached the upstream")
         status, body = _answer(_connect(url))
@@ -142,8 +162,19 @@ def test_connections_past_the_cap_are_answered_503_and_closed(gateway: tuple[str
 def test_engine_and_gateway_take_the_connection_flags(tmp_path: Path) -> None:
     parser = build_parser()
     for command in (["engine", "--model", "tiny-random"], ["gateway", "--policy", "p.yaml", "--upstream", "http://x"]):
-        args = parser.parse_args([*command, "--header-timeout-s", "2.5", "--body-timeout-s", "7",
-                                  "--keep-alive-s", "3", "--max-connections", "9"])
+        args = parser.parse_args(
+            [
+                *command,
+                "--header-timeout-s",
+                "2.5",
+                "--body-timeout-s",
+                "7",
+                "--keep-alive-s",
+                "3",
+                "--max-connections",
+                "9",
+            ]
+        )
         assert (args.header_timeout_s, args.body_timeout_s, args.keep_alive_s, args.max_connections) == (2.5, 7, 3, 9)
         for bad in (["--header-timeout-s", "0"], ["--body-timeout-s", "nan"], ["--max-connections", "0"]):
             with pytest.raises(SystemExit):

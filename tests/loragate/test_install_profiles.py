@@ -24,13 +24,16 @@ def _python(code: str, python: str = sys.executable, cwd: Path = REPO) -> subpro
     return subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
-@pytest.mark.parametrize("snippet", [
-    "import gateway.app",
-    "import gateway.serving",
-    "import loragate.cli",
-    "from loragate.cli import main; main(['policy', 'check', 'policies/default.yaml'])",
-    "from loragate.cli import main; main(['policy', 'schema'])",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "import gateway.app",
+        "import gateway.serving",
+        "import loragate.cli",
+        "from loragate.cli import main; main(['policy', 'check', 'policies/default.yaml'])",
+        "from loragate.cli import main; main(['policy', 'schema'])",
+    ],
+)
 def test_the_gateway_and_the_cli_never_import_the_engine(snippet: str) -> None:
     done = _python(f"{snippet}\n{REPORT}")
     assert done.returncode == 0, done.stderr
@@ -38,9 +41,11 @@ def test_the_gateway_and_the_cli_never_import_the_engine(snippet: str) -> None:
 
 
 def test_the_gateway_tests_collect_without_torch() -> None:
-    code = ("import sys, pytest\n"
-            "rc = pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests/gateway'])\n"
-            "assert rc == 0, rc\n" + REPORT)
+    code = (
+        "import sys, pytest\n"
+        "rc = pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests/gateway'])\n"
+        "assert rc == 0, rc\n" + REPORT
+    )
     done = _python(code)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-500:]
@@ -49,8 +54,9 @@ def test_the_gateway_tests_collect_without_torch() -> None:
 @pytest.mark.parametrize("command", ["engine --model tiny-random", "up"])
 def test_engine_commands_without_the_extra_exit_2_naming_it(command: str) -> None:
     # Hide torch the way a missing package looks to the import system.
-    code = (f"import sys; sys.modules['torch'] = None\n"
-            f"from loragate.cli import main; sys.exit(main({command.split()!r}))")
+    code = (
+        f"import sys; sys.modules['torch'] = None\nfrom loragate.cli import main; sys.exit(main({command.split()!r}))"
+    )
     done = _python(code)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "pip install 'loragate[engine]'" in done.stderr, done.stderr
@@ -62,8 +68,12 @@ def test_pip_install_without_extras_is_a_working_gateway_and_cli(tmp_path: Path)
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = str(env_dir / "bin" / "python")
-    pip = subprocess.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(REPO)],
-                         capture_output=True, text=True, timeout=900)
+    pip = subprocess.run(
+        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
     outside = tmp_path / "elsewhere"  # not the checkout: only the installed package is importable
     outside.mkdir()
@@ -75,9 +85,15 @@ def test_pip_install_without_extras_is_a_working_gateway_and_cli(tmp_path: Path)
     page = _python("from gateway.admin import OpsPage; print(len(OpsPage().html))", python, outside)
     assert page.returncode == 0 and int(page.stdout) > 1000, page.stderr  # the ops page ships in the package
     cli = str(env_dir / "bin" / "loragate")
-    check = subprocess.run([cli, "policy", "check", str(REPO / "policies" / "default.yaml")], capture_output=True,
-                           text=True, cwd=outside, timeout=120)
+    check = subprocess.run(
+        [cli, "policy", "check", str(REPO / "policies" / "default.yaml")],
+        capture_output=True,
+        text=True,
+        cwd=outside,
+        timeout=120,
+    )
     assert check.returncode == 0 and check.stdout.startswith("ok: "), check.stdout + check.stderr
-    engine = subprocess.run([cli, "engine", "--model", "tiny-random"], capture_output=True, text=True, cwd=outside,
-                            timeout=120)
+    engine = subprocess.run(
+        [cli, "engine", "--model", "tiny-random"], capture_output=True, text=True, cwd=outside, timeout=120
+    )
     assert engine.returncode == 2 and "pip install 'loragate[engine]'" in engine.stderr, engine.stderr

@@ -30,8 +30,7 @@ def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory, suite_adapters: Path, shared_redis: RedisServer
-          ) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, suite_adapters: Path, shared_redis: RedisServer) -> Iterator[Stack]:
     """Two engines and a gateway sharing limits through Redis; every scenario must leave it idle."""
     shared = Stack(tmp_path_factory.mktemp("shared-stack"), suite_adapters, redis=shared_redis).start()
     yield shared

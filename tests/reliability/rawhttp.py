@@ -30,8 +30,7 @@ class Answer:
     @property
     def events(self) -> list[str]:
         """The data of each Server-Sent Event of a streamed answer."""
-        return [line.removeprefix("data: ") for line in self.body.decode().split("\n")
-                if line.startswith("data: ")]
+        return [line.removeprefix("data: ") for line in self.body.decode().split("\n") if line.startswith("data: ")]
 
     @property
     def error_type(self) -> str | None:
@@ -49,13 +48,19 @@ def _dechunk(data: bytes) -> bytes:
         if size == 0:
             break
         out += rest[:size]
-        data = rest[size + 2:]
+        data = rest[size + 2 :]
     return bytes(out)
 
 
-async def request(url: str, method: str, path: str, body: bytes | None = None,
-                  headers: Sequence[tuple[str, str]] | Mapping[str, str] = (), timeout_s: float = 60.0,
-                  tag: Any = None) -> Answer:
+async def request(
+    url: str,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: Sequence[tuple[str, str]] | Mapping[str, str] = (),
+    timeout_s: float = 60.0,
+    tag: Any = None,
+) -> Answer:
     """One request on its own connection; raises (OSError, asyncio.TimeoutError, ValueError) if no whole
     answer came back."""
     parts = urlsplit(url)
@@ -85,8 +90,14 @@ async def request(url: str, method: str, path: str, body: bytes | None = None,
     return Answer(int(status_line.split()[1]), answer_headers, payload, time.monotonic() - started, tag)
 
 
-def post_json(url: str, path: str, payload: Any, headers: Mapping[str, str] | Sequence[tuple[str, str]] = (),
-              timeout_s: float = 60.0, tag: Any = None) -> Awaitable[Answer]:
+def post_json(
+    url: str,
+    path: str,
+    payload: Any,
+    headers: Mapping[str, str] | Sequence[tuple[str, str]] = (),
+    timeout_s: float = 60.0,
+    tag: Any = None,
+) -> Awaitable[Answer]:
     pairs = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
     raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     return request(url, "POST", path, raw, [("Content-Type", "application/json"), *pairs], timeout_s, tag)

@@ -40,8 +40,19 @@ GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": NEW_TOKENS, "min_token
 GOOD_ADAPTERS = ("acme-a", "acme-b", "globex-a")
 MAX_MODEL_LEN = 1024
 # Every X-Loragate-Reason a 429 or 503 may carry.
-REASONS = frozenset({"rate_limited", "tokens_exhausted", "queue_full", "queue_timeout", "circuit_open",
-                     "no_upstream", "draining", "ratelimit_unavailable", "upstream_unavailable"})
+REASONS = frozenset(
+    {
+        "rate_limited",
+        "tokens_exhausted",
+        "queue_full",
+        "queue_timeout",
+        "circuit_open",
+        "no_upstream",
+        "draining",
+        "ratelimit_unavailable",
+        "upstream_unavailable",
+    }
+)
 
 
 def key(tenant: str) -> str:
@@ -58,8 +69,15 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 UNLIMITED = "{requests_per_second: 1000, burst: 1000, tokens_per_minute: 100000000}"
 
 
-def policy_yaml(*, on_redis_error: str = "open", max_inflight: int = 4, max_queue: int = 8,
-                queue_timeout_ms: int = 20000, acme_limits: str = UNLIMITED, open_seconds: float = 2) -> str:
+def policy_yaml(
+    *,
+    on_redis_error: str = "open",
+    max_inflight: int = 4,
+    max_queue: int = 8,
+    queue_timeout_ms: int = 20000,
+    acme_limits: str = UNLIMITED,
+    open_seconds: float = 2,
+) -> str:
     return f"""
 version: 1
 admin_keys: ["{hash_key(ADMIN_KEY)}"]
@@ -67,15 +85,15 @@ defaults:
   limits: {{requests_per_second: 1000, burst: 1000, tokens_per_minute: 100000000}}
 tenants:
   - id: acme
-    api_keys: ["{hash_key(key('acme'))}"]
+    api_keys: ["{hash_key(key("acme"))}"]
     adapters: ["acme-*"]
     max_priority: critical
     limits: {acme_limits}
   - id: globex
-    api_keys: ["{hash_key(key('globex'))}"]
+    api_keys: ["{hash_key(key("globex"))}"]
     adapters: ["globex-*"]
   - id: initech
-    api_keys: ["{hash_key(key('initech'))}"]
+    api_keys: ["{hash_key(key("initech"))}"]
     adapters: ["*"]
     max_priority: sheddable
     limits: {{requests_per_second: 50, burst: 50, tokens_per_minute: 100000000}}
@@ -96,8 +114,9 @@ def build_adapters(base_dir: Path, root: Path) -> Path:
         make_peft_adapter(base_dir, root / name, r=4, alpha=8, targets="all-linear", seed=seed + 1, b_std=0.3)
     shutil.copytree(root / "acme-a", root / "acme-bad")
     weights = root / "acme-bad" / "adapter_model.safetensors"
-    tensors = {k: torch.full_like(v, float("nan")) if ".lora_B." in k else v
-               for k, v in load_file(str(weights)).items()}
+    tensors = {
+        k: torch.full_like(v, float("nan")) if ".lora_B." in k else v for k, v in load_file(str(weights)).items()
+    }
     save_file(tensors, str(weights), metadata={"format": "pt"})
     shutil.copytree(root / "acme-a", root / "broken")
     (root / "broken" / "adapter_model.safetensors").write_bytes(b"\x00not safetensors" * 64)
@@ -110,15 +129,19 @@ def reference_texts(base_dir: Path, adapter_root: Path) -> dict[str | None, str]
 
     tokenizer = load_tokenizer(base_dir)
     ids = tokenizer(PROMPT)["input_ids"]
-    return {name: tokenizer.decode(peft_greedy(base_dir, None if name is None else adapter_root / name, ids,
-                                               NEW_TOKENS))
-            for name in (None, *GOOD_ADAPTERS)}
+    return {
+        name: tokenizer.decode(peft_greedy(base_dir, None if name is None else adapter_root / name, ids, NEW_TOKENS))
+        for name in (None, *GOOD_ADAPTERS)
+    }
 
 
 def metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -171,8 +194,14 @@ class Stack:
         return self.tmp / "gateway.yaml"
 
     def start(self) -> Stack:
-        engine_args = ("--adapter-dir", str(self.adapter_dir), "--max-model-len", str(MAX_MODEL_LEN),
-                       "--max-device-adapters", "4")
+        engine_args = (
+            "--adapter-dir",
+            str(self.adapter_dir),
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-device-adapters",
+            "4",
+        )
         for i in range(self.num_engines):
             engine = Engine(self.tmp / f"engine{i}.log", free_port(), engine_args)
             engine.start()
@@ -180,8 +209,9 @@ class Stack:
         args = list(self.gateway_args)
         if self.redis is not None:
             args += ["--redis", self.redis.url]
-        self.gateway_proc, self.url = start_gateway(self.tmp, "gateway", self.policy,
-                                                    [e.url for e in self.engines], *args)
+        self.gateway_proc, self.url = start_gateway(
+            self.tmp, "gateway", self.policy, [e.url for e in self.engines], *args
+        )
         return self
 
     def stop(self) -> None:
@@ -204,8 +234,11 @@ class Stack:
 
     def wait_idle(self, timeout_s: float = 30.0) -> None:
         """Until no engine holds a running or waiting request, and their KV blocks are free again."""
-        gauges = ("loragate_engine_requests_running", "loragate_engine_requests_waiting",
-                  "loragate_engine_kv_blocks_used")
+        gauges = (
+            "loragate_engine_requests_running",
+            "loragate_engine_requests_waiting",
+            "loragate_engine_kv_blocks_used",
+        )
 
         def busy() -> list[tuple[str, str]]:
             return [(e.url, name) for e in self.engines if e.proc is not None for name in gauges if metric(e.url, name)]

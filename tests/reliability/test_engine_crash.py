@@ -24,8 +24,9 @@ async def _streams(url: str, count: int, started: asyncio.Event) -> list[tuple[s
     async def one(http: httpx.AsyncClient) -> tuple[str, list[dict]]:
         nonlocal begun
         text, events = "", []
-        async with http.stream("POST", "/v1/completions", json={**LONG, "stream": True},
-                               headers=auth("globex")) as resp:
+        async with http.stream(
+            "POST", "/v1/completions", json={**LONG, "stream": True}, headers=auth("globex")
+        ) as resp:
             assert resp.status_code == 200
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
@@ -46,7 +47,6 @@ async def _streams(url: str, count: int, started: asyncio.Event) -> list[tuple[s
 
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         return list(await asyncio.gather(*(one(http) for _ in range(count))))
-
 
 
 def test_kill_9_of_an_engine_mid_stream(tmp_path: Path, suite_adapters: Path) -> None:
@@ -76,23 +76,33 @@ def test_kill_9_of_an_engine_mid_stream(tmp_path: Path, suite_adapters: Path) ->
             assert text == full
 
         # Requests that had not started: those sent to the dead engine are retried on the survivor.
-        answers = [httpx.post(f"{stack.url}/v1/completions", json={**LONG, "max_tokens": 4},
-                              headers=auth("globex"), timeout=60) for _ in range(6)]
+        answers = [
+            httpx.post(
+                f"{stack.url}/v1/completions", json={**LONG, "max_tokens": 4}, headers=auth("globex"), timeout=60
+            )
+            for _ in range(6)
+        ]
         assert [a.status_code for a in answers] == [200] * 6
+
         def tripped() -> bool:
             # Traffic, so that the state is read while requests meet it: an open breaker turns half_open on its
             # own after open_seconds (2 s here, less than six answers may take on a slow machine), and only a
             # request routed to the dead engine (a failing probe) opens it again.
-            httpx.post(f"{stack.url}/v1/completions", json={**LONG, "max_tokens": 2}, headers=auth("globex"),
-                       timeout=60).raise_for_status()
+            httpx.post(
+                f"{stack.url}/v1/completions", json={**LONG, "max_tokens": 2}, headers=auth("globex"), timeout=60
+            ).raise_for_status()
             return stack.breakers()[victim.url] != "closed"  # open, or half_open: only reached through open
+
         poll(tripped, 30, what="the victim's breaker open")
 
         victim.start()  # back on the same port: the breaker's half-open probe finds it
+
         def closed() -> bool:
-            httpx.post(f"{stack.url}/v1/completions", json={**LONG, "max_tokens": 2}, headers=auth("globex"),
-                       timeout=60).raise_for_status()
+            httpx.post(
+                f"{stack.url}/v1/completions", json={**LONG, "max_tokens": 2}, headers=auth("globex"), timeout=60
+            ).raise_for_status()
             return stack.breakers()[victim.url] == "closed"
+
         poll(closed, 30, what="the victim's breaker closed again")
         stack.wait_idle()
     finally:

@@ -24,19 +24,22 @@ def _text(resp: httpx.Response) -> str:
     return resp.json()["choices"][0]["text"]
 
 
-def _post(stack: Stack, tenant: str, headers: dict[str, str] | list[tuple[str, str]] = (),
-          body: dict | None = None) -> httpx.Response:
+def _post(
+    stack: Stack, tenant: str, headers: dict[str, str] | list[tuple[str, str]] = (), body: dict | None = None
+) -> httpx.Response:
     pairs = list(headers.items()) if isinstance(headers, dict) else list(headers)
-    return httpx.post(f"{stack.url}/v1/completions", json=body or BODY, timeout=60,
-                      headers=[*auth(tenant).items(), *pairs])
+    return httpx.post(
+        f"{stack.url}/v1/completions", json=body or BODY, timeout=60, headers=[*auth(tenant).items(), *pairs]
+    )
 
 
 def test_a_poisoned_adapter_fails_alone_and_never_opens_a_breaker(
-        stack: Stack, references: dict[str | None, str]) -> None:
+    stack: Stack, references: dict[str | None, str]
+) -> None:
     """acme keeps asking for acme-bad (NaN weights) while globex's traffic runs beside it."""
+
     def bad():
-        return post_json(stack.url, "/v1/completions", BODY, {**auth("acme"), "X-Adapter-ID": "acme-bad"},
-                         tag="bad")
+        return post_json(stack.url, "/v1/completions", BODY, {**auth("acme"), "X-Adapter-ID": "acme-bad"}, tag="bad")
 
     def good(adapter: str | None):
         headers = {**auth("globex"), **({"X-Adapter-ID": adapter} if adapter else {})}
@@ -67,22 +70,31 @@ def test_a_corrupt_adapter_is_skipped_at_start_and_never_served(stack: Stack) ->
 
 
 def test_another_tenants_adapter_is_unreachable_by_every_naming_path(
-        stack: Stack, references: dict[str | None, str]) -> None:
+    stack: Stack, references: dict[str | None, str]
+) -> None:
     """acme may use acme-* only; globex-a must never answer it, whatever it sends."""
     base = references[None]
     # The base model's name in the header, globex-a in the body: served by the base model.
     model_name = httpx.get(f"{stack.engines[0].url}/v1/models", timeout=30).json()["data"][0]["id"]
     resp = _post(stack, "acme", {"X-Adapter-ID": model_name}, {**BODY, "model": "globex-a"})
     assert _text(resp) == base and resp.headers["x-loragate-adapter"] == model_name
-    with httpx.stream("POST", f"{stack.url}/v1/completions", timeout=60,
-                      json={**BODY, "model": "globex-a", "stream": True},
-                      headers={**auth("acme"), "x-adapter-id": model_name}) as stream:
-        events = [json.loads(line[6:]) for line in stream.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+    with httpx.stream(
+        "POST",
+        f"{stack.url}/v1/completions",
+        timeout=60,
+        json={**BODY, "model": "globex-a", "stream": True},
+        headers={**auth("acme"), "x-adapter-id": model_name},
+    ) as stream:
+        events = [
+            json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == base
-    chat = httpx.post(f"{stack.url}/v1/chat/completions", timeout=60,
-                      json={"messages": [{"role": "user", "content": "hi"}], "model": "globex-a", **GREEDY},
-                      headers={**auth("acme"), "X-Adapter-ID": model_name})
+    chat = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "hi"}], "model": "globex-a", **GREEDY},
+        headers={**auth("acme"), "X-Adapter-ID": model_name},
+    )
     assert chat.status_code == 200 and chat.json()["model"] == model_name
     # Naming it directly, in any case or repeated: refused.
     for headers, body, status in [
@@ -105,8 +117,21 @@ def test_another_tenants_adapter_is_unreachable_by_every_naming_path(
     assert _text(resp) == references[resp.headers["x-loragate-adapter"]]
 
 
-HOSTILE = ["../acme-a", "acme-a/../globex-a", "/etc/passwd", "..", ".hidden", "a" * 5000, "acme-a\x00",
-           "acme-*", "*", "acme-a ", "ü", "a\\b", "%2e%2e%2f"]
+HOSTILE = [
+    "../acme-a",
+    "acme-a/../globex-a",
+    "/etc/passwd",
+    "..",
+    ".hidden",
+    "a" * 5000,
+    "acme-a\x00",
+    "acme-*",
+    "*",
+    "acme-a ",
+    "ü",
+    "a\\b",
+    "%2e%2e%2f",
+]
 
 
 @pytest.mark.parametrize("where", ["header", "model"])
@@ -121,8 +146,11 @@ def test_hostile_adapter_ids_are_refused_without_a_5xx(stack: Stack, where: str)
             assert resp.status_code in (200, 400, 403, 404), (adapter, resp.status_code, resp.text)
             assert resp.headers.get("x-loragate-adapter") in (None, "acme-a", *_base(stack))
             assert len(resp.text) < 2000  # a hostile id is never echoed whole
-        direct = httpx.post(f"{stack.engines[0].url}/v1/completions", timeout=60,
-                            json={**BODY, "max_tokens": 2, "min_tokens": 0, "model": adapter})
+        direct = httpx.post(
+            f"{stack.engines[0].url}/v1/completions",
+            timeout=60,
+            json={**BODY, "max_tokens": 2, "min_tokens": 0, "model": adapter},
+        )
         assert direct.status_code in (200, 400, 404), (adapter, direct.text)
     assert _post(stack, "initech", {"X-Adapter-ID": "acme-a"}).status_code == 200
 
@@ -151,8 +179,15 @@ def test_clients_that_leave_mid_stream_free_the_engines(stack: Stack) -> None:
 
 
 def test_slow_clients_time_out_while_everyone_else_is_served(tmp_path: Path) -> None:
-    proc, url = start_engine_server(tmp_path / "engine.log", "--header-timeout-s", "1", "--body-timeout-s", "1",
-                                    "--max-model-len", str(MAX_MODEL_LEN))
+    proc, url = start_engine_server(
+        tmp_path / "engine.log",
+        "--header-timeout-s",
+        "1",
+        "--body-timeout-s",
+        "1",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+    )
     host, port = url.removeprefix("http://").split(":")
     try:
         silent = [socket.create_connection((host, int(port))) for _ in range(20)]

@@ -20,23 +20,40 @@ from stack import SCALE, Stack, auth
 # Characters worth trying: letters, digits, spaces, controls and lone surrogates (which "\\ud800" escapes
 # decode to) - not whole Unicode, which would mostly draw letters.
 TEXT = st.text(st.characters(categories=["Lu", "Ll", "Nd", "Zs", "Cc", "Cs", "So"]), max_size=24)
-NUMBERS = st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
-                    st.sampled_from([0, -1, 1, 2**63, 1e39, 1e-39, -0.0]))
+NUMBERS = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0, -1, 1, 2**63, 1e39, 1e-39, -0.0]),
+)
 SCALARS = st.one_of(st.none(), st.booleans(), NUMBERS, TEXT)
-ANY = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                    st.dictionaries(TEXT, inner, max_size=3)), max_leaves=6)
+ANY = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(TEXT, inner, max_size=3)),
+    max_leaves=6,
+)
 SMALL = st.one_of(st.integers(-3, 6), st.sampled_from([0, 2**31, 10**12, -(2**63)]), NUMBERS, SCALARS)
 FLOATY = st.one_of(st.floats(-5, 5), NUMBERS, SCALARS)
 
 SAMPLING = {
-    "temperature": FLOATY, "top_p": FLOATY, "top_k": SMALL, "min_tokens": SMALL, "seed": SMALL,
-    "presence_penalty": FLOATY, "frequency_penalty": FLOATY, "repetition_penalty": FLOATY,
-    "stop": st.one_of(TEXT, st.lists(TEXT, max_size=3), ANY), "stop_token_ids": st.one_of(
-        st.lists(st.integers(-5, 60000), max_size=4), ANY),
-    "stream": st.one_of(st.booleans(), ANY), "stream_options": st.one_of(
-        st.fixed_dictionaries({"include_usage": st.one_of(st.booleans(), ANY)}), ANY),
-    "ignore_eos": st.one_of(st.booleans(), ANY), "n": SMALL, "user": ANY, "model": st.one_of(TEXT, ANY),
-    "logit_bias": ANY, "skip_special_tokens": ANY, "best_of": SMALL,
+    "temperature": FLOATY,
+    "top_p": FLOATY,
+    "top_k": SMALL,
+    "min_tokens": SMALL,
+    "seed": SMALL,
+    "presence_penalty": FLOATY,
+    "frequency_penalty": FLOATY,
+    "repetition_penalty": FLOATY,
+    "stop": st.one_of(TEXT, st.lists(TEXT, max_size=3), ANY),
+    "stop_token_ids": st.one_of(st.lists(st.integers(-5, 60000), max_size=4), ANY),
+    "stream": st.one_of(st.booleans(), ANY),
+    "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.one_of(st.booleans(), ANY)}), ANY),
+    "ignore_eos": st.one_of(st.booleans(), ANY),
+    "n": SMALL,
+    "user": ANY,
+    "model": st.one_of(TEXT, ANY),
+    "logit_bias": ANY,
+    "skip_special_tokens": ANY,
+    "best_of": SMALL,
 }
 
 
@@ -46,27 +63,51 @@ def body(required: dict[str, st.SearchStrategy], optional: dict[str, st.SearchSt
     return st.tuples(known, st.dictionaries(TEXT, ANY, max_size=2)).map(lambda kv: {**kv[1], **kv[0]})
 
 
-COMPLETION = body({"max_tokens": SMALL, "prompt": st.one_of(TEXT, st.lists(st.integers(-5, 60000), max_size=8),
-                                                             ANY)},
-                  {**SAMPLING, "logprobs": SMALL, "echo": ANY, "suffix": ANY})
-MESSAGE = st.one_of(st.fixed_dictionaries(
-    {"role": st.one_of(st.sampled_from(["user", "system", "assistant", "developer"]), TEXT),
-     "content": st.one_of(TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
-                                         max_size=2), ANY)}), ANY)
-CHAT = st.one_of(*(body({limit: SMALL, "messages": st.one_of(st.lists(MESSAGE, min_size=1, max_size=3), ANY)},
-                        {**SAMPLING, "logprobs": ANY, "top_logprobs": SMALL, "tools": ANY,
-                         "response_format": ANY})
-                   for limit in ("max_tokens", "max_completion_tokens")))
-HEADERS = st.dictionaries(st.sampled_from(["X-Adapter-ID", "X-Priority", "X-User-ID", "X-Variant"]),
-                          st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=12), max_size=3)
-SETTINGS = settings(max_examples=40 * SCALE, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+COMPLETION = body(
+    {"max_tokens": SMALL, "prompt": st.one_of(TEXT, st.lists(st.integers(-5, 60000), max_size=8), ANY)},
+    {**SAMPLING, "logprobs": SMALL, "echo": ANY, "suffix": ANY},
+)
+MESSAGE = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "role": st.one_of(st.sampled_from(["user", "system", "assistant", "developer"]), TEXT),
+            "content": st.one_of(
+                TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2), ANY
+            ),
+        }
+    ),
+    ANY,
+)
+CHAT = st.one_of(
+    *(
+        body(
+            {limit: SMALL, "messages": st.one_of(st.lists(MESSAGE, min_size=1, max_size=3), ANY)},
+            {**SAMPLING, "logprobs": ANY, "top_logprobs": SMALL, "tools": ANY, "response_format": ANY},
+        )
+        for limit in ("max_tokens", "max_completion_tokens")
+    )
+)
+HEADERS = st.dictionaries(
+    st.sampled_from(["X-Adapter-ID", "X-Priority", "X-User-ID", "X-Variant"]),
+    st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=12),
+    max_size=3,
+)
+SETTINGS = settings(
+    max_examples=40 * SCALE,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
 def _send(url: str, path: str, body: Any, headers: dict[str, str]) -> httpx.Response:
     # json.dumps writes NaN/Infinity and escapes lone surrogates: exactly what a careless client sends.
-    return httpx.post(f"{url}{path}", content=json.dumps(body).encode(), timeout=60,
-                      headers={"Content-Type": "application/json", **headers})
+    return httpx.post(
+        f"{url}{path}",
+        content=json.dumps(body).encode(),
+        timeout=60,
+        headers={"Content-Type": "application/json", **headers},
+    )
 
 
 def _check(resp: httpx.Response, body: Any) -> None:

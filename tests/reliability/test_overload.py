@@ -40,14 +40,16 @@ def _plan(count: int) -> list[tuple[str, str, str | None]]:
 
 
 def test_three_times_overload_gets_every_request_exactly_one_true_answer(
-        stack: Stack, references: dict[str | None, str]) -> None:
+    stack: Stack, references: dict[str | None, str]
+) -> None:
     rate = 3 * _capacity(stack)
     plan = _plan(int(3 * rate) * SCALE)  # about three seconds of arrivals
 
     def call(tenant: str, priority: str, adapter: str | None):
         headers = {**auth(tenant), "X-Priority": priority, **({"X-Adapter-ID": adapter} if adapter else {})}
-        return lambda: post_json(stack.url, "/v1/completions", {"prompt": PROMPT, **GREEDY}, headers,
-                                 tag=(tenant, priority, adapter))
+        return lambda: post_json(
+            stack.url, "/v1/completions", {"prompt": PROMPT, **GREEDY}, headers, tag=(tenant, priority, adapter)
+        )
 
     tally = asyncio.run(open_loop([call(*p) for p in plan], rate))
 
@@ -77,5 +79,3 @@ def test_three_times_overload_gets_every_request_exactly_one_true_answer(
     assert set(reasons) <= {"queue_full", "queue_timeout"}, reasons
     stack.wait_idle()
     assert sum(u["inflight"] for u in stack.admin_policy()["routing"]["upstreams"]) == 0
-
-

@@ -16,8 +16,12 @@ from stack import PROMPT, SCALE, Stack, auth
 
 
 def _wait_for(stack: Stack, check, timeout_s: float = 20.0) -> dict:
-    return poll(lambda: state if check(state := stack.admin_policy()) else None, timeout_s, interval_s=0.1,
-                what="the policy state")
+    return poll(
+        lambda: state if check(state := stack.admin_policy()) else None,
+        timeout_s,
+        interval_s=0.1,
+        what="the policy state",
+    )
 
 
 def test_broken_policies_under_load_are_refused_and_a_good_one_takes_over(stack: Stack) -> None:
@@ -31,8 +35,11 @@ def test_broken_policies_under_load_are_refused_and_a_good_one_takes_over(stack:
         stack.policy_path.write_text(original.replace("max_queue: 8", "max_queue: -1"))
         pushed["key"] = _wait_for(stack, lambda s: s["reload_errors"] == before["reload_errors"] + 2)
         # A good edit: a new tenant appears.
-        stack.policy_path.write_text(original.replace(
-            "tenants:\n", f"tenants:\n  - id: newco\n    api_keys: [\"{hash_key('newco-key')}\"]\n    adapters: []\n"))
+        stack.policy_path.write_text(
+            original.replace(
+                "tenants:\n", f'tenants:\n  - id: newco\n    api_keys: ["{hash_key("newco-key")}"]\n    adapters: []\n'
+            )
+        )
         pushed["good"] = _wait_for(stack, lambda s: s["sha256"] != before["sha256"])
 
     def call():

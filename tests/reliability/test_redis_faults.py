@@ -18,16 +18,25 @@ def _post(stack: Stack) -> httpx.Response:
 
 
 def _poll_status(stack: Stack, status: int, timeout_s: float = 20.0) -> httpx.Response:
-    return poll(lambda: (resp := _post(stack)).status_code == status and resp, timeout_s, interval_s=0.1,
-                what=f"an answer {status}")
+    return poll(
+        lambda: (resp := _post(stack)).status_code == status and resp,
+        timeout_s,
+        interval_s=0.1,
+        what=f"an answer {status}",
+    )
 
 
 def test_redis_down_and_back_in_both_fail_modes(tmp_path: Path, suite_adapters: Path) -> None:
 
     redis = start_redis(tmp_path / "redis")
     limited = "{requests_per_second: 0.01, burst: 3, tokens_per_minute: 100000000}"  # 3 requests, then one per 100 s
-    stack = Stack(tmp_path, suite_adapters, num_engines=1, redis=redis,
-                  policy=policy_yaml(on_redis_error="closed", acme_limits=limited)).start()
+    stack = Stack(
+        tmp_path,
+        suite_adapters,
+        num_engines=1,
+        redis=redis,
+        policy=policy_yaml(on_redis_error="closed", acme_limits=limited),
+    ).start()
     try:
         # Shared limits work: the burst, then 429.
         assert [_post(stack).status_code for _ in range(4)] == [200, 200, 200, 429]
