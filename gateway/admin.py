@@ -29,24 +29,25 @@ import logging
 import time
 from collections import deque
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from gateway.clock import iso_time
+from gateway.fleet import Fleet
+from gateway.fleet_store import FleetStore
 from gateway.overrides import BREAKER, TENANT, UPSTREAM
 from gateway.policy import PolicyError
+from gateway.reload import PolicyStore
 from gateway.rollout import Rollouts
-from loragate.errors import ApiError, bad_request, shown
+from gateway.telemetry import GatewayMetrics
+from loragate.errors import ApiError, bad_request, shown, unauthorized
 from loragate.http_io import read_json
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 logger = logging.getLogger(__name__)
 
-BEARER = {"WWW-Authenticate": "Bearer"}
 UPSTREAM_ACTIONS = ("drain", "undrain", "reset-breaker")
 TENANT_ACTIONS = ("suspend", "resume")
 LOG_KEY = "loragate:admin-log"
@@ -55,10 +56,6 @@ LOG_SHOWN = 50  # of which GET /admin/policy shows the newest
 MAX_ACTOR = 64
 MAX_REASON = 200
 ADMIN_BODY_BYTES = 16 << 10
-
-
-def unauthorized(message: str) -> ApiError:
-    return ApiError(401, "authentication_error", message, BEARER)
 
 
 def not_found(message: str) -> ApiError:
@@ -98,11 +95,26 @@ class OpsPage:
 
 
 class AdminRoutes:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
-        self.store = gateway.store
+    """The /admin/* routes over the parts they act on: the policy, the engines, the fleet's shared store."""
+
+    def __init__(self, store: PolicyStore, fleet: Fleet, metrics: GatewayMetrics, fleet_store: FleetStore) -> None:
+        self.store = store
+        self.fleet = fleet
+        self.metrics = metrics
+        self.fleet_store = fleet_store
         self.log: deque[dict[str, Any]] = deque(maxlen=LOG_KEEP)  # this replica's actions (no Redis)
         self._page: OpsPage | None = None
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/admin/policy", self.policy, methods=["GET"]),
+            Route("/admin/reload", self.reload, methods=["POST"]),
+            Route("/admin/rollouts/{name}/{action}", self.rollout, methods=["POST"]),
+            Route("/admin/upstreams/{action}", self.upstream, methods=["POST"]),
+            Route("/admin/tenants/{id}/{action}", self.tenant, methods=["POST"]),
+            Route("/admin/overrides/clear", self.clear_overrides, methods=["POST"]),
+            Route("/admin/ui", self.ui, methods=["GET"]),
+        ]
 
     # ---- auth ----
 
@@ -123,26 +135,26 @@ class AdminRoutes:
         return JSONResponse(await self.state())
 
     async def state(self) -> dict[str, Any]:
-        gw = self.gw
+        fleet = self.fleet
         tenants = {}
         for tenant in self.store.active.policy.tenants:
-            suspended = gw.overrides.suspended(tenant.id)
+            suspended = fleet.overrides.suspended(tenant.id)
             tenants[tenant.id] = {
-                **gw.metrics.tally(tenant.id),
+                **self.metrics.tally(tenant.id),
                 "suspended": suspended.to_json() if suspended is not None else None,
             }
         return {
             **self.store.describe(),
-            "routing": gw.routing(),
-            "queues": gw.admission.queue_depths(),
+            "routing": fleet.routing(),
+            "queues": fleet.admission.queue_depths(),
             "tenants": tenants,
-            "overrides": gw.overrides.describe(),
+            "overrides": fleet.overrides.describe(),
             "actions": await self._read_log(),
             "now": iso_time(time.time()),
         }
 
     async def _read_log(self) -> list[dict[str, Any]]:
-        share = self.gw.share
+        share = self.fleet_store
         if share.shared:
             try:
                 return [json.loads(line) for line in await share.read_log(LOG_KEY, LOG_SHOWN)]
@@ -164,9 +176,9 @@ class AdminRoutes:
             "changed" if changed else "no change",
             f" ({detail})" if detail else "",
         )
-        self.gw.metrics.count_admin_action(action, changed)
+        self.metrics.count_admin_action(action, changed)
         self.log.append(entry)
-        share = self.gw.share
+        share = self.fleet_store
         if share.shared:
             try:
                 await share.push_log(LOG_KEY, json.dumps(entry), LOG_KEEP)
@@ -178,7 +190,7 @@ class AdminRoutes:
         Redis) on every replica."""
         who = self._require_admin(request)
         try:
-            active = self.store.reload(await self.gw.served_adapters(), fresh=True)
+            active = self.store.reload(await self.fleet.served_adapters(), fresh=True)
         except PolicyError as exc:
             await self._record(who, "reload", "policy", False, "refused")
             raise ApiError(400, "invalid_policy", str(exc)) from None
@@ -186,7 +198,7 @@ class AdminRoutes:
             await active.rollouts.clear_shared()
         except Exception as exc:  # Redis down: this replica is fresh, the others keep a shared rollback
             logger.warning("could not clear the shared rollbacks: %s", exc)
-        await self.gw.clear_overrides()
+        await self.fleet.clear_overrides()
         await self._record(who, "reload", "policy", True, f"sha256 {active.sha256[:12]}")
         return JSONResponse(self.store.describe())
 
@@ -221,10 +233,10 @@ class AdminRoutes:
         if "url" not in data:
             raise bad_request('body: give the upstream as {"url": "http://..."} (GET /admin/policy lists them)')
         url = _text(data["url"], "url", 2048).rstrip("/")
-        upstream = next((u for u in self.gw.admission.upstreams if u.url == url), None)
+        upstream = self.fleet.upstream(url)
         if upstream is None:
             raise not_found(f"no upstream {shown(url)} (GET /admin/policy lists them under routing.upstreams)")
-        overrides = self.gw.overrides
+        overrides = self.fleet.overrides
         if action == "drain":
             changed = await overrides.put(UPSTREAM, url, "drained by an operator", who)
         elif action == "undrain":
@@ -232,10 +244,10 @@ class AdminRoutes:
         else:
             changed = upstream.breaker.reset()
             await overrides.put(BREAKER, url, "reset by an operator", who)  # the other replicas reset theirs
-        self.gw.apply_overrides()
+        self.fleet.apply_overrides()
         await self._record(who, f"upstream.{action}", url, changed)
         return JSONResponse(
-            {"action": action, "upstream": url, "changed": changed, "state": self.gw.upstream_state(upstream)}
+            {"action": action, "upstream": url, "changed": changed, "state": self.fleet.upstream_state(upstream)}
         )
 
     async def tenant(self, request: Request) -> Response:
@@ -245,7 +257,7 @@ class AdminRoutes:
             raise not_found(f"unknown tenant action {shown(action)} (one of: {', '.join(TENANT_ACTIONS)})")
         if self.store.active.policy.tenant(tenant_id) is None:
             raise not_found(f"no tenant {shown(tenant_id)} in the active policy")
-        overrides = self.gw.overrides
+        overrides = self.fleet.overrides
         if action == "suspend":
             data = await read_json(request, ADMIN_BODY_BYTES, optional=True)
             reason = _text(data.get("reason", ""), "reason", MAX_REASON) or "suspended by an operator"
@@ -265,11 +277,11 @@ class AdminRoutes:
 
     async def clear_overrides(self, request: Request) -> Response:
         who = self._require_admin(request)
-        had = self.gw.overrides.describe()
+        had = self.fleet.overrides.describe()
         changed = bool(had["suspended_tenants"] or had["drained_upstreams"])
-        await self.gw.clear_overrides()
+        await self.fleet.clear_overrides()
         await self._record(who, "overrides.clear", "all", changed)
-        return JSONResponse({"action": "clear", "changed": changed, "overrides": self.gw.overrides.describe()})
+        return JSONResponse({"action": "clear", "changed": changed, "overrides": self.fleet.overrides.describe()})
 
     # ---- the page ----
 

@@ -62,9 +62,9 @@ class DnsUpstreams:
     interval_s: float = DNS_INTERVAL_S
 
     @classmethod
-    def from_target(cls, text: str, **kwargs: object) -> DnsUpstreams:
+    def from_target(cls, text: str, interval_s: float = DNS_INTERVAL_S) -> DnsUpstreams:
         name, port = parse_target(text)
-        return cls(name, port, **kwargs)  # type: ignore[arg-type]
+        return cls(name, port, interval_s=interval_s)
 
     async def urls(self) -> list[str] | None:
         """The current URLs, or None when the resolver failed (keep what you have)."""

@@ -61,7 +61,7 @@ class Override:
 
 
 class HashShare(Protocol):
-    """The part of the replicas' shared store overrides use (gateway/rollout.py's RedisShare, LocalShare)."""
+    """The part of the replicas' shared store overrides use (gateway/fleet_store.py)."""
 
     shared: bool
 

@@ -151,7 +151,7 @@ def _check_variants(variants: tuple[Variant, ...]) -> tuple[Variant, ...]:
 
 
 def _check_steps(steps: tuple[float, ...]) -> tuple[float, ...]:
-    if any(b <= a for a, b in zip(steps, steps[1:])):
+    if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
         raise ValueError("steps must increase")
     if steps[-1] != 100:
         raise ValueError("the last step must be 100 (the new variant takes all traffic: promoted)")

@@ -57,7 +57,7 @@ def render_policy_json_schema() -> str:
 
 def _string_items(array_schema: dict[str, Any]) -> dict[str, Any]:
     """The item schema of an array-of-strings property."""
-    items = array_schema["items"]
+    items: dict[str, Any] = array_schema["items"]
     if items.get("type") != "string":
         raise LookupError(f"expected an array of strings, got items {items!r}")
     return items
@@ -67,6 +67,7 @@ def _string_branch(prop: dict[str, Any]) -> dict[str, Any]:
     """The string schema of a property that is a string or `anyOf` [string, null]."""
     if prop.get("type") == "string":
         return prop
+    branch: dict[str, Any]
     for branch in prop.get("anyOf", ()):
         if branch.get("type") == "string":
             return branch

@@ -41,7 +41,7 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _USAGE_NULL = b', "usage": null}'  # how a stream chunk's JSON ends when the usage is asked for (and not yet known)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Call:
     """One request as it goes upstream."""
 

@@ -20,10 +20,9 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
-if TYPE_CHECKING:
-    from gateway.policy import Limits, Policy
+from gateway.policy import Limits
 
 # Float slack for "exactly on the boundary" (e.g. the burst-th request of a burst): 1 microsecond / token.
 EPS = 1e-6
@@ -137,12 +136,3 @@ class MemoryRateLimiter:
 
     async def aclose(self) -> None:
         return None
-
-
-def make_limiter(redis_url: str | None, policy: Policy) -> RateLimiter:
-    """In-process limits without a Redis URL; shared limits across replicas with one."""
-    if redis_url is None:
-        return MemoryRateLimiter()
-    from gateway.redis_limiter import RedisRateLimiter
-
-    return RedisRateLimiter(redis_url, on_error=policy.ratelimit.on_redis_error)

@@ -1,5 +1,5 @@
 """The Redis connection both shared gateway states use: rate limits (gateway/redis_limiter.py) and
-rollouts (gateway/rollout.py's RedisShare).
+what the replicas share (gateway/fleet_store.py).
 
 No client-side retries and short socket timeouts, so a refused connection fails at once and a stalled one
 after SOCKET_TIMEOUT_S: a dead Redis costs a request at most that long, and never hangs it. Callers decide

@@ -9,13 +9,11 @@ missing key means exactly "full", so idle tenants leave nothing behind.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+from gateway.policy import Limits
 from gateway.ratelimit import Decision, RateLimiterUnavailable, Reservation, refill_per_s
 from gateway.redis_client import UNREACHABLE, redis_client
-
-if TYPE_CHECKING:
-    from gateway.policy import Limits
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ in GET /admin/policy until a reload succeeds.
 Rollout state across reloads: a reload from the file keeps the state (windows, rollback) of every rollout
 whose definition is unchanged; POST /admin/reload starts every rollout afresh and clears the rollbacks
 shared with other replicas. Admission and breaker settings and the rate limiter's on_redis_error are
-applied in place by `on_reload` (Gateway.apply_settings): new room is used at once, while requests in
+applied in place by `on_reload` (gateway/app.py's Gateway.apply_settings): new room is used at once, while requests in
 flight or already queued keep what they had.
 """
 
@@ -29,9 +29,10 @@ from typing import Any
 
 from gateway.auth import Authenticator
 from gateway.clock import iso_time
+from gateway.fleet_store import FleetStore
 from gateway.policy import Policy, PolicyError, read_policy
 from gateway.progress import Control
-from gateway.rollout import RollbackEvent, RollbackShare, Rollouts
+from gateway.rollout import RollbackEvent, Rollouts
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class PolicyStore:
         policy: Policy,
         path: Path | None,
         environ: Mapping[str, str] = os.environ,
-        share: RollbackShare | None = None,
+        share: FleetStore | None = None,
         on_rollback: Callable[[str, RollbackEvent], None] | None = None,
         on_reload_error: Callable[[], None] | None = None,
         on_reload: Callable[[Policy], None] | None = None,

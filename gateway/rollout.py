@@ -23,7 +23,7 @@ It stays rolled back until the policy is reloaded with POST /admin/reload; a fil
 leaves the rollout's definition unchanged keeps its state (windows and rollback), a changed definition
 starts afresh.
 
-Sharing (`RollbackShare`), with Redis, at each `Rollouts.sync` (about once a second):
+Sharing (gateway/fleet_store.py), with Redis, at each `Rollouts.sync` (about once a second):
 - Pooled windows: each replica adds its outcomes (`Counts`: requests, errors, and how many TTFTs were
   above the bound, which is all a p99 test needs) to per-variant hashes in time slices of
   window_s / SLICES, and judges the sum of the slices in the window, so `min_requests` counts the
@@ -47,13 +47,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from gateway.clock import iso_time
+from gateway.fleet_store import FleetStore, LocalFleetStore
 from gateway.policy import Rollback, Rollout, Tenant, Variant
 from gateway.progress import PAUSED, PROGRESSING, PROMOTED, Control, effective_weights, next_step
-from gateway.redis_client import redis_client
 from loragate.errors import ApiError, shown
+from loragate.stats import nearest_rank
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ class Window:
     def p99(self) -> float | None:
         if not self._ttfts:
             return None
-        return self._ttfts[max(0, math.ceil(0.99 * len(self._ttfts)) - 1)]  # nearest rank
+        return nearest_rank(self._ttfts, 0.99)
 
     def _expire(self, now: float) -> None:
         while self._events and self._events[0][0] <= now - self.span_s:
@@ -220,64 +221,6 @@ class Window:
             self.errors -= error
             if ttft is not None:
                 del self._ttfts[bisect.bisect_left(self._ttfts, ttft)]
-
-
-class RollbackShare(Protocol):
-    """What replicas share: rollbacks, pooled window counts and control states (here), operator overrides
-    (gateway/overrides.py) and the admin actions' log (gateway/admin.py). `shared` False: nothing is."""
-
-    shared: bool
-
-    async def fetch(self, keys: list[str]) -> dict[str, str]: ...
-    async def publish(self, key: str, value: str) -> None: ...
-    async def clear(self, keys: list[str]) -> None: ...
-    async def add_counts(self, counts: dict[str, tuple[dict[str, int], int]]) -> None: ...
-    async def read_counts(self, keys: list[str]) -> list[dict[str, str]]: ...
-    async def put_newer(self, key: str, value: str, version: int, ttl_s: int) -> None: ...
-    async def read_hash(self, key: str) -> dict[str, str]: ...
-    async def update_hash(self, key: str, put: dict[str, str], remove: list[str]) -> None: ...
-    async def push_log(self, key: str, value: str, keep: int) -> None: ...
-    async def read_log(self, key: str, count: int) -> list[str]: ...
-    async def aclose(self) -> None: ...
-
-
-class LocalShare:
-    """No sharing: each replica decides for itself, from its own windows."""
-
-    shared = False
-
-    async def fetch(self, keys: list[str]) -> dict[str, str]:
-        return {}
-
-    async def publish(self, key: str, value: str) -> None:
-        return None
-
-    async def clear(self, keys: list[str]) -> None:
-        return None
-
-    async def add_counts(self, counts: dict[str, tuple[dict[str, int], int]]) -> None:
-        return None
-
-    async def read_counts(self, keys: list[str]) -> list[dict[str, str]]:
-        return [{} for _ in keys]
-
-    async def put_newer(self, key: str, value: str, version: int, ttl_s: int) -> None:
-        return None
-
-    async def read_hash(self, key: str) -> dict[str, str]:
-        return {}
-
-    async def update_hash(self, key: str, put: dict[str, str], remove: list[str]) -> None:
-        return None
-
-    async def push_log(self, key: str, value: str, keep: int) -> None:
-        return None
-
-    async def read_log(self, key: str, count: int) -> list[str]:
-        return []
-
-    async def aclose(self) -> None:
-        return None
 
 
 @dataclass(eq=False)
@@ -345,7 +288,7 @@ class RolloutState:
                     "slow": fleet.slow,
                 }
             variants.append(entry)
-        for entry, weight in zip(variants, self.current_weights()):
+        for entry, weight in zip(variants, self.current_weights(), strict=True):
             entry["current_weight"] = round(weight, 2)
         return {
             "name": self.rollout.name,
@@ -377,7 +320,7 @@ class Rollouts:
     def __init__(
         self,
         rollouts: Iterable[Rollout],
-        share: RollbackShare | None = None,
+        share: FleetStore | None = None,
         previous: Rollouts | None = None,
         on_rollback: Callable[[str, RollbackEvent], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -386,7 +329,7 @@ class Rollouts:
     ) -> None:
         """`previous`: the rollouts of the policy this one replaces; unchanged rollouts keep their state.
         `on_step(name, control)`: a progressive rollout moved to its next step (or was promoted) here."""
-        self.share = share if share is not None else LocalShare()
+        self.share = share if share is not None else LocalFleetStore()
         self._on_rollback = on_rollback
         self._on_step = on_step
         self._clock = clock
@@ -610,7 +553,7 @@ class Rollouts:
         return {
             (name, variant.adapter): weight
             for name, state in self.states.items()
-            for variant, weight in zip(state.rollout.variants, state.current_weights())
+            for variant, weight in zip(state.rollout.variants, state.current_weights(), strict=True)
         }
 
     def describe(self) -> list[dict[str, Any]]:
@@ -696,83 +639,3 @@ class Rollouts:
         )
         if self._on_rollback is not None and not adopted:
             self._on_rollback(state.rollout.name, rollback)
-
-
-class RedisShare:
-    """Rollbacks and pooled windows in Redis.
-
-    A rollback is one key per rollout definition, written once (SET NX) and kept for a week. A pooled
-    window is a hash of Counts fields per variant and time slice, incremented by every replica (HINCRBY)
-    and expiring soon after it leaves the window.
-    """
-
-    TTL_S = 7 * 24 * 3600
-    shared = True
-
-    # KEYS: the control key. ARGV: the JSON value, its version, the TTL. Writes only over an older version.
-    _PUT_NEWER = """
-local current = redis.call('GET', KEYS[1])
-if current then
-  local ok, decoded = pcall(cjson.decode, current)
-  if ok and tonumber(decoded['version']) >= tonumber(ARGV[2]) then return 0 end
-end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[3]))
-return 1
-"""
-
-    def __init__(self, url: str) -> None:
-        self._redis = redis_client(url)
-        self._put_newer = self._redis.register_script(self._PUT_NEWER)
-
-    async def fetch(self, keys: list[str]) -> dict[str, str]:
-        values = await self._redis.mget(keys)
-        return {k: v for k, v in zip(keys, values, strict=True) if v is not None}
-
-    async def publish(self, key: str, value: str) -> None:
-        await self._redis.set(key, value, ex=self.TTL_S, nx=True)
-
-    async def clear(self, keys: list[str]) -> None:
-        if keys:
-            await self._redis.delete(*keys)
-
-    async def add_counts(self, counts: dict[str, tuple[dict[str, int], int]]) -> None:
-        pipe = self._redis.pipeline(transaction=False)
-        for key, (fields, ttl_s) in counts.items():
-            for name, delta in fields.items():
-                pipe.hincrby(key, name, delta)
-            pipe.expire(key, ttl_s)
-        await pipe.execute()
-
-    async def read_counts(self, keys: list[str]) -> list[dict[str, str]]:
-        pipe = self._redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.hgetall(key)
-        return list(await pipe.execute())
-
-    async def put_newer(self, key: str, value: str, version: int, ttl_s: int) -> None:
-        """Write `value` unless the stored one has `version` or newer (replicas deciding at once agree)."""
-        await self._put_newer(keys=[key], args=[value, version, ttl_s])
-
-    async def read_hash(self, key: str) -> dict[str, str]:
-        return dict(await self._redis.hgetall(key))
-
-    async def update_hash(self, key: str, put: dict[str, str], remove: list[str]) -> None:
-        pipe = self._redis.pipeline(transaction=True)
-        if put:
-            pipe.hset(key, mapping=put)
-        if remove:
-            pipe.hdel(key, *remove)
-        await pipe.execute()
-
-    async def push_log(self, key: str, value: str, keep: int) -> None:
-        """Prepend `value` to a list that keeps its newest `keep` entries."""
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.lpush(key, value)
-        pipe.ltrim(key, 0, keep - 1)
-        await pipe.execute()
-
-    async def read_log(self, key: str, count: int) -> list[str]:
-        return list(await self._redis.lrange(key, 0, count - 1))
-
-    async def aclose(self) -> None:
-        await self._redis.aclose()

@@ -1,69 +1,80 @@
-"""The gateway's routes besides generation: the model list, probes, metrics, and JSON error handlers."""
+"""The gateway's routes besides generation and administration: the model list, probes, metrics; and the
+JSON error handlers every route shares."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from loragate.errors import ApiError, error_response
+from gateway.fleet import Fleet
+from gateway.ratelimit import RateLimiter
+from gateway.reload import PolicyStore
+from gateway.telemetry import GatewayMetrics
+from gateway.tenant_gate import TenantGate
+from loragate.errors import ApiError, error_response, unavailable
 from loragate.http_io import list_body
 
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
+class ApiRoutes:
+    """GET /v1/models (the models this key may use), /healthz, /readyz and /metrics."""
 
-class Api:
-    """The other routes: the model list, probes, metrics."""
-
-    def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
+    def __init__(
+        self, store: PolicyStore, gate: TenantGate, fleet: Fleet, limiter: RateLimiter, metrics: GatewayMetrics
+    ) -> None:
+        self.store = store
+        self.gate = gate
+        self.fleet = fleet
+        self.limiter = limiter
+        self.metrics = metrics
         self.created = int(time.time())
 
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/healthz", self.healthz, methods=["GET"]),
+            Route("/readyz", self.readyz, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
+        ]
+
     async def models(self, request: Request) -> Response:
-        active = self.gw.store.active
-        tenant = self.gw.tenant(request, active)
-        models = await self.gw.catalog.models()
+        active = self.store.active
+        tenant = self.gate.tenant(request, active)
+        models = await self.fleet.catalog.models()
         base = sorted(models.bases)[0] if models.bases else None
-        ids = [(b, None) for b in sorted(models.bases)]
+        ids: list[tuple[str, str | None]] = [(b, None) for b in sorted(models.bases)]
         ids += [(a, base) for a in sorted(models.adapters) if tenant.allows(a)]
         ids += [(r.name, base) for r in active.policy.rollouts if tenant.allows(r.name)]
         cards = [
             {"id": i, "object": "model", "created": self.created, "owned_by": "loragate", "root": i, "parent": parent}
             for i, parent in ids
         ]
-        return JSONResponse(list_body(cards), headers=self.gw.known_headers(tenant.id))
+        return JSONResponse(list_body(cards), headers=self.gate.known_headers(tenant.id))
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     async def readyz(self, request: Request) -> Response:
-        if self.gw.draining:
-            raise ApiError(
-                503, "service_unavailable", "draining", {"Retry-After": "1", "X-Loragate-Reason": "draining"}
-            )
-        fails_closed = self.gw.store.active.policy.ratelimit.on_redis_error == "closed"
-        if fails_closed and not await self.gw.limiter.healthy():
-            raise ApiError(
-                503,
-                "service_unavailable",
-                "the rate limiter's store is unreachable",
-                {"Retry-After": "1", "X-Loragate-Reason": "ratelimit_unavailable"},
-            )
+        if self.fleet.draining:
+            raise unavailable("draining", "draining")
+        fails_closed = self.store.active.policy.ratelimit.on_redis_error == "closed"
+        if fails_closed and not await self.limiter.healthy():
+            raise unavailable("the rate limiter's store is unreachable", "ratelimit_unavailable")
         return JSONResponse({"status": "ready"})
 
     async def metrics_text(self, request: Request) -> Response:
-        body, content_type = self.gw.metrics.render()
+        body, content_type = self.metrics.render()
         return Response(body, headers={"Content-Type": content_type})
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.type, exc.message, exc.headers)
+    return exc.response()
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -77,7 +88,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return error_response(500, "internal_error", "internal server error")
 
 
-HANDLERS: dict[Any, Callable[..., Awaitable[Response]]] = {
+HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
     ApiError: _api_error,
     HTTPException: _http_error,
     Exception: _server_error,

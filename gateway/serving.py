@@ -7,15 +7,23 @@ from pathlib import Path
 
 from gateway.app import build_app
 from gateway.discovery import DnsUpstreams
+from gateway.fleet_store import RedisFleetStore
 from gateway.policy import Policy, load_policy
-from gateway.ratelimit import make_limiter
-from gateway.rollout import RedisShare
+from gateway.ratelimit import MemoryRateLimiter, RateLimiter
+from gateway.redis_limiter import RedisRateLimiter
 from loragate.http_server import ConnectionLimits, serve_app
 from loragate.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 30.0  # after SIGTERM, requests in flight get this long to finish
+
+
+def make_limiter(redis_url: str | None, policy: Policy) -> RateLimiter:
+    """In-process limits without a Redis URL; shared limits across replicas with one."""
+    if redis_url is None:
+        return MemoryRateLimiter()
+    return RedisRateLimiter(redis_url, on_error=policy.ratelimit.on_redis_error)
 
 
 def serve(
@@ -29,7 +37,7 @@ def serve(
     log_level: str = "info",
     policy: Policy | None = None,
     drain_timeout_s: float = DRAIN_TIMEOUT_S,
-    limits: ConnectionLimits = ConnectionLimits(),
+    limits: ConnectionLimits | None = None,
     discovery: DnsUpstreams | None = None,
     clear_overrides: bool = False,
 ) -> None:
@@ -41,14 +49,14 @@ def serve(
     policy = policy if policy is not None else load_policy(policy_path)
     setup_tracing("loragate-gateway")
     limiter = make_limiter(redis_url, policy)
-    share = RedisShare(redis_url) if redis_url is not None else None  # rollbacks, shared like the limits
+    shared = RedisFleetStore(redis_url) if redis_url is not None else None  # rollouts, overrides: like the limits
     app = build_app(
         policy,
         upstreams,
         limiter,
         max_body_bytes=max_body_bytes,
         policy_path=policy_path,
-        rollback_share=share,
+        fleet_store=shared,
         discovery=discovery,
         clear_overrides=clear_overrides,
     )
@@ -60,8 +68,8 @@ def serve(
         host,
         port,
         begin_drain=gateway.drain,
-        is_idle=lambda: sum(gateway.admission.inflight().values()) == 0,
+        is_idle=gateway.fleet.is_idle,
         drain_timeout_s=drain_timeout_s,
-        limits=limits,
+        limits=limits if limits is not None else ConnectionLimits(),
         log_level=log_level,
     )

@@ -32,7 +32,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 TIMEOUT_S = 30.0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "admin",
         help="operator actions on a running gateway (admin key from the environment)",

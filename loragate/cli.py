@@ -35,6 +35,8 @@ from types import FrameType
 
 from loragate import admin_cli
 from loragate.http_server import ConnectionLimits
+from loragate.launch import launch as launch_healthy
+from loragate.launch import stop as stop_process
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _STARTUP_TIMEOUT_S = 600.0  # the first smollm2 start converts the GGUF weights (~40 s on 2 cores)
@@ -121,7 +123,7 @@ def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
     return ConnectionLimits(args.header_timeout_s, args.body_timeout_s, args.keep_alive_s, args.max_connections)
 
 
-def _add_engine_parser(sub: argparse._SubParsersAction) -> None:
+def _add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "engine", help="serve one model over the OpenAI API", description="Serve one base model over the OpenAI API."
     )
@@ -194,7 +196,7 @@ def _add_engine_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
 
 
-def _add_up_parser(sub: argparse._SubParsersAction) -> None:
+def _add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "up", help="start a local stack with one command", description="Start a local serving stack on this machine."
     )
@@ -207,7 +209,7 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
 
 
-def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
+def _add_gateway_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "gateway",
         help="serve the gateway in front of engine replicas",
@@ -246,7 +248,7 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
 
 
-def _add_policy_parser(sub: argparse._SubParsersAction) -> None:
+def _add_policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "policy",
         help="check policy files, print their JSON Schema",
@@ -447,24 +449,9 @@ class Component:
 
 
 def launch(components: Sequence[Component], timeout_s: float = _STARTUP_TIMEOUT_S) -> None:
-    """Start each component in order and wait until it is healthy (raise RuntimeError if it dies)."""
+    """Start each component in order and wait until it is healthy (LaunchError if it dies or times out)."""
     for comp in components:
-        comp.process = subprocess.Popen(comp.argv, env=comp.env)
-        deadline = time.monotonic() + timeout_s
-        while not _healthy(comp.url):
-            if comp.process.poll() is not None:
-                raise RuntimeError(f"{comp.name} exited with status {comp.process.returncode}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{comp.name} did not become healthy within {timeout_s:.0f} s")
-            time.sleep(0.5)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/healthz", timeout=2) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+        comp.process = launch_healthy(comp.argv, comp.url, timeout_s=timeout_s, name=comp.name, env=comp.env)
 
 
 def stop(components: Sequence[Component], grace_s: float = 40.0) -> None:
@@ -473,11 +460,7 @@ def stop(components: Sequence[Component], grace_s: float = 40.0) -> None:
     for proc in running:
         proc.terminate()
     for proc in running:
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, grace_s)
 
 
 def _wait_any_exit(components: Sequence[Component]) -> None:

@@ -7,6 +7,7 @@ is quoted with `shown`, so a hostile one is never echoed whole.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,9 @@ class ApiError(Exception):
         self.type = type_
         self.message = message
         self.headers = dict(headers or {})
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.type, self.message, self.headers)
 
 
 def error_body(type_: str, message: str) -> dict[str, Any]:
@@ -47,3 +51,25 @@ def adapter_not_found(adapter_id: str) -> ApiError:
 
 def too_large(limit: int) -> ApiError:
     return ApiError(413, "request_too_large", f"body: larger than {limit} bytes")
+
+
+def unauthorized(message: str) -> ApiError:
+    return ApiError(401, "authentication_error", message, {"WWW-Authenticate": "Bearer"})
+
+
+def retry_after(seconds: float) -> str:
+    """A Retry-After value: whole seconds, at least 1."""
+    return str(max(1, math.ceil(seconds)))
+
+
+def unavailable(
+    message: str, reason: str, retry_after_s: float = 1.0, headers: Mapping[str, str] | None = None
+) -> ApiError:
+    """The 503 every "not now" answers (engine and gateway alike): Retry-After, and the X-Loragate-Reason
+    a client or an operator can act on (draining, queue_full, circuit_open, ...)."""
+    return ApiError(
+        503,
+        "service_unavailable",
+        message,
+        {**(headers or {}), "Retry-After": retry_after(retry_after_s), "X-Loragate-Reason": reason},
+    )

@@ -74,7 +74,7 @@ class GuardedH11Protocol(H11Protocol):
 
     limits = ConnectionLimits()  # set on the subclass `guarded_protocol` makes
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's
         super().connection_made(transport)
         self._phase: str | None = None
         self._deadline: asyncio.TimerHandle | None = None
@@ -197,7 +197,7 @@ def serve_app(
         port=port,
         log_level=log_level,
         http=guarded_protocol(limits),
-        timeout_keep_alive=limits.keep_alive_s,
+        timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  # uvicorn's call_later takes a float
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S,
     )

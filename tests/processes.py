@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import uvicorn
+
+from loragate.launch import LaunchError, launch, stop
 
 from polling import poll
 
@@ -28,15 +29,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _healthy(base: str, proc: subprocess.Popen[bytes]) -> bool:
-    if proc.poll() is not None:
-        return True  # exited: stop waiting, the caller reports it
-    try:
-        return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def start_loragate(
     log_path: Path, *args: str, timeout_s: float = 120.0, port: int | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
@@ -45,15 +37,21 @@ def start_loragate(
     port = port if port is not None else free_port()
     argv = [sys.executable, "-m", "loragate", *args, "--port", str(port)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    try:
-        poll(lambda: _healthy(base, proc), timeout_s, interval_s=0.2, what=f"`loragate {args[0]}` healthy")
-        assert proc.poll() is None, f"exited with status {proc.returncode}"
-    except AssertionError as exc:
-        proc.kill()
-        pytest.fail(f"`loragate {args[0]}` did not come up ({exc}):\n{log_path.read_text()[-3000:]}")
+    with open(log_path, "ab") as log:
+        try:
+            proc = launch(
+                argv,
+                base,
+                timeout_s=timeout_s,
+                name=f"`loragate {args[0]}`",
+                env=env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        except LaunchError as exc:
+            pytest.fail(f"`loragate {args[0]}` did not come up ({exc}):\n{log_path.read_text()[-3000:]}")
     return proc, base
 
 
@@ -77,13 +75,7 @@ def start_gateway(
 
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+    stop(proc, grace_s=15)
 
 
 @contextlib.contextmanager

@@ -506,7 +506,7 @@ def test_queued_requests_are_served_by_priority(mock: MockUpstream) -> None:
 
     async def scenario() -> list[httpx.Response]:
         app = make_app([mock], policy)
-        admission = app.state.gateway.admission
+        admission = app.state.gateway.fleet.admission
         mock.hold()
         async with asgi(app) as gw:
 
@@ -661,7 +661,17 @@ _CHUNKS = [  # stream chunks with the usage the gateway asked for: text that loo
 @pytest.mark.parametrize("include_usage", [False, True], ids=["usage not asked", "usage asked"])
 def test_stream_chunks_are_relayed_alike_in_the_engines_format_and_any_other(include_usage: bool) -> None:
     proxy = Proxy(None, None, None)  # type: ignore[arg-type]  # _event uses none of them
-    call = Call("/v1/completions", {}, "t", None, "m", Priority.STANDARD, True, include_usage, time.monotonic())
+    call = Call(
+        path="/v1/completions",
+        body={},
+        tenant="t",
+        adapter=None,
+        served="m",
+        priority=Priority.STANDARD,
+        stream=True,
+        include_usage=include_usage,
+        started_at=time.monotonic(),
+    )
     for chunk in _CHUNKS:
         expected = {k: v for k, v in chunk.items() if include_usage or k != "usage"}
         engine_format = b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
@@ -697,7 +707,7 @@ def test_client_disconnect_cancels_the_upstream_stream_and_frees_the_slot(mock: 
             events = sse_events(resp.iter_lines())
             assert json.loads(next(events))["choices"][0]["text"] == "t0 "
         poll(
-            lambda: mock.streams_aborted and not sum(app.state.gateway.admission.inflight().values()),
+            lambda: mock.streams_aborted and not sum(app.state.gateway.fleet.admission.inflight().values()),
             10,
             what="the upstream stream cancelled and the slot freed",
         )

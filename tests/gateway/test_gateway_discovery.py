@@ -120,16 +120,16 @@ def test_engines_join_and_leave_with_dns_and_affinity_moves_only_what_they_own(
 
             out["none"] = await client.post("/v1/completions", json={"prompt": "hi"}, headers=AUTH)
             resolver.answer = [HOSTS[0], HOSTS[1]]
-            await gw.discover()
+            await gw.fleet.discover()
             out["two"] = await round_of_requests()
             resolver.answer = list(HOSTS)
-            await gw.discover()
+            await gw.fleet.discover()
             out["three"] = await round_of_requests()
 
             # A resolver failure keeps the engines; a name with no address (no ready pod) empties them.
             resolver.error = OSError("SERVFAIL")
-            await gw.discover()
-            out["kept"] = sorted(u.url for u in gw.admission.upstreams)
+            await gw.fleet.discover()
+            out["kept"] = sorted(u.url for u in gw.fleet.admission.upstreams)
             resolver.error = None
 
             # Leaving mid-request: the request in flight on 127.0.0.1 finishes; nothing new goes there.
@@ -144,14 +144,14 @@ def test_engines_join_and_leave_with_dns_and_affinity_moves_only_what_they_own(
             while engines[HOSTS[0]].count == 0:
                 await asyncio.sleep(0.01)
             resolver.answer = [HOSTS[1], HOSTS[2]]
-            await gw.discover()
-            out["inflight_while_leaving"] = gw.admission.inflight().get(url[HOSTS[0]])
+            await gw.fleet.discover()
+            out["inflight_while_leaving"] = gw.fleet.admission.inflight().get(url[HOSTS[0]])
             out["after_leave"] = await round_of_requests()
             engines[HOSTS[0]].release()
             out["held"] = await held
-            out["inflight_after"] = gw.admission.inflight()
+            out["inflight_after"] = gw.fleet.admission.inflight()
             resolver.answer = []
-            await gw.discover()
+            await gw.fleet.discover()
             out["empty"] = await client.post("/v1/completions", json={"prompt": "hi"}, headers=AUTH)
         return out
 

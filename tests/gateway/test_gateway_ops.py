@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from gateway.app import build_app
+from gateway.fleet_store import RedisFleetStore
 from gateway.policy import parse_policy
 from gateway.ratelimit import MemoryRateLimiter
-from gateway.rollout import RedisShare
 from gateway.telemetry import GatewayMetrics
 
 import policies
@@ -303,11 +303,11 @@ def test_two_replicas_share_overrides_and_breaker_resets_through_redis(redis_url
     text = ops_yaml(breaker="{failure_threshold: 1, open_seconds: 300}")
 
     async def scenario() -> dict[str, Any]:
-        shares = [RedisShare(redis_url), RedisShare(redis_url)]
-        apps = [make_app([mock], text, rollback_share=share) for share in shares]
+        shares = [RedisFleetStore(redis_url), RedisFleetStore(redis_url)]
+        apps = [make_app([mock], text, fleet_store=share) for share in shares]
         replicas = [app.state.gateway for app in apps]
         async with asgi(apps[0]) as one, asgi(apps[1]) as two:
-            await replicas[0].clear_overrides()  # a clean Redis for this test
+            await replicas[0].fleet.clear_overrides()  # a clean Redis for this test
             out: dict[str, Any] = {}
             await one.post("/admin/tenants/acme/suspend", headers=ADMIN, json={"reason": "audit"})
             await two.post("/admin/upstreams/drain", headers=ADMIN, json={"url": mock.url})
@@ -322,14 +322,14 @@ def test_two_replicas_share_overrides_and_breaker_resets_through_redis(redis_url
             # Open both replicas' breakers, then reset through one of them: both close.
             for gw in (one, two):
                 await gw.post("/v1/completions", json=COMPLETION, headers=bearer(OTHER_KEY))
-            out["open"] = [u.breaker.state for r in replicas for u in r.admission.upstreams]
+            out["open"] = [u.breaker.state for r in replicas for u in r.fleet.admission.upstreams]
             await one.post("/admin/upstreams/reset-breaker", headers=ADMIN, json={"url": mock.url})
             await replicas[1].housekeeping()
-            out["closed"] = [u.breaker.state for r in replicas for u in r.admission.upstreams]
+            out["closed"] = [u.breaker.state for r in replicas for u in r.fleet.admission.upstreams]
             out["log_on_two"] = (await two.get("/admin/policy", headers=ADMIN)).json()["actions"]
-            await replicas[0].clear_overrides()
+            await replicas[0].fleet.clear_overrides()
             await replicas[1].housekeeping()
-            out["cleared"] = replicas[1].overrides.describe()
+            out["cleared"] = replicas[1].fleet.overrides.describe()
         for share in shares:
             await share.aclose()
         return out

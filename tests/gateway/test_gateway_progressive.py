@@ -17,9 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.fleet_store import LocalFleetStore, RedisFleetStore
 from gateway.policy import PolicyError, parse_policy
 from gateway.progress import PAUSED, PROGRESSING, PROMOTED
-from gateway.rollout import BUCKETS, LocalShare, RedisShare, Rollouts, bucket_bounds, pick_variant
+from gateway.rollout import BUCKETS, Rollouts, bucket_bounds, pick_variant
 
 from fake_clock import FakeClock
 from gateway_testing import COMPLETION, KEY, run, support
@@ -238,7 +239,7 @@ def test_operator_promote_rollback_and_reset() -> None:
 def test_pause_on_a_fixed_split_is_refused() -> None:
     from gateway_testing import rollout_policy_yaml
 
-    rollouts = Rollouts(parse_policy(rollout_policy_yaml()).rollouts, LocalShare())
+    rollouts = Rollouts(parse_policy(rollout_policy_yaml()).rollouts, LocalFleetStore())
     with pytest.raises(ValueError, match="has no steps"):
         run(rollouts.act("support", "pause", "key:ops"))
     assert run(rollouts.act("support", "promote", "key:ops")) is True  # a fixed split can be promoted
@@ -250,7 +251,7 @@ def test_pause_on_a_fixed_split_is_refused() -> None:
 
 def test_two_replicas_share_the_step_and_a_restart_resumes_it(redis_url: str) -> None:
     async def scenario() -> dict[str, Any]:
-        shares = [RedisShare(redis_url) for _ in range(3)]
+        shares = [RedisFleetStore(redis_url) for _ in range(3)]
         try:
             one, clock, wall, _ = make(shares[0])
             two, _, _, _ = make(shares[1], (clock, wall))  # one fleet, one time

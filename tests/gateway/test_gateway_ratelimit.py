@@ -19,8 +19,9 @@ import pytest
 import redis
 
 from gateway.policy import Limits, parse_policy
-from gateway.ratelimit import Decision, MemoryRateLimiter, RateLimiter, RateLimiterUnavailable, make_limiter
+from gateway.ratelimit import Decision, MemoryRateLimiter, RateLimiter, RateLimiterUnavailable
 from gateway.redis_limiter import RedisRateLimiter
+from gateway.serving import make_limiter
 
 from fake_clock import FakeClock
 from redis_server import RedisServer, redis_server_fixture, redis_url_fixture

@@ -18,9 +18,10 @@ import openai
 import pytest
 
 from gateway.app import build_app
+from gateway.fleet_store import RedisFleetStore
 from gateway.policy import parse_policy
 from gateway.ratelimit import MemoryRateLimiter
-from gateway.rollout import BUCKETS, Counts, RedisShare, Rollouts, bucket, pick_variant
+from gateway.rollout import BUCKETS, Counts, Rollouts, bucket, pick_variant
 from gateway.telemetry import GatewayMetrics
 
 from gateway_testing import (
@@ -301,7 +302,7 @@ def test_two_replicas_pool_their_windows_in_redis(redis_url: str) -> None:
     rollouts = parse_policy(rollout_policy_yaml()).rollouts
 
     async def scenario() -> dict[str, Any]:
-        shares = [RedisShare(redis_url), RedisShare(redis_url)]
+        shares = [RedisFleetStore(redis_url), RedisFleetStore(redis_url)]
         one, two = (Rollouts(rollouts, share) for share in shares)
         try:
             for replica in (one, two):

@@ -1,0 +1,163 @@
+"""The engines a gateway serves from, and the operators' hold on them: `Fleet`.
+
+It owns the upstream set (the static `--upstream` URLs plus those `--upstream-dns` finds, gateway/discovery.py),
+admission over them (gateway/admission.py: per-engine slots, priority queues, adapter affinity), what the
+engines serve (gateway/upstream.py's catalog of base models and adapters), and operator overrides that act
+on engines (drains and breaker resets, gateway/overrides.py). Generation, the admin routes and the
+housekeeping loop all reach the engines through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from gateway.admission import AdmissionController, Upstream
+from gateway.breaker import CircuitBreaker
+from gateway.discovery import DnsUpstreams
+from gateway.overrides import Overrides
+from gateway.policy import Breaker, Policy
+from gateway.reload import PolicyStore
+from gateway.upstream import UpstreamCatalog
+
+logger = logging.getLogger(__name__)
+
+
+def new_breaker(settings: Breaker) -> CircuitBreaker:
+    return CircuitBreaker(settings.failure_threshold, settings.open_seconds, settings.half_open_probes)
+
+
+class Fleet:
+    """The upstream engines: which ones, their load and breakers, what they serve, which are drained."""
+
+    def __init__(
+        self,
+        store: PolicyStore,
+        admission: AdmissionController,
+        catalog: UpstreamCatalog,
+        overrides: Overrides,
+        discovery: DnsUpstreams | None = None,
+    ) -> None:
+        self.store = store
+        self.admission = admission
+        self.catalog = catalog
+        self.overrides = overrides
+        self.discovery = discovery
+        self.static_urls = [u.url for u in admission.upstreams]
+        self.draining = False
+
+    # ---- which engines ----
+
+    def set_upstreams(self, urls: list[str]) -> None:
+        """Serve from exactly these engine URLs (the static ones plus those discovered in DNS): new ones
+        join with a fresh breaker, vanished ones get no new request and their requests in flight finish."""
+        current = {u.url: u for u in self.admission.upstreams}
+        if set(urls) == set(current):
+            return
+        settings = self.store.active.policy.breaker
+        upstreams = [current.get(url) or Upstream(url, new_breaker(settings)) for url in urls]
+        joined, left = sorted(set(urls) - set(current)), sorted(set(current) - set(urls))
+        logger.info(
+            "upstreams: %d (joined %s; left %s)", len(urls), ", ".join(joined) or "none", ", ".join(left) or "none"
+        )
+        self.admission.set_upstreams(upstreams)
+        self.apply_overrides()
+        self.catalog.invalidate()
+
+    async def discover(self) -> None:
+        """Resolve the engines' DNS name once and serve from what it says (with the static upstreams)."""
+        if self.discovery is None:
+            return
+        found = await self.discovery.urls()
+        if found is not None:
+            self.set_upstreams(sorted(set(self.static_urls) | set(found)))
+
+    async def discovering(self) -> None:
+        """Until cancelled: `discover()` every `discovery.interval_s`."""
+        assert self.discovery is not None
+        while True:
+            await asyncio.sleep(self.discovery.interval_s)
+            try:
+                await self.discover()
+            except Exception:
+                logger.exception("engine discovery failed")
+
+    def upstream(self, url: str) -> Upstream | None:
+        return next((u for u in self.admission.upstreams if u.url == url), None)
+
+    def apply_settings(self, policy: Policy) -> None:
+        """A reloaded policy's admission and breaker settings, applied in place."""
+        a, b = policy.admission, policy.breaker
+        self.admission.reconfigure(a.max_inflight_per_upstream, a.max_queue, a.queue_timeout_s, a.spill_at)
+        for upstream in self.admission.upstreams:
+            upstream.breaker.reconfigure(b.failure_threshold, b.open_seconds, b.half_open_probes)
+
+    # ---- operator overrides ----
+
+    def apply_overrides(self) -> None:
+        """Drain exactly the upstreams the operators' overrides name."""
+        self.admission.set_drained(self.overrides.drained())
+
+    async def clear_overrides(self) -> None:
+        """Lift every override (POST /admin/reload, POST /admin/overrides/clear, --clear-overrides)."""
+        try:
+            await self.overrides.clear()
+        except Exception as exc:  # Redis down: lifted here; the shared ones stay until it is back
+            logger.warning("could not clear the shared overrides: %s", exc)
+        self.apply_overrides()
+
+    async def sync_overrides(self) -> None:
+        """Read the fleet's overrides (raises while the shared store is unreachable); a breaker reset sent
+        to another replica resets ours too."""
+        for url in await self.overrides.sync():
+            upstream = self.upstream(url)
+            if upstream is not None and upstream.breaker.reset():
+                logger.info("breaker of %s reset by an operator (through another replica)", url)
+
+    # ---- what they serve ----
+
+    async def served_adapters(self) -> frozenset[str]:
+        """The adapter ids the upstreams serve (empty when none has answered yet)."""
+        return (await self.catalog.models()).adapters
+
+    def base_name(self, named: str | None) -> str:
+        """The base model a request without an adapter is served by (the one it named, if several)."""
+        bases = self.catalog.cached().bases
+        if named in bases:
+            return named
+        return min(bases) if bases else "base"
+
+    # ---- state ----
+
+    def drain(self) -> None:
+        """Stop admitting (503 draining, /readyz 503); requests in flight finish."""
+        self.draining = True
+        self.admission.drain()
+
+    def is_idle(self) -> bool:
+        return sum(self.admission.inflight().values()) == 0
+
+    @staticmethod
+    def upstream_state(upstream: Upstream) -> dict[str, Any]:
+        return {
+            "url": upstream.url,
+            "inflight": upstream.inflight,
+            "breaker": upstream.breaker.state,
+            "consecutive_failures": upstream.breaker.consecutive_failures,
+            "drained": upstream.drained,
+        }
+
+    def routing(self) -> dict[str, Any]:
+        """For GET /admin/policy: each upstream's load, breaker and drain, each known adapter's preferred
+        upstream."""
+        upstreams = [self.upstream_state(u) for u in self.admission.upstreams]
+        affinity = {}
+        if self.store.active.policy.admission.affinity:
+            affinity = {a: self.admission.preferred(a) for a in sorted(self.catalog.cached().adapters)}
+        return {
+            "upstreams": upstreams,
+            "affinity": affinity,
+            "spill_inflight": self.admission.spill_inflight,
+            "spills": self.admission.spills,
+        }

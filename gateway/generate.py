@@ -1,0 +1,248 @@
+"""POST /v1/completions and /v1/chat/completions: one generation request's path through the gateway.
+
+  auth (TenantGate: Bearer key -> tenant, else 401; suspended -> 403) -> body (413 / 400) -> adapter
+  (X-Adapter-ID or `model`; a rollout name -> one of its variants, gateway/rollout.py; not allowed -> 403;
+  unknown -> 404) -> priority (X-Priority capped to the tenant's max_priority) -> rate limit (429
+  rate_limited | tokens_exhausted) -> admission (an upstream by adapter affinity, gateway/fleet.py; 503
+  queue_full | queue_timeout | circuit_open | no_upstream | draining) -> proxy (gateway/proxy.py) -> settle:
+  release the slot, reconcile the token reservation with the real usage, record the rollout variant's
+  outcome, metrics, span.
+
+A request reads `store.active` once, when it starts, and finishes under that policy whatever reloads
+meanwhile. The routes are plain ASGI callables (not request -> response functions) so that one task owns
+the request from the first byte read to the last byte sent: the span stays current while the stream runs,
+and the settle step runs after the response is done, however it ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from gateway.admission import Shed
+from gateway.fleet import Fleet
+from gateway.policy import Tenant
+from gateway.proxy import Call, Exchange, Proxy
+from gateway.reload import ActivePolicy, PolicyStore
+from gateway.request_context import GenerationBody, resolve_priority, upstream_body
+from gateway.rollout import Routed
+from gateway.telemetry import GatewayMetrics, finish_span, request_span
+from gateway.tenant_gate import TenantGate
+from loragate.errors import ApiError, adapter_not_found, bad_request, shown, unavailable
+from loragate.http_io import ClientGone, read_json, unless_disconnected
+
+logger = logging.getLogger(__name__)
+
+# The X-Loragate-Reason values; the metrics' reason label takes only these.
+REASONS = frozenset(
+    {
+        "rate_limited",
+        "tokens_exhausted",
+        "queue_full",
+        "queue_timeout",
+        "circuit_open",
+        "no_upstream",
+        "draining",
+        "ratelimit_unavailable",
+        "upstream_unavailable",
+    }
+)
+
+
+class GenerateRoutes:
+    """The two generation routes over one gateway's parts."""
+
+    def __init__(
+        self,
+        store: PolicyStore,
+        gate: TenantGate,
+        fleet: Fleet,
+        proxy: Proxy,
+        metrics: GatewayMetrics,
+        max_body_bytes: int,
+    ) -> None:
+        self.store = store
+        self.gate = gate
+        self.fleet = fleet
+        self.proxy = proxy
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/completions", Generate(self, "/v1/completions", chat=False), methods=["POST"]),
+            Route("/v1/chat/completions", Generate(self, "/v1/chat/completions", chat=True), methods=["POST"]),
+        ]
+
+    async def resolve_adapter(
+        self, request: Request, body: GenerationBody, tenant: Tenant, active: ActivePolicy
+    ) -> tuple[str | None, Routed | None]:
+        """The adapter to serve (None: the base model), and the rollout routing that chose it, if any.
+
+        403 not allowed, 404 unknown; a rollout's override header may answer 400 or 403 (rollout.py)."""
+        named = request.headers.getlist("x-adapter-id")
+        if len(named) > 1:
+            raise bad_request("X-Adapter-ID: given more than once; name one adapter")
+        name = (named[0] if named else "").strip() or (body.model or "").strip()
+        models = await self.fleet.catalog.models()
+        if not name or name in models.bases:
+            return None, None
+        if not tenant.allows(name):
+            raise ApiError(403, "permission_denied", f"adapter {shown(name)} is not allowed for tenant {tenant.id!r}")
+        routed = None
+        if active.policy.rollout(name) is not None:
+            routed = active.rollouts.route(name, tenant, request.headers.get)
+        adapter = routed.adapter if routed is not None else name
+        if models.all and adapter not in models.adapters:  # nothing learned yet: the upstream decides
+            if routed is not None:  # a variant nobody serves is the rollout's failure, not the client's
+                self.observe_variant(active, routed.rollout, adapter, error=True, ttft_s=None)
+            raise adapter_not_found(adapter)
+        return adapter, routed
+
+    def observe_variant(
+        self, active: ActivePolicy, rollout: str, adapter: str, error: bool, ttft_s: float | None
+    ) -> None:
+        """One finished request of a rollout variant: its metrics and its rollback window."""
+        self.metrics.observe_variant(rollout, adapter, error, ttft_s)
+        active.rollouts.record(rollout, adapter, error, ttft_s)
+
+    async def admit_and_forward(
+        self,
+        request: Request,
+        tenant: Tenant,
+        body: GenerationBody,
+        call: Call,
+        exchange: Exchange,
+        active: ActivePolicy,
+    ) -> Response:
+        if self.fleet.draining:
+            raise unavailable("the gateway is draining and takes no new requests", "draining")
+        headers, exchange.reservation = await self.gate.rate_limit(tenant, body.reserve_tokens, active)
+        try:
+            exchange.slot = await unless_disconnected(
+                request.receive, self.fleet.admission.acquire(call.priority, call.tenant, affinity=call.affinity)
+            )
+            response = await unless_disconnected(request.receive, self.proxy.forward(call, exchange))
+        except Shed as shed:
+            exchange.status, exchange.outcome = 503, shed.reason
+            return unavailable(shed.message, shed.reason, shed.retry_after_s, headers).response()
+        except ClientGone:
+            exchange.status, exchange.outcome = 499, "client_gone"
+            return Response(status_code=499)  # nobody reads it; uvicorn drops it
+        if exchange.status == 0:
+            exchange.status = response.status_code
+        response.headers.update(headers)
+        if response.status_code < 400 or exchange.tried:  # an engine's error names the adapter that failed
+            response.headers["X-Loragate-Adapter"] = call.served
+        return response
+
+    async def settle(self, exchange: Exchange) -> None:
+        """After the response: close the upstream, free the slot, give back unused reserved tokens."""
+        with anyio.CancelScope(shield=True):
+            await exchange.close_upstream()
+            if exchange.slot is not None:
+                exchange.slot.release()
+            reservation, exchange.reservation = exchange.reservation, None  # settle it once
+            if reservation is None:
+                return
+            if exchange.prompt_tokens is not None and exchange.completion_tokens is not None:
+                used = exchange.prompt_tokens + exchange.completion_tokens
+            else:  # no usage seen: nothing was generated, or we cannot tell (then keep the reservation)
+                used = reservation.tokens if exchange.delivered else 0
+            try:
+                await self.gate.limiter.reconcile(reservation, used)
+            except Exception:
+                logger.exception("reconciling %s's token reservation failed", reservation.tenant)
+
+
+class Generate:
+    """POST /v1/completions or /v1/chat/completions, as an ASGI app."""
+
+    def __init__(self, routes: GenerateRoutes, path: str, chat: bool) -> None:
+        self.r = routes
+        self.path = path
+        self.chat = chat
+        self.operation = "chat" if chat else "text_completion"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        r = self.r
+        request = Request(scope, receive)
+        started = time.monotonic()
+        tenant_id = "unknown"
+        active = r.store.active  # this request's policy, to the end
+        try:
+            tenant = r.gate.authenticate(request, active)
+            tenant_id = tenant.id  # from here on, answers count as this tenant's
+            r.gate.refuse_suspended(tenant)
+            data = await read_json(request, r.max_body_bytes)
+            body = GenerationBody.parse(data, self.chat)
+            adapter, routed = await r.resolve_adapter(request, body, tenant, active)
+            priority = resolve_priority(request.headers.get("x-priority"), active.policy, tenant)
+        except ApiError as exc:
+            exc.headers = {**r.gate.known_headers(tenant_id), **exc.headers}
+            await exc.response()(scope, receive, send)
+            r.metrics.observe_request(
+                tenant_id, "", exc.status, exc.headers.get("X-Loragate-Reason"), time.monotonic() - started
+            )
+            return
+        served = adapter or r.fleet.base_name(body.model)
+        call = Call(
+            path=self.path,
+            body=upstream_body(data, adapter),
+            tenant=tenant.id,
+            adapter=adapter,
+            served=served,
+            priority=priority,
+            stream=body.stream,
+            include_usage=body.include_usage,
+            started_at=started,
+            rollout=routed.rollout if routed is not None else None,
+            affinity=adapter if active.policy.admission.affinity else None,
+        )
+        with request_span(
+            self.operation, served, tenant=tenant.id, adapter=served, priority=priority.name.lower()
+        ) as span:
+            if routed is not None:
+                span.set_attribute("loragate.rollout", routed.rollout)
+                span.set_attribute("loragate.rollout.route", routed.how)  # split, override or rollback
+            exchange = Exchange()
+            try:
+                try:
+                    response = await r.admit_and_forward(request, tenant, body, call, exchange, active)
+                except ApiError as exc:
+                    exchange.status = exc.status
+                    exchange.outcome = exc.headers.get("X-Loragate-Reason", exc.type)
+                    response = exc.response()
+                if not isinstance(response, StreamingResponse):
+                    # The outcome is known: judge the variant before the client can send its next request.
+                    self._judge_variant(active, call, exchange)
+                await response(scope, receive, send)
+            finally:
+                await r.settle(exchange)
+                exchange.status = exchange.status or 500  # 0: an unexpected error, answered 500 by Starlette
+                finish_span(
+                    span,
+                    status_code=exchange.status,
+                    outcome=exchange.outcome,
+                    input_tokens=exchange.prompt_tokens,
+                    output_tokens=exchange.completion_tokens,
+                )
+                reason = exchange.outcome if exchange.outcome in REASONS else None
+                r.metrics.observe_request(tenant.id, served, exchange.status, reason, time.monotonic() - started)
+                self._judge_variant(active, call, exchange)  # a stream: now that it has ended
+
+    def _judge_variant(self, active: ActivePolicy, call: Call, exchange: Exchange) -> None:
+        """Record a rollout request's outcome against its variant, once, if it reached an upstream (and
+        the client did not leave first)."""
+        if call.rollout is None or exchange.judged or not exchange.tried or exchange.status == 499:
+            return
+        exchange.judged = True
+        # An engine's 503 (overloaded, draining) says "not now", nothing about the variant.
+        error = exchange.status >= 500 and exchange.status != 503 or exchange.outcome == "upstream_error"
+        self.r.observe_variant(active, call.rollout, call.served, error, exchange.ttft_s)
