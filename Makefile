@@ -9,7 +9,7 @@ STAMP := $(VENV)/.loragate-installed
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install serve test soak bench clean
+.PHONY: install serve lint test soak bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ install: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/loragate up
+
+# The gates CI runs before the tests: ruff (lint rules and formatting) and mypy (pyproject.toml says how strict).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test: $(STAMP) $(TOOLS)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
