@@ -32,7 +32,8 @@ from gateway.clock import iso_time
 from gateway.fleet_store import FleetStore
 from gateway.policy import Policy, PolicyError, read_policy
 from gateway.progress import Control
-from gateway.rollout import RollbackEvent, Rollouts
+from gateway.rollback import RollbackEvent
+from gateway.rollout import Rollouts
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ from gateway.app import build_app
 from gateway.fleet_store import RedisFleetStore
 from gateway.policy import parse_policy
 from gateway.ratelimit import MemoryRateLimiter
-from gateway.rollout import BUCKETS, Counts, Rollouts, bucket, pick_variant
+from gateway.rollback import Counts
+from gateway.rollout import BUCKETS, Rollouts, bucket, pick_variant
 from gateway.telemetry import GatewayMetrics
 
 from gateway_testing import (
