@@ -1,11 +1,17 @@
 """loragate gateway: tenant auth, rate limits, admission and routing in front of engine replicas.
 
-One module per concern (Starlette-style, flat): `app` (the HTTP app and one request's path through it),
-`request_context` (the fields the gateway acts on, the forwarded body), `auth` + `policy` (tenants, keys,
-the policy file), `reload` + `watch` + `admin` (hot reload, the file watcher, the admin routes),
-`rollout` (canary and A/B splits, rollback), `ratelimit` + `redis_limiter` + `redis_client` (GCRA requests
-and token budgets, in memory or shared through Redis), `admission` + `breaker` (in-flight caps, the
-priority queue, circuit breakers), `upstream` + `proxy` (the engines, their models, forwarding and
-streaming with one retry), `routes` (models, probes, metrics), `telemetry` (Prometheus and
-OpenTelemetry), `serving` (building and serving the app). Never imports the engine or torch.
+One module per concern (Starlette-style, flat); `app.build_app` only wires them:
+- requests: `generate` (a generation request's path), `routes` (models, probes, metrics), `admin` (the
+  operator routes and the ops page), `request_context` (the fields the gateway acts on, the forwarded body);
+- callers: `tenant_gate` (key -> tenant, suspensions, rate limits), `auth` + `policy` + `policy_schema`
+  (tenants, keys, the policy file), `ratelimit` + `redis_limiter` (GCRA requests and token budgets, in
+  memory or in Redis);
+- engines: `fleet` (the upstream set, what it serves, drains), `discovery` (DNS), `admission` + `breaker`
+  (in-flight caps, the priority queue, affinity, circuit breakers), `upstream` + `proxy` (the engines'
+  models, forwarding and streaming with one retry);
+- fleet-wide state: `fleet_store` + `redis_client` (what replicas share through Redis), `rollout` +
+  `rollback` + `progress` (canary and A/B splits, health windows, progressive steps), `overrides`
+  (suspensions, drains), `reload` + `watch` (hot reload, the file watcher);
+- `telemetry` (Prometheus and OpenTelemetry), `serving` (building and serving the app), `clock`.
+Never imports the engine or torch.
 """
