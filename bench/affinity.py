@@ -37,12 +37,12 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
-from gateway_overhead import BENCH_TENANT, KEY, free_port, pct, wait_healthy  # noqa: E402
-from throughput import make_w1_adapters, scale_adapter_dir, w1_prompts, zipf_choices  # noqa: E402
-
+from bench.gateway_overhead import BENCH_TENANT, KEY, free_port  # noqa: E402
+from bench.throughput import make_w1_adapters, scale_adapter_dir, w1_prompts, zipf_choices  # noqa: E402
 from engine.model.sources import cache_root, resolve_model  # noqa: E402
+from loragate.launch import stop, wait_healthy  # noqa: E402
+from loragate.stats import percentile  # noqa: E402
 
 ADMISSION = """admission: {{max_inflight_per_upstream: 16, max_queue: 1024, queue_timeout_ms: 600000,
              affinity: {affinity}, spill_inflight: {spill}}}
@@ -96,7 +96,7 @@ def run_once(
     spill: int,
     env: dict[str, str],
 ) -> dict[str, float]:
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen[bytes]] = []
     logs = Path(tempfile.mkdtemp())
     try:
         engines = []
@@ -148,8 +148,8 @@ def run_once(
             argv += ["--upstream", url]
         procs.append(subprocess.Popen(argv, env=env, cwd=REPO))
         gateway = f"http://127.0.0.1:{port}"
-        for url in [*engines, gateway]:
-            wait_healthy(url, timeout_s=300)
+        for url, proc in zip([*engines, gateway], procs, strict=True):
+            wait_healthy(url, proc, timeout_s=300)
         loads0, evictions0, tokens0 = engine_counts(engines)
         t0 = time.perf_counter()
         latencies = asyncio.run(drive(gateway, adapters, prompts, concurrency))
@@ -161,13 +161,12 @@ def run_once(
             "evictions": evictions - evictions0,
             "wall": wall,
             "rps": len(latencies) / wall,
-            "p50": pct(latencies, 0.5),
+            "p50": percentile(latencies, 0.5),
             "share": shares[0] / max(sum(shares), 1),
         }
     finally:
         for p in reversed(procs):
-            p.terminate()
-            p.wait(timeout=60)
+            stop(p, grace_s=60)
 
 
 def main() -> None:

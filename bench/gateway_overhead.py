@@ -33,6 +33,11 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from loragate.launch import stop, wait_healthy  # noqa: E402
+from loragate.stats import percentile as pct  # noqa: E402
+
 KEY = "bench-key"
 # One tenant (its key read from LORAGATE_BENCH_KEY) whose limits never bind; bench/affinity.py shares it.
 BENCH_TENANT = """version: 1
@@ -72,18 +77,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
-
-
 async def latencies(url: str, concurrency: int, total: int, headers: dict[str, str]) -> list[float]:
     """Send `total` completions with `concurrency` in flight; each one's latency in seconds."""
     out: list[float] = []
@@ -105,11 +98,6 @@ async def latencies(url: str, concurrency: int, total: int, headers: dict[str, s
     return out
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=400)
@@ -117,39 +105,40 @@ def main() -> None:
     args = ap.parse_args()
     figures: dict[str, Any] = {"requests": args.requests, "concurrency": []}
     env = {**os.environ, "LORAGATE_BENCH_KEY": KEY, "PYTHONPATH": str(REPO)}
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen[bytes]] = []
     try:
         mock = subprocess.Popen(
-            [sys.executable, "-c", MOCK.format(tests=str(REPO / "tests"))], stdout=subprocess.PIPE, text=True, env=env
+            [sys.executable, "-c", MOCK.format(tests=str(REPO / "tests"))], stdout=subprocess.PIPE, env=env
         )
         procs.append(mock)
-        mock_url = mock.stdout.readline().strip()
+        if mock.stdout is None:  # never: stdout=PIPE
+            raise RuntimeError("the mock upstream's stdout is not a pipe")
+        mock_url = mock.stdout.readline().decode().strip()
         policy = Path(tempfile.mkdtemp()) / "policy.yaml"
         policy.write_text(POLICY)
         port = free_port()
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "loragate",
-                    "gateway",
-                    "--policy",
-                    str(policy),
-                    "--upstream",
-                    mock_url,
-                    "--port",
-                    str(port),
-                    "--log-level",
-                    "warning",
-                ],
-                env=env,
-                cwd=REPO,
-            )
+        gateway = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "loragate",
+                "gateway",
+                "--policy",
+                str(policy),
+                "--upstream",
+                mock_url,
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            cwd=REPO,
         )
+        procs.append(gateway)
         gateway_url = f"http://127.0.0.1:{port}"
-        wait_healthy(mock_url)
-        wait_healthy(gateway_url)
+        wait_healthy(mock_url, mock, timeout_s=60, name="the mock upstream")
+        wait_healthy(gateway_url, gateway, timeout_s=60, name="the gateway")
         auth = {"Authorization": f"Bearer {KEY}"}
         asyncio.run(latencies(gateway_url, 4, 40, auth))  # warm both paths up
         asyncio.run(latencies(mock_url, 4, 40, {}))
@@ -195,8 +184,7 @@ def main() -> None:
             args.json.write_text(json.dumps(figures, indent=2))
     finally:
         for p in procs:
-            p.terminate()
-            p.wait(timeout=30)
+            stop(p)
 
 
 if __name__ == "__main__":

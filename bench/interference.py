@@ -29,25 +29,26 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
 
 def child(workload: str, threads: str, new_tokens: int) -> None:
     """One measurement, in this process: prints {"tok_s", "threads"} as JSON."""
-    from throughput import bench_engine, make_w1_adapters, w1_prompts
-
+    from bench.throughput import bench_engine, make_w1_adapters, w1_prompts
     from engine.model.sources import cache_root, load_tokenizer, resolve_model
 
     resolved = resolve_model("smollm2")
     tok = load_tokenizer(resolved.path)
     prompts = [tok(t)["input_ids"] for t in w1_prompts(32)]
-    adapters, extra = None, {}
+    adapters: list[str | None] | None = None
+    adapter_dir: str | None = None  # (EngineConfig's default)
     if workload == "mixed":
         dirs = make_w1_adapters(resolved.path, cache_root() / "bench-adapters" / "w1")
         adapters = [dirs[i % 8].name for i in range(len(prompts))]
-        extra = {"adapter_dir": str(dirs[0].parent)}
+        adapter_dir = str(dirs[0].parent)
     num_threads = "auto" if threads == "auto" else int(threads)
-    [(secs, tok_s)] = bench_engine("smollm2", prompts, new_tokens, adapters, num_threads=num_threads, **extra)
+    [(secs, tok_s)] = bench_engine(
+        "smollm2", prompts, new_tokens, adapters, num_threads=num_threads, adapter_dir=adapter_dir
+    )
     print(json.dumps({"tok_s": tok_s, "secs": secs}))
 
 

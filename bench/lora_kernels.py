@@ -27,6 +27,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels.reference import lora_sgmv, lora_sgmv_group  # noqa: E402
+from loragate.stats import nearest_rank, percentile  # noqa: E402
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]
 RANK_MIXES = {
@@ -86,7 +88,9 @@ def sgmv_gather_bmm(
     # stride; the over-read is masked out of h and B (it may be another adapter's data or garbage).
     base = pool.storage_offset()
     a = torch.stack([pool.as_strided((max_r, d_in), (d_in, 1), base + a_offsets[k]) for _, _, k in segs])
-    b = torch.stack([pool.as_strided((d_out, max_r), (r, 1), base + b_offsets[k]) for (_, _, k), r in zip(segs, rs)])
+    b = torch.stack(
+        [pool.as_strided((d_out, max_r), (r, 1), base + b_offsets[k]) for (_, _, k), r in zip(segs, rs, strict=True)]
+    )
     rank_ok = torch.arange(max_r, device=dev) < torch.tensor(rs, device=dev)[:, None]  # [S, R]
     h = torch.bmm(x[rows], a.transpose(1, 2)).masked_fill_(~rank_ok[:, None, :], 0)  # [S, L, R]
     b = b.masked_fill_(~rank_ok[:, None, :], 0)  # [S, out, R]
@@ -147,8 +151,8 @@ def compare_table(repeats: int, dtype: torch.dtype) -> None:
                 lora_sgmv(check, *args[1:])
                 sgmv_gather_bmm(*args)  # y starts at zero: both strategies must give the same delta
                 torch.testing.assert_close(args[0], check, rtol=1e-3, atol=1e-3)
-                a_us = best_us(lambda: lora_sgmv(*args), repeats)
-                b_us = best_us(lambda: sgmv_gather_bmm(*args), repeats)
+                a_us = best_us(partial(lora_sgmv, *args), repeats)
+                b_us = best_us(partial(sgmv_gather_bmm, *args), repeats)
                 wins.append(b_us / a_us)
                 print(
                     f"{d_in:>5}x{d_out:<5} {mix_name:>7} {batch_name:>14} {sum(lens):>5} "
@@ -156,7 +160,7 @@ def compare_table(repeats: int, dtype: torch.dtype) -> None:
                 )
     wins.sort()
     print(
-        f"b/a over {len(wins)} cases: min {wins[0]:.2f}, median {wins[len(wins) // 2]:.2f}, "
+        f"b/a over {len(wins)} cases: min {wins[0]:.2f}, median {nearest_rank(wins, 0.5):.2f}, "
         f"max {wins[-1]:.2f}  (>1: per-segment is faster)"
     )
 
@@ -197,7 +201,7 @@ def step_overhead(repeats: int, dtype: torch.dtype) -> None:
         args = make_case(d_in, d_out, ranks, lens, dtype, y_width=width)
         row = []
         for mode, wrap in modes.items():
-            us = best_us(wrap(lambda: lora_sgmv(*args)), repeats)
+            us = best_us(wrap(partial(lora_sgmv, *args)), repeats)
             totals[mode] += us
             row.append(f"{us:>13.1f}")
         print(f"  {name:>6} {d_in:>5}x{d_out:<5} " + " ".join(row))
@@ -223,48 +227,55 @@ def grouped_vs_per_module(repeats: int, dtype: torch.dtype) -> None:
     """Decode, T=32 over 8 adapters: the q/k/v group and the gate/up group as one shrink each (the engine's
     path) vs one shrink and one expand per module (the old one). Both give the same deltas."""
     print("\ngrouped twin vs per module, decode T=32 over 8 adapters (ranks 4/8/16), µs per layer:")
-    lens, ranks = [4] * 8, [(4, 8, 16)[i % 3] for i in range(8)]
     for group, outs in (("qkv", [576, 192, 192]), ("gate_up", [1536, 1536])):
-        d_in, width = 576, sum(outs)
-        g = torch.Generator().manual_seed(1)
-        a_off, b_off, cursor = [], [[] for _ in outs], 0
-        for r in ranks:
-            a_off.append(cursor)
-            cursor += len(outs) * r * d_in
-            for m, out in enumerate(outs):
-                b_off[m].append(cursor)
-                cursor += out * r
-        pool = (torch.randn(cursor, generator=g) * 0.05).to(dtype)
-        x = torch.randn(sum(lens), d_in, generator=g).to(dtype)
-        y = torch.zeros(sum(lens), width, dtype=dtype)
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
-        slots = list(range(len(lens)))
-        cols = [0]
-        for out in outs:
-            cols.append(cols[-1] + out)
-        # Per module: module m's A is rows [m * r, (m + 1) * r) of the slot's stacked A.
-        per_module = [
-            (y[:, cols[m] : cols[m + 1]], [a + m * r * d_in for a, r in zip(a_off, ranks)], b_off[m])
-            for m in range(len(outs))
-        ]
-
-        def grouped() -> None:
-            lora_sgmv_group(y, x, starts, slots, pool, a_off, [ranks] * len(outs), b_off, cols)
-
-        def separate() -> None:
-            for out_view, a_m, b_m in per_module:
-                lora_sgmv(out_view, x, starts, slots, pool, a_m, b_m, ranks)
-
-        check = y.clone()
-        grouped()
-        first = y.clone()
-        y.copy_(check)
-        separate()
-        torch.testing.assert_close(y, first, rtol=1e-4, atol=1e-4)
-        g_us, s_us = best_us(grouped, repeats), best_us(separate, repeats)
+        g_us, s_us = grouped_and_per_module_us(outs, repeats, dtype)
         print(f"  {group:>7}: grouped {g_us:8.1f}  per module {s_us:8.1f}  ({s_us / g_us:.2f}x)")
+
+
+def grouped_and_per_module_us(outs: list[int], repeats: int, dtype: torch.dtype) -> tuple[float, float]:
+    """One group of `grouped_vs_per_module` (its modules' output widths `outs`): µs per call of each way."""
+    lens, ranks = [4] * 8, [(4, 8, 16)[i % 3] for i in range(8)]
+    d_in, width = 576, sum(outs)
+    g = torch.Generator().manual_seed(1)
+    a_off: list[int] = []
+    b_off: list[list[int]] = [[] for _ in outs]
+    cursor = 0
+    for r in ranks:
+        a_off.append(cursor)
+        cursor += len(outs) * r * d_in
+        for m, out in enumerate(outs):
+            b_off[m].append(cursor)
+            cursor += out * r
+    pool = (torch.randn(cursor, generator=g) * 0.05).to(dtype)
+    x = torch.randn(sum(lens), d_in, generator=g).to(dtype)
+    y = torch.zeros(sum(lens), width, dtype=dtype)
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    slots = list(range(len(lens)))
+    cols = [0]
+    for out in outs:
+        cols.append(cols[-1] + out)
+    # Per module: module m's A is rows [m * r, (m + 1) * r) of the slot's stacked A.
+    per_module = [
+        (y[:, cols[m] : cols[m + 1]], [a + m * r * d_in for a, r in zip(a_off, ranks, strict=True)], b_off[m])
+        for m in range(len(outs))
+    ]
+
+    def grouped() -> None:
+        lora_sgmv_group(y, x, starts, slots, pool, a_off, [ranks] * len(outs), b_off, cols)
+
+    def separate() -> None:
+        for out_view, a_m, b_m in per_module:
+            lora_sgmv(out_view, x, starts, slots, pool, a_m, b_m, ranks)
+
+    check = y.clone()
+    grouped()
+    first = y.clone()
+    y.copy_(check)
+    separate()
+    torch.testing.assert_close(y, first, rtol=1e-4, atol=1e-4)
+    return best_us(grouped, repeats), best_us(separate, repeats)
 
 
 def gpu_table(repeats: int) -> None:
@@ -284,7 +295,7 @@ def gpu_table(repeats: int) -> None:
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) * 1e3)
-        return sorted(times)[len(times) // 2]
+        return percentile(times, 0.5)
 
     print(f"\nCUDA {torch.cuda.get_device_name()}: hidden 4096 -> 4096, rank 16, each token its own adapter")
     print(f"{'dtype':>6} {'T':>5} {'triton µs':>10} {'torch µs':>9} {'bmm µs':>8} {'bmm/triton':>11}")
@@ -309,9 +320,9 @@ def gpu_table(repeats: int) -> None:
             base = y.clone()
             lora_sgmv_group_triton(y, x, plan, pool, tables, cols, tiles, 16)
             torch.testing.assert_close(y - base, check - base, rtol=3e-2, atol=3e-2)
-            tri = timed(lambda: lora_sgmv_group_triton(y, x, plan, pool, tables, cols, tiles, 16))
-            seg = timed(lambda: lora_sgmv(*cuda_args))
-            bmm = timed(lambda: sgmv_gather_bmm(*cuda_args))
+            tri = timed(partial(lora_sgmv_group_triton, y, x, plan, pool, tables, cols, tiles, 16))
+            seg = timed(partial(lora_sgmv, *cuda_args))
+            bmm = timed(partial(sgmv_gather_bmm, *cuda_args))
             name = str(dtype).removeprefix("torch.")
             print(f"{name:>6} {t:>5} {tri:>10.1f} {seg:>9.1f} {bmm:>8.1f} {bmm / tri:>11.2f}")
 

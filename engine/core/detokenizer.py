@@ -31,15 +31,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from tokenizers import decoders
+from tokenizers import Tokenizer, decoders
 from transformers import PreTrainedTokenizerBase
 
-try:  # tokenizers >= 0.21; its `ids` (the context to continue) came later: without them, the Python steps run
-    from tokenizers.decoders import DecodeStream
-except ImportError:  # pragma: no cover - older tokenizers
-    DecodeStream = None
-
 from engine.core.request import SamplingParams
+
+# tokenizers >= 0.21 (None before); its `ids` (the context to continue) came later: without them, the Python steps run
+DecodeStream: type[decoders.DecodeStream] | None = getattr(decoders, "DecodeStream", None)
 
 # Prompt tokens decoded as context before the first output token (enough for leading-space rules).
 _CONTEXT_TOKENS = 5
@@ -103,7 +101,7 @@ class ByteLevelPieces:
             return b""
         return self.pieces[token_id]
 
-    def _agrees_with(self, backend: object, trials: int = 64) -> bool:
+    def _agrees_with(self, backend: Tokenizer, trials: int = 64) -> bool:
         """Random sequences (special tokens and bytes that split characters included) decode alike both ways."""
         rng = random.Random(0)
         vocab = len(self.pieces)
@@ -131,7 +129,8 @@ class IncrementalDetokenizer:
         whatever the tokenizer (what the other steps are tested against)."""
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
-        backend = self._backend = getattr(tokenizer, "_tokenizer", None)
+        backend: Tokenizer | None = getattr(tokenizer, "_tokenizer", None)
+        self._backend = backend
         self._backend_decode = (
             backend.decode
             if backend is not None
@@ -156,7 +155,7 @@ class IncrementalDetokenizer:
         # DecodeStream (`_stream_step`), or the byte table (`_bytes_step`, whose pending bytes are those of
         # tokens[read_offset:]).
         self._next_text: Callable[[int], str] = self._python_step
-        self._stream = None
+        self._stream: decoders.DecodeStream | None = None
         self._pieces = pieces
         self._pending_bytes = b""
         if pieces is not None and stream and self._backend_decode is not None:
@@ -219,7 +218,10 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if self._backend_decode is not None:
             return self._backend_decode(token_ids, skip_special_tokens=self._skip_special)
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special)
+        text = self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special)
+        if not isinstance(text, str):  # never: decode gives a list only for a batch of sequences
+            raise TypeError(f"the tokenizer decoded one sequence to {type(text).__name__}, not str")
+        return text
 
     def _python_step(self, token: int) -> str:
         return self._decode_new()
@@ -227,6 +229,8 @@ class IncrementalDetokenizer:
     def _bytes_step(self, token: int) -> str:
         """`_decode_new` from the byte table: the window's text is its context's followed by the decoded pending
         bytes (the context ends with a whole character: it was shown), so only those are decoded."""
+        if self._pieces is None:  # never: this step is chosen only with a table
+            raise RuntimeError("the byte-table step without a byte table")
         self._pending_bytes += self._pieces.bytes_of(token, self._skip_special)
         text = self._pending_bytes.decode("utf-8", "replace")
         if not text or text.endswith(_REPLACEMENT):
@@ -237,6 +241,8 @@ class IncrementalDetokenizer:
 
     def _stream_step(self, token: int) -> str:
         """`_decode_new` by the backend's DecodeStream (`token` is already the last of `_tokens`)."""
+        if self._stream is None or self._backend is None:  # never: this step is chosen only with both
+            raise RuntimeError("the DecodeStream step without a DecodeStream")
         try:
             chunk = self._stream.step(self._backend, token)
         except Exception:  # e.g. a window whose text does not extend its context's: the Python steps go on

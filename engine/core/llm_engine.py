@@ -64,7 +64,7 @@ class LLMEngine:
         self.threads: ThreadTuner | None = None
         if config.num_threads == "auto":
             self.threads = ThreadTuner(usable_cpus())
-        elif config.num_threads is not None:
+        elif isinstance(config.num_threads, int):  # validate(): otherwise None
             torch.set_num_threads(config.num_threads)
         # torch's thread count is per thread: whichever thread steps this engine computes with these.
         self._fixed_threads = torch.get_num_threads()
@@ -268,7 +268,7 @@ class LLMEngine:
             adapter_misses=c.misses,
             adapter_loads=c.loads,
             adapter_evictions=c.evictions,
-            adapter_load_buckets=tuple(zip(LOAD_BUCKETS, c.load_buckets)),
+            adapter_load_buckets=tuple(zip(LOAD_BUCKETS, c.load_buckets, strict=True)),
             adapter_load_seconds_sum=c.load_seconds_sum,
             adapter_loads_by_admission=self.scheduler.adapter_loads_by_admission,
             running_by_priority=_count_by_priority(self.scheduler.running),
@@ -418,7 +418,7 @@ class LLMEngine:
 
     def _make_outputs(self, batch: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         outputs = []
-        for request, token, logprob in zip(batch.requests, result.sampled, result.logprobs):
+        for request, token, logprob in zip(batch.requests, result.sampled, result.logprobs, strict=True):
             if token is None:
                 continue
             detok = self._detokenizers[request.request_id]
@@ -435,8 +435,8 @@ class LLMEngine:
                 del self._detokenizers[request.request_id]
             num_output_tokens = len(request.output_token_ids)
             outputs.append(
-                RequestOutput(  # positional (one per request per step): request_id, new_token_ids,
-                    # new_text, finished, finish_reason, num_prompt_tokens, num_output_tokens, new_logprobs, queue_time_s
+                RequestOutput(  # positional (one per request per step): request_id, new_token_ids, new_text,
+                    # finished, finish_reason, num_prompt_tokens, num_output_tokens, new_logprobs, queue_time_s
                     request.request_id,
                     [token],
                     text,
@@ -445,7 +445,9 @@ class LLMEngine:
                     len(request.prompt_token_ids),
                     num_output_tokens,
                     [logprob] if logprob is not None else [],
-                    request.first_scheduled_time - request.arrival_time if num_output_tokens == 1 else None,
+                    request.first_scheduled_time - request.arrival_time
+                    if num_output_tokens == 1 and request.first_scheduled_time is not None  # (it was scheduled)
+                    else None,
                 )
             )
         return outputs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.core.request import TokenLogprob
@@ -36,8 +37,8 @@ class RequestOutput:
 class RunnerOutput:
     """One step's samples, aligned with `SchedulerOutput.requests`."""
 
-    sampled: list[int | None]  # None: the request only computed part of its prompt, or failed
-    logprobs: list[TokenLogprob | None]  # None: not asked for, or nothing sampled
+    sampled: Sequence[int | None]  # None: the request only computed part of its prompt, or failed
+    logprobs: Sequence[TokenLogprob | None]  # None: not asked for, or nothing sampled
     errors: dict[int, str] = field(default_factory=dict)  # batch index -> why that request failed
 
 

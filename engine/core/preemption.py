@@ -89,6 +89,8 @@ class PreemptionPolicy:
         elif not request.block_ids or request.num_computed_tokens == 0:
             mode = "recompute"  # nothing worth keeping
         else:
+            if self.swapper is None:  # never: __init__ refuses "auto" without one
+                raise RuntimeError("preemption 'auto' needs a KV swapper")
             swap = self.swapper.cost(len(request.block_ids))
             recompute = request.num_computed_tokens * self.seconds_per_token
             mode = "swap" if swap < recompute else "recompute"

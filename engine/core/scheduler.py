@@ -12,7 +12,7 @@ same pool as KV blocks) and attaches any cached KV blocks of its prompt prefix f
 version. A request whose adapter cannot be brought in this step is skipped, not allowed to block those
 behind it; a request whose KV blocks do not fit stops admission, so big requests are not starved.
 
-Preemption (engine/preemption.py): when the pool runs dry while running requests grow, or when a waiting
+Preemption (engine/core/preemption.py): when the pool runs dry while running requests grow, or when a waiting
 request of the best class waiting outranks running requests by class and finds no room, the running request
 of the lowest class, most recently admitted, gives way, by recompute or swap. That waiting request starts in
 this step even if aging put other requests ahead of it in the queue: under sustained overload, requests that
@@ -36,7 +36,7 @@ from engine.core.preemption import KVSwapper, PreemptionPolicy, pick_victim
 from engine.core.request import Request, RequestStatus
 from engine.core.waiting_queue import WaitingQueue
 from engine.lora.device_tier import DeviceAdapterTier
-from engine.lora.peft_config import AdapterKey
+from engine.lora.peft_config import AdapterKey, AdapterSpec
 from loragate.priority import Priority
 
 
@@ -231,11 +231,13 @@ class Scheduler:
             request.num_tokens - request.num_computed_tokens, max(1, self.config.max_batch_tokens - len(self.running))
         )
         need = self.kv.blocks_for(request.num_computed_tokens + chunk) - len(request.block_ids)
-        if request.adapter is not None and not self.adapters.is_resident(request.adapter):
-            if self.adapters.idle_count() == 0 and self.adapters.full():
-                return False
-            need += self.adapters.pages_needed(request.adapter)
-            free += self.adapters.idle_pages()
+        if request.adapter is not None:
+            tier = self._tier()
+            if not tier.is_resident(request.adapter):
+                if tier.idle_count() == 0 and tier.full():
+                    return False
+                need += tier.pages_needed(request.adapter)
+                free += tier.idle_pages()
         return need <= free
 
     def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
@@ -280,7 +282,7 @@ class Scheduler:
                 if bound is not None and len(step_adapters) >= bound:
                     continue  # no more distinct adapters this step; later requests may share one
                 try:
-                    brought = broken.get(request.adapter.key) is None and self._bring_adapter(request)
+                    brought = broken.get(request.adapter.key) is None and self._bring_adapter(request.adapter)
                 except Exception as exc:  # its files became unusable: its requests fail, alone
                     broken[request.adapter.key] = exc
                     brought = False
@@ -299,7 +301,7 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             if request.adapter is not None:
-                self.adapters.pin(request.adapter)
+                self._tier().pin(request.adapter)
                 step_adapters.add(request.adapter.key)
             self.running.append(request)
             out.requests.append(request)
@@ -308,10 +310,11 @@ class Scheduler:
             if request.priority is Priority.CRITICAL:
                 budget.critical_only()
 
-    def _bring_adapter(self, request: Request) -> bool:
-        loads = self.adapters.counters.loads
-        ok = self.adapters.ensure_resident(request.adapter)
-        self.adapter_loads_by_admission += self.adapters.counters.loads - loads
+    def _bring_adapter(self, adapter: AdapterSpec) -> bool:
+        tier = self._tier()
+        loads = tier.counters.loads
+        ok = tier.ensure_resident(adapter)
+        self.adapter_loads_by_admission += tier.counters.loads - loads
         return ok
 
     def _admit_chunk(self, request: Request, budget: StepBudget) -> int | None:
@@ -329,7 +332,7 @@ class Scheduler:
             self.kv.prefix_queries, self.kv.prefix_hits = counters
             return None
         if request.swapped_kv is not None:
-            self.swapper.swap_in(request.swapped_kv, request.block_ids[: request.swapped_kv.shape[1]])
+            self._swapper().swap_in(request.swapped_kv, request.block_ids[: request.swapped_kv.shape[1]])
             request.swapped_kv = None
         return n
 
@@ -339,7 +342,7 @@ class Scheduler:
         self._unpin(request)
         if self.preemption.choose(request) == "swap":
             blocks = request.block_ids[: self.kv.blocks_for(request.num_computed_tokens)]
-            request.swapped_kv = self.swapper.swap_out(blocks)  # num_computed_tokens is kept
+            request.swapped_kv = self._swapper().swap_out(blocks)  # num_computed_tokens is kept
         else:
             request.num_computed_tokens = 0  # prompt and outputs so far are prefilled again
         self.kv.free(request)
@@ -355,7 +358,19 @@ class Scheduler:
 
     def _unpin(self, request: Request) -> None:
         if request.adapter is not None:
-            self.adapters.unpin(request.adapter)
+            self._tier().unpin(request.adapter)
+
+    def _tier(self) -> DeviceAdapterTier:
+        """The device adapter tier: a request names an adapter only on an engine that has one."""
+        if self.adapters is None:
+            raise RuntimeError("a request names an adapter, but the engine has no device adapter tier")
+        return self.adapters
+
+    def _swapper(self) -> KVSwapper:
+        """The KV swapper: requests are swapped (out, and back in) only under a preemption mode that has one."""
+        if self.swapper is None:
+            raise RuntimeError("a request is swapped, but the engine has no KV swapper")
+        return self.swapper
 
     # ---- applying results --------------------------------------------------------------------------
 
@@ -365,7 +380,9 @@ class Scheduler:
         Returns the requests that finished this step (their blocks are already freed).
         """
         finished: list[Request] = []
-        for request, n, token, logprob in zip(out.requests, out.num_tokens, result.sampled, result.logprobs):
+        for request, n, token, logprob in zip(
+            out.requests, out.num_tokens, result.sampled, result.logprobs, strict=True
+        ):
             in_prompt = request.num_computed_tokens < len(request.prompt_token_ids)
             request.num_computed_tokens += n
             if in_prompt:  # prompt blocks may have filled up

@@ -1,4 +1,4 @@
-"""The engine's OpenAI-compatible HTTP API (Starlette); `engine.serving.serve()` runs it under uvicorn.
+"""The engine's OpenAI-compatible HTTP API (Starlette); `engine.entrypoints.serving.serve()` runs it under uvicorn.
 
 One request's path: read and validate the JSON body (400 naming the field) -> adapter and priority from
 the headers / `model` -> tokenize -> `AsyncEngine.generate` -> one JSON response, or Server-Sent Events
@@ -7,7 +7,7 @@ which frees its KV blocks. Every error is JSON: {"error": {"type": ..., "message
 
 Adapters: a request names one with `X-Adapter-ID` or `model`; any id that is not registered (hostile
 ones included: they can never be registered) is a 404, never the base model. The /v1/adapters admin
-routes, which load and unload them at run time, are in engine/adapter_routes.py.
+routes, which load and unload them at run time, are in engine/entrypoints/adapter_routes.py.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.responses import ChatFormatter, CompletionFormatter, Formatter, model_card
 from engine.entrypoints.tracing import engine_span, record_error, record_output
 from engine.lora.peft_config import AdapterError, validate_adapter_id
-from loragate.errors import ApiError, adapter_not_found, bad_request, error_body, error_response
+from loragate.errors import ApiError, adapter_not_found, bad_request, error_body, error_response, unavailable
 from loragate.http_io import SSE_DONE, ClientGone, list_body, read_json, sse, unless_disconnected
 from loragate.priority import Priority
 
@@ -52,9 +52,7 @@ GenerationRequest = CompletionRequest | ChatCompletionRequest
 
 def _unavailable(message: str, reason: str) -> ApiError:
     """A 503: `reason` is "draining" (SIGTERM, shutting down) or "engine_failure" (the loop is down)."""
-    return ApiError(
-        503, "service_unavailable", message, {"Retry-After": str(RETRY_AFTER_S), "X-Loragate-Reason": reason}
-    )
+    return unavailable(message, reason, RETRY_AFTER_S)
 
 
 @contextlib.contextmanager
@@ -109,8 +107,9 @@ async def _collect(
         out = await _next(it, None)
 
 
-class Api:
-    """The route handlers; one instance per app, bound to one engine."""
+class EngineRoutes:
+    """The engine's route handlers but the /v1/adapters ones (AdapterRoutes): the OpenAI API (completions, chat
+    completions, models), the probes and /metrics; one instance per app, bound to one engine."""
 
     def __init__(self, engine: AsyncEngine, metrics: EngineMetrics) -> None:
         self.engine = engine
@@ -120,9 +119,13 @@ class Api:
         self.base_model = engine.engine.model_name
         self.max_model_len = engine.engine.max_model_len
         self.created = int(time.time())
-        self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
-            lambda token_id: self.tokenizer.decode([token_id])
-        )
+        self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(self._token_text)
+
+    def _token_text(self, token_id: int) -> str:
+        text = self.tokenizer.decode([token_id])
+        if not isinstance(text, str):  # never: decode gives a list only for a batch of sequences
+            raise TypeError(f"the tokenizer decoded one token to {type(text).__name__}, not str")
+        return text
 
     async def completions(self, request: Request) -> Response:
         req = parse_body(CompletionRequest, await read_json(request))
@@ -164,9 +167,8 @@ class Api:
             )
         except TemplateError as exc:  # the template rejects the conversation (e.g. role order)
             raise bad_request(f"messages: {exc}") from None
-        # transformers 5 returns a BatchEncoding; older versions a plain list of ids.
-        ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
-        ids = list(ids)
+        # transformers 5 returns a BatchEncoding; older versions a plain list of ids. int() checks each id.
+        ids: list[Any] = list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
         if ids and isinstance(ids[0], list):  # a batch of one conversation
             ids = ids[0]
         return [int(t) for t in ids]
@@ -317,7 +319,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None = None) -> Star
     """The engine's HTTP app; its lifespan starts and stops `engine`."""
     metrics = metrics if metrics is not None else EngineMetrics()
     metrics.bind_stats(engine.engine.stats)
-    api = Api(engine, metrics)
+    api = EngineRoutes(engine, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

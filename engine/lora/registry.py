@@ -7,6 +7,7 @@ Registering validates an adapter directory from its config and safetensors heade
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import logging
 import threading
@@ -89,7 +90,7 @@ class AdapterRegistry:
         with self._lock:
             return sorted(self._specs.values(), key=lambda spec: spec.adapter_id)
 
-    def scan_dir(self, adapter_dir: Path) -> list[AdapterSpec]:
+    def scan_dir(self, adapter_dir: Path) -> builtins.list[AdapterSpec]:  # (`list` here: the method above)
         """Register every subdirectory of `adapter_dir` under its folder name; log and skip broken ones."""
         root = Path(adapter_dir)
         if not root.is_dir():

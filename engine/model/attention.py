@@ -196,7 +196,7 @@ def _prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat_cache: torch.Tensor, seq: PrefillPlan
 ) -> torch.Tensor:
     """Causal attention of one chunk over its context; q: [Q, H, hd], k/v: [Q, kvh, hd] -> [Q, H, hd]."""
-    if seq.context_k is not None:
+    if seq.context_k is not None and seq.context_v is not None:  # (both or neither)
         k = flat_cache.index_select(0, seq.context_k)  # [ctx, kvh, hd]
         v = flat_cache.index_select(0, seq.context_v)
     out = F.scaled_dot_product_attention(

@@ -95,6 +95,9 @@ class RotaryEmbedding(nn.Module):
     of rotate_half into `sin` so applying it is x * cos + roll(x, head_dim/2) * sin.
     """
 
+    cos: torch.Tensor  # buffers (register_buffer below)
+    sin: torch.Tensor
+
     def __init__(self, config: ModelConfig, device: torch.device | None = None) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(config, device)  # [hd/2]
@@ -229,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)
         # Gather indices and masks once per step, shared by all layers.
         plan = plan_attention(attn, kv_cache.shape[3], self.config.num_kv_heads, h.dtype)
-        for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache)):
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache, strict=True)):
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted
             h = layer(h, cos, sin, layer_cache, plan, None if lora is None else lora.layer(i))

@@ -137,7 +137,8 @@ def _fuse(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, to
         for norm in ("input_layernorm", "post_attention_layernorm"):
             state[f"{ours}{norm}.weight"] = tensors[f"{hf}{norm}.weight"]
         for (target, sources), suffix in itertools.product(_FUSED.items(), ("weight", "bias")):
-            parts = [tensors.get(f"{hf}{source}.{suffix}") for source in sources]
-            if all(part is not None for part in parts):  # biases exist only if the config says so
+            names = [f"{hf}{source}.{suffix}" for source in sources]
+            if all(name in tensors for name in names):  # biases exist only if the config says so
+                parts = [tensors[name] for name in names]
                 state[f"{ours}{target}.{suffix}"] = torch.cat(parts) if len(parts) > 1 else parts[0]
     return state

@@ -52,15 +52,16 @@ class InputBatch:
 
     def sync(self, requests: Sequence[Request]) -> list[int]:
         """Bring the rows of `requests` up to date (adding rows for new ones) and return them, in order."""
-        rows = [self._rows.get(request) for request in requests]
-        if len(self._rows) > len(rows) - rows.count(None):  # a row of a request not in this step: it may have left
+        known = [self._rows.get(request) for request in requests]
+        if len(self._rows) > len(known) - known.count(None):  # a row of a request not in this step: it may have left
             self._release_departed()
+        rows: list[int] = []
         count_rows: list[int] = []
         count_tokens: list[int] = []
-        for i, request in enumerate(requests):
-            row = rows[i]
+        for request, row in zip(requests, known, strict=True):
             if row is None:
-                row = rows[i] = self._add(request)
+                row = self._add(request)
+            rows.append(row)
             blocks = request.block_ids
             if blocks is not self._block_list[row]:  # freed and allocated anew since the last step
                 self._block_list[row] = blocks
@@ -108,7 +109,7 @@ class InputBatch:
 
     def seen(self, rows: list[int]) -> torch.Tensor:
         """[R, vocab] bool: the tokens of each row's prompt or output."""
-        assert self.prompt_mask is not None
+        assert self.prompt_mask is not None and self.counts is not None
         index = self._index(rows)
         return self.prompt_mask.index_select(0, index) | (self.counts.index_select(0, index) > 0)
 

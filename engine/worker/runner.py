@@ -116,7 +116,7 @@ class ModelRunner:
         out = self.sampler(logits, sampling, RowTables(self.batch, sampling_rows))
         if order is None and step.sample_rows is None and min(out.token_ids) >= 0:  # all sampled, in batch order
             return RunnerOutput(out.token_ids, out.logprobs, errors)
-        for i, token, logprob in zip(step.sample_idx, out.token_ids, out.logprobs):
+        for i, token, logprob in zip(step.sample_idx, out.token_ids, out.logprobs, strict=True):
             j = i if order is None else order[i]  # its index in the scheduler's batch
             if token >= 0:
                 sampled[j], logprobs[j] = token, logprob
@@ -127,9 +127,15 @@ class ModelRunner:
     def _slot(self, request: Request) -> int | None:
         if request.adapter is None:
             return None
-        slot = self.adapters.slot_of(request.adapter)
+        slot = self._tier().slot_of(request.adapter)
         assert slot is not None, "a running request's adapter is pinned on the device"
         return slot
+
+    def _tier(self) -> DeviceAdapterTier:
+        """The device adapter tier: a request names an adapter only on an engine that has one."""
+        if self.adapters is None:
+            raise RuntimeError("a request names an adapter, but the engine has no device adapter tier")
+        return self.adapters
 
     @staticmethod
     def _batch_order(batch: SchedulerOutput, slots: list[int | None]) -> list[int] | None:
@@ -148,10 +154,11 @@ class ModelRunner:
         adapter use the tier's null slot (rank 0 everywhere). None when no row has an adapter."""
         if slots.count(None) == len(slots):
             return None
-        null = self.adapters.null_slot
+        tier = self._tier()
+        null = tier.null_slot
         starts = [0]
         seg_slots: list[int] = []
-        for slot, n in zip(slots, num_tokens):
+        for slot, n in zip(slots, num_tokens, strict=True):
             slot = null if slot is None else slot
             if seg_slots and seg_slots[-1] == slot:
                 starts[-1] += n
@@ -163,7 +170,7 @@ class ModelRunner:
             from kernels.sgmv import plan_segments
 
             plan = plan_segments(starts, seg_slots, self.device, skip_slot=null)
-        return LoraBatch(starts, seg_slots, self.adapters.weights, plan)
+        return LoraBatch(starts, seg_slots, tier.weights, plan)
 
     def _prepare(self, requests: list[Request], num_tokens: list[int], rows: list[int]) -> StepInputs:
         """The step's inputs. Every integer input is written into one list and becomes one tensor (one copy
@@ -177,7 +184,7 @@ class ModelRunner:
         decode_rows: list[int] = []  # persistent-batch rows of the decodes
         decode_lens: list[int] = []
         prefills: list[tuple[int, int, int, list[int]]] = []  # token_start, query_len, context_len, blocks
-        for i, (request, n) in enumerate(zip(requests, num_tokens)):
+        for i, (request, n) in enumerate(zip(requests, num_tokens, strict=True)):
             start = request.num_computed_tokens
             end = start + n
             blocks = request.block_ids

@@ -203,7 +203,7 @@ class Sampler:
                 token_ids = [t if t == NON_FINITE else NO_TOKEN for t in token_ids]
         elif len(set(cols)) >= vocab:  # a row may have lost every token
             for i in set(rows):
-                if token_ids[i] != NON_FINITE and len({c for r, c in zip(rows, cols) if r == i}) >= vocab:
+                if token_ids[i] != NON_FINITE and len({c for r, c in zip(rows, cols, strict=True) if r == i}) >= vocab:
                     token_ids[i] = NO_TOKEN
         return token_ids
 
@@ -266,7 +266,7 @@ def argmax_list(logits: torch.Tensor) -> list[int]:
 
 def _unless_finite(finite: list[bool], token_ids: list[int]) -> list[int]:
     """The token ids, NON_FINITE where the row's logits were not all finite."""
-    return token_ids if all(finite) else [t if ok else NON_FINITE for t, ok in zip(token_ids, finite)]
+    return token_ids if all(finite) else [t if ok else NON_FINITE for t, ok in zip(token_ids, finite, strict=True)]
 
 
 class RowTables:
@@ -386,18 +386,18 @@ def _apply_presence_frequency_penalties(logits: torch.Tensor, requests: Sequence
 def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]) -> list[TokenLogprob | None]:
     """From the raw logits [B, V]: each asking row's sampled-token logprob and its top-k, best first."""
     result: list[TokenLogprob | None] = [None] * len(requests)
-    rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    asked = [r.sampling_params.logprobs for r in requests]  # top-k wanted per row, None: no logprobs
+    rows = [i for i, k in enumerate(asked) if k is not None]
+    ks = [k for k in asked if k is not None]
     if not rows:
         return result
     index = torch.tensor(rows, device=raw.device)
     logprobs = torch.log_softmax(raw[index], dim=-1)  # [R, V]
     chosen_ids = token_ids[index]  # [R]
     chosen = logprobs.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
-    max_k = max(requests[i].sampling_params.logprobs for i in rows)
-    top_values, top_ids = logprobs.topk(max_k, dim=-1)  # [R, max_k], sorted best first
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    for j, i in enumerate(rows):
-        k = requests[i].sampling_params.logprobs
-        top = tuple(zip(top_ids[j][:k], top_values[j][:k]))
+    top_value_t, top_id_t = logprobs.topk(max(ks), dim=-1)  # [R, max_k], sorted best first
+    top_values, top_ids = top_value_t.tolist(), top_id_t.tolist()
+    for j, (i, k) in enumerate(zip(rows, ks, strict=True)):
+        top = tuple(zip(top_ids[j][:k], top_values[j][:k], strict=True))
         result[i] = TokenLogprob(token_id=int(chosen_ids[j]), logprob=chosen[j], top=top)
     return result

@@ -246,7 +246,7 @@ def test_gateway_table(record: dict[str, Any]) -> None:
     g = fig(record, "gateway")
     lines = report.gateway_table(record["parts"]).splitlines()
     assert len(lines) == 2 + len(g["concurrency"]) + 1
-    for line, e in zip(lines[2:], g["concurrency"]):
+    for line, e in zip(lines[2:], g["concurrency"], strict=False):  # (and the rollout line after them)
         assert line.split() == [
             f"c={e['c']}",
             *(f"{e[k]:.2f}" for k in ("direct_p50_ms", "gateway_p50_ms", "added_p50_ms", "added_p99_ms")),

@@ -152,7 +152,7 @@ def test_spec_sizes_and_dtype(good_dir: Path, model_config: ModelConfig) -> None
     fp32 = load_weights(spec, model_config, torch.float32)
     bf16 = load_weights(spec, model_config, torch.bfloat16)
     assert fp32.nbytes == spec.nbytes and bf16.nbytes == spec.nbytes // 2
-    for (a32, b32), (a16, b16) in zip(fp32.layers[0].values(), bf16.layers[0].values()):
+    for (_a32, b32), (a16, b16) in zip(fp32.layers[0].values(), bf16.layers[0].values(), strict=True):
         assert a16.dtype == b16.dtype == torch.bfloat16 and a16.is_contiguous() and b16.is_contiguous()
         torch.testing.assert_close(b16.float(), b32, rtol=1e-2, atol=1e-3)
     assert fp32.layers[0]["q_proj"][0].shape == (4, hidden)

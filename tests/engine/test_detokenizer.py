@@ -316,7 +316,7 @@ def test_a_refusing_stream_hands_over_to_the_python_steps(
     params = SamplingParams(stop=("never there",))
     expected = _run(IncrementalDetokenizer(byte_bpe, prompt, params, stream=False), ids, 1)
     for fail_at in (1, 2, 7, len(ids)):
-        monkeypatch.setattr(detokenizer_module, "DecodeStream", lambda **kw: Refusing(fail_at, **kw))
+        monkeypatch.setattr(detokenizer_module, "DecodeStream", lambda fail_at=fail_at, **kw: Refusing(fail_at, **kw))
         detok = IncrementalDetokenizer(byte_bpe, prompt, params)
         assert _run(detok, ids, 1) == expected
         assert detok._stream is None  # it did take over

@@ -103,7 +103,7 @@ def test_greedy_matches_hf_generate(
         )
     )
     ours = engine_outputs(engine, prompts)
-    for i, (a, b) in enumerate(zip(ours, hf_outputs)):
+    for i, (a, b) in enumerate(zip(ours, hf_outputs, strict=True)):
         assert a == b, f"prompt {i} (length {len(prompts[i])}) diverged"
     counts = engine.scheduler.preemption.counts
     assert (counts[preemption] > 0) == (num_kv_blocks is not None)

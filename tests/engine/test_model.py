@@ -110,11 +110,11 @@ def check_prefill_decode_mixed(ours: LlamaForCausalLM, hf: PreTrainedModel, bloc
     refs = [hf_logits(hf, s.tokens) for s in seqs + [chunked]]
 
     def check(out: list[torch.Tensor], work: list[tuple[Seq, int]]) -> None:
-        for got, (seq, n) in zip(out, work):  # rows for positions [computed - n, computed)
+        for got, (seq, n) in zip(out, work, strict=True):  # rows for positions [computed - n, computed)
             ref = refs[(seqs + [chunked]).index(seq)]
             torch.testing.assert_close(got, ref[seq.computed - n : seq.computed], atol=atol, rtol=0)
 
-    steps = [[(s, n) for s, n in zip(seqs, lens)] + [(chunked, 10)]]  # prompts, one flat batch
+    steps = [[(s, n) for s, n in zip(seqs, lens, strict=True)] + [(chunked, 10)]]  # prompts, one flat batch
     steps += [[(s, 1) for s in seqs]] * 3  # batched decode rows only
     steps += [[(s, 1) for s in seqs] + [(chunked, 12)]]  # mixed: decodes + a chunk after a cached one
     steps += [[(chunked, 1)]]  # a decode whose context spans both chunks
@@ -311,9 +311,9 @@ def test_smollm2_matches_hf(smollm2_pair: tuple[LlamaForCausalLM, PreTrainedMode
     out = runner.step([(s, len(s.tokens) - 2) for s in seqs])
     out += runner.step([(s, 1) for s in seqs])
     refs = [hf_logits(hf, s.tokens) for s in seqs]
-    for got, ref, s in zip(out[:2], refs, seqs):
+    for got, ref, s in zip(out[:2], refs, seqs, strict=True):
         torch.testing.assert_close(got, ref[: len(s.tokens) - 2], atol=1e-3, rtol=0)
-    for got, ref, s in zip(out[2:], refs, seqs):
+    for got, ref, s in zip(out[2:], refs, seqs, strict=True):
         torch.testing.assert_close(got, ref[s.computed - 1 : s.computed], atol=1e-3, rtol=0)
 
 

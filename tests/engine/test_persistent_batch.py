@@ -39,7 +39,7 @@ def _running(
 def _check(batch: InputBatch, requests: list[Request], rows: list[int], vocab: int) -> None:
     width = max(len(r.block_ids) for r in requests)
     tables = batch.decode_tables(rows, width)
-    for r, table in zip(requests, tables.tolist()):
+    for r, table in zip(requests, tables.tolist(), strict=True):
         assert table[: len(r.block_ids)] == r.block_ids
     penalised = [i for i, r in enumerate(requests) if r.sampling_params.frequency_penalty != 0.0]
     if penalised:
@@ -203,6 +203,6 @@ def test_decode_buffers_are_written_in_place_per_batch_size() -> None:
     assert all(t.dtype == torch.long for t in first)
     three = buffers.write(list(range(100, 112)), 3)
     again = buffers.write(list(range(10, 18)), 2)
-    assert all(a is b for a, b in zip(first, again))  # the same views, written again
+    assert all(a is b for a, b in zip(first, again, strict=True))  # the same views, written again
     assert [t.tolist() for t in again] == [[10, 11], [12, 13], [14, 15], [16, 17]]
     assert [t.tolist() for t in three] == [[100, 101, 102], [103, 104, 105], [106, 107, 108], [109, 110, 111]]

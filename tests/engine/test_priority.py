@@ -281,13 +281,16 @@ def test_prefill_cap_chunks_lower_class_prompts_but_not_critical_ones() -> None:
     for out in steps:
         assert out.requests[0].request_id == "run" and out.num_tokens[0] == 1  # the decode goes on beside
         assert sum(n for n in out.num_tokens if n > 1) <= 10
-    assert [(r.request_id, n) for r, n in zip(steps[0].requests, steps[0].num_tokens)] == [("run", 1), ("std", 10)]
-    assert [(r.request_id, n) for r, n in zip(steps[2].requests, steps[2].num_tokens)] == [
+    assert [(r.request_id, n) for r, n in zip(steps[0].requests, steps[0].num_tokens, strict=True)] == [
+        ("run", 1),
+        ("std", 10),
+    ]
+    assert [(r.request_id, n) for r, n in zip(steps[2].requests, steps[2].num_tokens, strict=True)] == [
         ("run", 1),
         ("std", 5),
         ("shed0", 5),
     ]  # the standard prompt's last chunk, then the queue's next
-    assert [(r.request_id, n) for r, n in zip(steps[3].requests, steps[3].num_tokens)] == [
+    assert [(r.request_id, n) for r, n in zip(steps[3].requests, steps[3].num_tokens, strict=True)] == [
         ("run", 1),
         ("std", 1),
         ("shed0", 10),
@@ -295,9 +298,9 @@ def test_prefill_cap_chunks_lower_class_prompts_but_not_critical_ones() -> None:
     clock.now = 1.0
     s.add_request(req("crit", 40, priority=Priority.CRITICAL, arrival=1.0))
     out = step(s)  # the critical prompt whole, alone: lower classes' decodes and prompt chunks wait this step
-    assert [(r.request_id, n) for r, n in zip(out.requests, out.num_tokens)] == [("crit", 40)]
+    assert [(r.request_id, n) for r, n in zip(out.requests, out.num_tokens, strict=True)] == [("crit", 40)]
     out = step(s)
-    assert [(r.request_id, n) for r, n in zip(out.requests, out.num_tokens)] == [
+    assert [(r.request_id, n) for r, n in zip(out.requests, out.num_tokens, strict=True)] == [
         ("run", 1),
         ("std", 1),
         ("shed0", 5),
@@ -327,7 +330,11 @@ def test_randomized_invariants_with_a_prefill_cap() -> None:
             submitted += 1
         if s.has_unfinished():
             out = s.schedule()
-            capped = [k for r, k in zip(out.requests, out.num_tokens) if k > 1 and r.priority is not Priority.CRITICAL]
+            capped = [
+                k
+                for r, k in zip(out.requests, out.num_tokens, strict=True)
+                if k > 1 and r.priority is not Priority.CRITICAL
+            ]
             assert sum(capped) <= 5
             ended |= {r.request_id for r in s.update_from_output(out, fake_run(out))}
         _check(s)

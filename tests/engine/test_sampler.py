@@ -247,7 +247,7 @@ def test_logprobs_come_from_raw_logits_with_sorted_top() -> None:
         values, ids = reference[row].topk(k)
         assert [t for t, _ in lp.top] == ids.tolist()
         assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-6)
-        assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))
+        assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:], strict=False))
         assert all(type(t) is int and type(v) is float for t, v in lp.top)
 
 
@@ -260,7 +260,7 @@ def _draw_steps(sampler: Sampler, batch: list[Request], steps: int, row: int) ->
         raw[row] = torch.linspace(-1.0, 1.0, 500)  # the watched request's logits do not depend on the batch
         out = sampler(raw, batch)
         tokens.append(out.token_ids[row])
-        for req, token in zip(batch, out.token_ids):
+        for req, token in zip(batch, out.token_ids, strict=True):
             req.output_token_ids.append(token)
     return tokens
 

@@ -46,7 +46,7 @@ def fake_token(request: Request) -> int:
 def fake_run(batch: SchedulerOutput) -> RunnerOutput:
     sampled = [
         fake_token(r) if r.num_computed_tokens + n == r.num_tokens else None
-        for r, n in zip(batch.requests, batch.num_tokens)
+        for r, n in zip(batch.requests, batch.num_tokens, strict=True)
     ]
     return RunnerOutput(sampled, [None] * len(sampled))
 

@@ -124,7 +124,7 @@ def test_completion_logprobs_shape(client: openai.OpenAI) -> None:
     n = out.usage.completion_tokens
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         # The sampled token and the top 3, keyed by text (distinct ids may share one, e.g. "\ufffd").
         assert logprob <= 0 and 1 <= len(top) <= 4 and top[token] == logprob
         assert max(top.values()) == pytest.approx(logprob)  # greedy picks the most likely token

@@ -164,7 +164,7 @@ def test_critical_prompts_are_never_interrupted_and_lower_classes_always_progres
     for step in critical:
         if any(r.priority is Priority.CRITICAL for r in step.prompts):
             assert not step.interrupted
-    for first, second in zip(steps, steps[1:]):
+    for first, second in zip(steps, steps[1:], strict=False):
         assert not (first.interrupted and second.interrupted), "lower-class work made no progress"
 
 

@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "safetensors", "peft", "triton", "engine", "kernels")
 # Prints the heavy packages a snippet left in sys.modules, as the last line.
-REPORT = "import sys; print(sorted({m.split('.')[0] for m in sys.modules} & set(%r)))" % (HEAVY,)
+REPORT = f"import sys; print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))"
 
 
 def _python(code: str, python: str = sys.executable, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
