@@ -6,15 +6,16 @@
   the admin actions' log                 a capped list (gateway/admin.py)
 
 `RedisFleetStore` keeps them in Redis (the connection of gateway/redis_client.py: a dead or stalled
-Redis fails a call fast, and each caller decides what a failure means). `LocalFleetStore` shares nothing:
-one replica, or no `--redis`. Rate limits are shared through the same Redis, by gateway/redis_limiter.py.
+Redis fails a call fast, at once while its breaker is open, and each caller decides what a failure
+means). `LocalFleetStore` shares nothing: one replica, or no `--redis`. Rate limits are shared through the
+same Redis, by gateway/redis_limiter.py.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from gateway.redis_client import redis_client
+from gateway.redis_client import RedisBreaker, redis_client
 
 
 def _text(value: bytes | str) -> str:
@@ -104,6 +105,11 @@ return 1
     def __init__(self, url: str) -> None:
         self._redis = redis_client(url)
         self._put_newer = self._redis.register_script(self._PUT_NEWER)
+
+    @property
+    def breaker(self) -> RedisBreaker:
+        """The breaker in front of this store's Redis (shared with every client of the same URL)."""
+        return self._redis.breaker
 
     async def fetch(self, keys: list[str]) -> dict[str, str]:
         values = await self._redis.mget(keys)

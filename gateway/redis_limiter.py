@@ -13,7 +13,7 @@ from typing import Literal
 
 from gateway.policy import Limits
 from gateway.ratelimit import Decision, RateLimiterUnavailable, Reservation, refill_per_s
-from gateway.redis_client import UNREACHABLE, redis_client
+from gateway.redis_client import UNREACHABLE, RedisBreaker, RedisSkipped, redis_client
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ return 0
 
 class RedisRateLimiter:
     """GCRA + token bucket in Redis. on_error: "open" admits while Redis is unreachable, "closed" raises
-    RateLimiterUnavailable; either way `redis_errors` counts the failures."""
+    RateLimiterUnavailable; either way `redis_errors` counts the failures (calls the Redis breaker
+    skipped included: gateway/redis_client.py)."""
 
     def __init__(self, url: str, on_error: Literal["open", "closed"] = "open", prefix: str = "loragate:rl:") -> None:
         if on_error not in ("open", "closed"):
@@ -93,6 +94,11 @@ class RedisRateLimiter:
         self._redis = redis_client(url)
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._reconcile = self._redis.register_script(_RECONCILE)
+
+    @property
+    def breaker(self) -> RedisBreaker:
+        """The breaker in front of this limiter's Redis (shared with every client of the same URL)."""
+        return self._redis.breaker
 
     def keys(self, tenant: str) -> tuple[str, str]:
         """(request key, token key) of a tenant."""
@@ -127,9 +133,12 @@ class RedisRateLimiter:
             await self._reconcile(self.keys(reservation.tenant)[1:], args)
         except UNREACHABLE as exc:
             self.redis_errors += 1
-            logger.warning("rate limiter: reconcile for %s lost, Redis unreachable: %s", reservation.tenant, exc)
+            log = logger.debug if isinstance(exc, RedisSkipped) else logger.warning
+            log("rate limiter: reconcile for %s lost, Redis unreachable: %s", reservation.tenant, exc)
 
     async def healthy(self) -> bool:
+        """Redis answers PING; False at once while its breaker is open (a skipped PING), so /readyz polls
+        cost no timeouts."""
         try:
             return bool(await self._redis.ping())
         except UNREACHABLE:
@@ -140,6 +149,9 @@ class RedisRateLimiter:
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.redis_errors += 1
-        logger.warning("rate limiter: %s failed, Redis unreachable (failing %s): %s", what, self.on_error, exc)
+        # While the breaker is open every request lands here: the breaker logs the opening and the
+        # closing, and a line per skipped request would flood the log.
+        log = logger.debug if isinstance(exc, RedisSkipped) else logger.warning
+        log("rate limiter: %s failed, Redis unreachable (failing %s): %s", what, self.on_error, exc)
         if self.on_error == "closed":
             raise RateLimiterUnavailable(f"rate limiter store unreachable: {exc}") from exc

@@ -2,12 +2,14 @@
 
 from redis_server import redis_server_fixture, redis_url_fixture, start_redis
 redis_url = redis_url_fixture()                          # module-scoped fixture `redis_url` (a URL)
-redis_server = redis_server_fixture(scope="function")    # fixture `redis_server`: a RedisServer to stop/start
+redis_server = redis_server_fixture(scope="function")    # fixture `redis_server`: a RedisServer to stop/start,
+                                                         # or pause/resume (SIGSTOP/SIGCONT: a stalled Redis)
 """
 
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -78,10 +80,21 @@ class RedisServer:
             log = self.log_path.read_text() if self.log_path.exists() else ""
             raise RuntimeError(f"redis-server did not come up on port {self.port} ({exc}):\n{log[-2000:]}") from None
 
+    def pause(self) -> None:
+        """Freeze it (SIGSTOP): connections are still accepted by the kernel, nothing is answered."""
+        assert self.proc is not None, "not running"
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Undo `pause` (SIGCONT); what was sent meanwhile is then answered."""
+        assert self.proc is not None, "not running"
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
-        """Stop it and wait until the port no longer answers."""
+        """Stop it and wait until the port no longer answers (a paused one is resumed first)."""
         if self.proc is None:
             return
+        self.proc.send_signal(signal.SIGCONT)  # a stopped process would hold SIGTERM until continued
         self.proc.terminate()
         try:
             self.proc.wait(timeout=5)
