@@ -50,8 +50,8 @@ ADMISSION = """admission: {{max_inflight_per_upstream: 16, max_queue: 1024, queu
 
 
 def metric(text: str, name: str) -> float:
-    match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+    """The sum of a metric's samples over their labels (evictions are counted per adapter)."""
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE))
 
 
 def engine_counts(urls: list[str]) -> tuple[float, float, list[float]]:

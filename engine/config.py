@@ -33,6 +33,8 @@ class EngineConfig:
     preemption: str = "auto"  # recompute | swap | auto (by the measured cost of each)
     aging_s: float | None = 10.0  # a waiting request gains one priority class per aging_s waited
     enable_prefix_cache: bool = True  # reuse KV blocks of prompt prefixes (same adapter version only)
+    # adapters with an `adapter` label of their own in the per-adapter metrics (the first seen); the rest: "other"
+    metrics_max_adapters: int = 50
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -51,6 +53,8 @@ class EngineConfig:
             raise ValueError("max_device_adapters must be >= 1")
         if self.host_adapter_mb < 0:
             raise ValueError("host_adapter_mb must be >= 0")
+        if self.metrics_max_adapters < 0:
+            raise ValueError("metrics_max_adapters must be >= 0")
         if self.max_adapters_per_step is not None and self.max_adapters_per_step < 1:
             raise ValueError("max_adapters_per_step must be >= 1")
         if self.preemption not in ("recompute", "swap", "auto"):

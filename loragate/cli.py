@@ -1,5 +1,6 @@
 """The `loragate` command line: `engine` serves one model, `gateway` fronts engines, `up` starts a local stack,
-`policy` checks policy files offline, `admin` steers a running gateway (loragate/admin_cli.py).
+`policy` checks policy files offline, `admin` steers a running gateway (loragate/admin_cli.py), `usage` sums
+its usage ledger (loragate/usage_cli.py).
 
 `up` first makes sure the demo adapters exist (trained once into the cache, see engine/lora/demo.py), then
 launches each component as a child process (an engine on an internal port, then the gateway in front
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from loragate import admin_cli
+from loragate import admin_cli, usage_cli
 from loragate.http_server import ConnectionLimits
 from loragate.launch import launch as launch_healthy
 from loragate.launch import stop as stop_process
@@ -186,6 +187,14 @@ def _add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     p.add_argument("--served-model-name", help="the name /v1/models reports (default: derived)")
     p.add_argument(
+        "--metrics-max-adapters",
+        type=_non_negative,
+        default=50,
+        metavar="N",
+        help="adapters with an `adapter` label of their own in the per-adapter metrics (the first N seen); "
+        'the rest are counted as "other"',
+    )
+    p.add_argument(
         "--threads",
         type=_threads,
         default="auto",
@@ -233,7 +242,15 @@ def _add_gateway_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument(
         "--redis",
         metavar="URL",
-        help="share rate limits across gateway replicas through this Redis (default: in-process)",
+        help="share rate limits, budgets, the usage ledger, rollouts and operator overrides across gateway "
+        "replicas through this Redis (default: in-process)",
+    )
+    p.add_argument(
+        "--usage-retention",
+        type=_positive,
+        default=1_000_000,
+        metavar="N",
+        help="usage records the shared ledger keeps, about (oldest trimmed first; export them before)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
@@ -270,12 +287,13 @@ def _add_policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loragate", description="Multi-LoRA LLM serving.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{engine,up,gateway,policy,admin}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{engine,up,gateway,policy,admin,usage}")
     _add_engine_parser(sub)
     _add_up_parser(sub)
     _add_gateway_parser(sub)
     _add_policy_parser(sub)
     admin_cli.add_parser(sub)
+    usage_cli.add_parser(sub)
     return parser
 
 
@@ -342,6 +360,7 @@ def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         preemption=args.preemption,
         aging_s=args.aging_s,
         enable_prefix_cache=not args.no_prefix_cache,
+        metrics_max_adapters=args.metrics_max_adapters,
     )
     try:
         config.validate()
@@ -397,6 +416,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             limits=_connection_limits(args),
             discovery=discovery,
             clear_overrides=args.clear_overrides,
+            usage_retention=args.usage_retention,
         )
     except PolicyError as exc:  # e.g. two tenants sharing a key through env: references
         print(f"loragate gateway: error: {exc}", file=sys.stderr)
@@ -613,4 +633,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_policy(args)
     if args.command == "admin":
         return admin_cli.run(args)
+    if args.command == "usage":
+        return usage_cli.run(args)
     return run_up(args)

@@ -236,18 +236,27 @@ class AsyncEngine:
             except Exception as exc:  # outside any one request (a request's own failure is an output)
                 logger.exception("engine step failed; aborting all requests in flight")
                 self._fail_all(exc)
+                engine.publish_load()
                 continue
             if outputs:
                 self._event_loop().call_soon_threadsafe(self._dispatch, outputs)
 
     def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued adds/aborts; wait for one if `block`. False when asked to stop."""
+        """Apply queued adds/aborts; wait for one if `block`. False when asked to stop.
+
+        What it applied is in the load report at once: arrivals count as waiting during the coming step (which may
+        be long), and aborts that leave the engine idle are not reported as running until the next request.
+        """
+        applied = False
         while True:
             try:
                 item = self._inbox.get(block=block)
             except queue.Empty:
+                if applied:
+                    self.engine.publish_load()
                 return True
             block = False
+            applied = True
             if item is None:
                 return False
             if isinstance(item, _Abort):

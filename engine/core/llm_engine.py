@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
@@ -24,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.config import EngineConfig
 from engine.core.detokenizer import ByteLevelPieces, IncrementalDetokenizer
 from engine.core.memory import KVCacheManager, PagePool
-from engine.core.outputs import AdapterStatus, EngineStats, RequestError, RequestOutput, RunnerOutput
+from engine.core.outputs import AdapterStatus, EngineStats, LoadReport, RequestError, RequestOutput, RunnerOutput
 from engine.core.preemption import KVSwapper
 from engine.core.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -135,6 +136,7 @@ class LLMEngine:
         self.interrupted_steps = 0  # steps a critical arrival ended early (see step())
         self._rerun_due = False  # the next step of lower-class work runs whole
         self._prefetcher = TransientWorker("adapter-prefetch")  # engine/worker/threads.py: why not a pool
+        self.load_report = self._load_report()  # replaced by publish_load()
         logger.info(
             "engine ready: model=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
             self.model_name,
@@ -279,22 +281,62 @@ class LLMEngine:
             interrupted_steps=self.interrupted_steps,
         )
 
+    def publish_load(self) -> None:
+        """Replace `load_report` with the engine's state now (engine thread only; see LoadReport). The step calls it at
+        its end, the async engine after the arrivals and aborts it applies between steps."""
+        self.load_report = self._load_report()
+
+    def _load_report(self) -> LoadReport:
+        # O(running + adapters waiting + adapters resident): running is at most max_num_seqs, the waiting queue
+        # keeps its per-adapter counts as requests come and go.
+        s = self.scheduler
+        adapter_pages = self.pool.num_run_pages
+        cached = s.kv.num_evictable_blocks
+        return LoadReport(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_blocks_used=self.pool.num_used - adapter_pages - cached,
+            kv_blocks_free=self.pool.num_free,
+            adapter_pages=adapter_pages,
+            total_pages=self.pool.num_pages,
+            device_adapters=self.device_adapters.current_ids(),
+            running_by_adapter=tuple(Counter(r.adapter_id for r in s.running).items()),
+            waiting_by_adapter=s.waiting.count_by_adapter(),
+        )
+
     def adapter_statuses(self) -> list[AdapterStatus]:
         """Every registered adapter and where its weights are (safe to call from another thread)."""
-        out = []
-        for spec in self.adapters.list():
-            if self.device_adapters.is_resident(spec):
-                where = "device"
-            elif self.host_adapters.contains(spec):
-                where = "host"
-            else:
-                where = "disk"
-            out.append(AdapterStatus(spec.adapter_id, spec.version, spec.max_rank, spec.modules, where))
-        return out
+        return [
+            AdapterStatus(spec.adapter_id, spec.version, spec.max_rank, spec.modules, self._residence(spec))
+            for spec in self.adapters.list()
+        ]
+
+    def adapter_residence(self, adapter_id: str) -> str | None:
+        """Where a registered adapter's weights are (device, host or disk), None if it is not registered; safe
+        to call from another thread."""
+        try:
+            return self._residence(self.adapters.get(adapter_id))
+        except KeyError:
+            return None
+
+    def _residence(self, spec: AdapterSpec) -> str:
+        if self.device_adapters.is_resident(spec):
+            return "device"
+        if self.host_adapters.contains(spec):
+            return "host"
+        return "disk"
 
     # ---- the step -----------------------------------------------------------------------------------
 
     def step(self, interrupt: threading.Event | None = None) -> list[RequestOutput]:
+        """Schedule, compute and apply one step (`_step`); the outputs it produced. The load report is published
+        before they are returned, so an answer sent on them reports a load without its own request."""
+        try:
+            return self._step(interrupt)
+        finally:
+            self.publish_load()
+
+    def _step(self, interrupt: threading.Event | None) -> list[RequestOutput]:
         """Schedule, compute and apply one step; the outputs it produced.
 
         `interrupt` is set by another thread when a critical request arrives (engine/core/async_engine.py). A step

@@ -80,3 +80,28 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
     interrupted_steps: int = 0  # steps of lower-class work a critical arrival ended early
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """The engine's load as the engine thread published it (`LLMEngine.load_report`): after every step and every batch
+    of arrivals and aborts it applies. GET /load, the X-Loragate-Load header and the per-adapter gauges read it
+    from the event loop without a round trip to the engine thread: the thread replaces the whole (immutable)
+    object, so a reader sees one moment's counts, never a structure the thread is changing."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int  # pages holding requests' KV blocks
+    kv_blocks_free: int  # free pages of the unified pool
+    adapter_pages: int  # pages holding adapter weights
+    total_pages: int
+    device_adapters: tuple[str, ...] = ()  # ids whose current version is resident on the device, sorted
+    # (adapter id or None for the base model, requests): only ids with at least one request
+    running_by_adapter: tuple[tuple[str | None, int], ...] = ()
+    waiting_by_adapter: tuple[tuple[str | None, int], ...] = ()
+
+    @property
+    def pool_used(self) -> float:
+        """The pool's pages in use, 0..1: requests' KV blocks and adapter weights. Cached prefix blocks no
+        request holds are not counted: they are given back whenever pages are needed."""
+        return (self.kv_blocks_used + self.adapter_pages) / self.total_pages

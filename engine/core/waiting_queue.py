@@ -30,6 +30,9 @@ class WaitingQueue:
         self._requests: list[Request] = []  # in arrival order
         self._served: dict[str | None, int] = {}  # adapter id (None: base) -> admissions
         self._classes: Counter[int] = Counter()  # priority class -> requests waiting
+        # adapter id (None: base) -> requests waiting, kept as they come and go: the engine's load report
+        # reads it every step without walking the queue
+        self._adapters: Counter[str | None] = Counter()
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -50,11 +53,16 @@ class WaitingQueue:
         else:  # preempted: back at its place in arrival order
             bisect.insort_right(self._requests, request, key=lambda r: r.arrival_time)
         self._classes[int(request.priority)] += 1
+        self._adapters[request.adapter_id] += 1
 
     def remove(self, request: Request) -> None:
         """Take a request out without serving it (abort)."""
         self._requests.remove(request)
         self._classes[int(request.priority)] -= 1
+        key = request.adapter_id
+        self._adapters[key] -= 1
+        if not self._adapters[key]:  # only adapters with waiting requests: it stays as small as the queue's mix
+            del self._adapters[key]
 
     def admit(self, request: Request) -> None:
         """Take a request out because it is being served: its adapter's turn count moves on."""
@@ -72,6 +80,10 @@ class WaitingQueue:
         if not self._requests:  # the usual case in steady decoding: no need to look at the classes
             return None
         return min((c for c, n in self._classes.items() if n), default=None)
+
+    def count_by_adapter(self) -> tuple[tuple[str | None, int], ...]:
+        """(adapter id or None for the base model, requests waiting) for every adapter with one."""
+        return tuple(self._adapters.items())
 
     def ordered(self, now: float) -> list[Request]:
         """The waiting requests in the order they should be admitted at time `now`."""

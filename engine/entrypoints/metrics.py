@@ -4,21 +4,61 @@ Each `EngineMetrics` owns a `CollectorRegistry` (never prometheus-client's globa
 servers in one process (tests) do not collide. Counters and histograms are fed by the HTTP layer from
 the timing of each request's output stream; the gauges, and the adapter tier's counters and load-time
 histogram (kept by the engine thread), are read from `LLMEngine.stats()` at scrape time.
+
+The per-adapter series (`loragate_engine_adapter_*{adapter}`) have a bounded `adapter` label
+(`AdapterLabels`): token counters are fed by the HTTP layer with the `usage` each request answered; requests
+running and waiting are read at scrape time from the load report the engine thread publishes
+(`LLMEngine.load_report`), device loads and evictions from the device tier's per-id counters, residence from
+the adapter tiers.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from engine.core.outputs import EngineStats, RequestOutput
 
+if TYPE_CHECKING:  # the engine (and torch) only for the types: the metrics are built before it is bound
+    from engine.core.llm_engine import LLMEngine
+
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+MAX_ADAPTER_LABELS = 50  # the default of --metrics-max-adapters
+_TIERS = ("device", "host", "disk")
+
+
+class AdapterLabels:
+    """The `adapter` label's values, bounded however many adapters are registered: the base model is labelled
+    with its served name; the first `max_adapters` adapter ids seen (in requests for a registered adapter: ids
+    that 404 never take one) keep their own, and every later id is counted as "other". A label once exported
+    keeps counting, so every counter stays monotonic. An adapter whose id is "other" is counted as "other".
+    Used from the event loop only (request starts and scrapes)."""
+
+    OTHER = "other"
+
+    def __init__(self, max_adapters: int = MAX_ADAPTER_LABELS, base: str = "") -> None:
+        self.max_adapters = max_adapters
+        self.base = base  # the served model name, once bound to an engine
+        self.own: dict[str, None] = {}  # the ids with a label of their own, in the order first seen
+
+    def assign(self, adapter_id: str | None) -> str:
+        """The label of a request's adapter (None: the base model), giving the id its own while there is room."""
+        if adapter_id is not None and adapter_id not in self.own:
+            if len(self.own) < self.max_adapters and adapter_id != self.OTHER:
+                self.own[adapter_id] = None
+        return self(adapter_id)
+
+    def __call__(self, adapter_id: str | None) -> str:
+        """The label of `adapter_id` as things are (never gives out a label)."""
+        if adapter_id is None:
+            return self.base
+        return adapter_id if adapter_id in self.own else self.OTHER
 
 
 class _EngineStatsCollector:
@@ -54,8 +94,7 @@ class _EngineStatsCollector:
         counters = (
             ("loragate_engine_adapter_hits", "Admissions that found their adapter on the device.", stats.adapter_hits),
             ("loragate_engine_adapter_misses", "Admissions that had to load their adapter.", stats.adapter_misses),
-            ("loragate_engine_adapter_evictions", "Adapters evicted from the device.", stats.adapter_evictions),
-        )
+        )  # evictions: per adapter, in _AdapterCollector
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
         yield from _scheduler_metrics(stats)
@@ -111,8 +150,68 @@ def _scheduler_metrics(stats: EngineStats) -> Iterator[Metric]:
     )
 
 
+class _AdapterCollector:
+    """The per-adapter gauges and device-tier counters, computed at scrape time: O(adapters with a label of their
+    own + adapters with requests), however many are registered."""
+
+    def __init__(self, labels: AdapterLabels) -> None:
+        self.labels = labels
+        self.engine: LLMEngine | None = None
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.engine
+        if engine is None:
+            return
+        labels = self.labels
+        own = list(labels.own)
+        report = engine.load_report  # one object the engine thread replaces whole: a consistent moment
+        for name, doc, pairs in (
+            (
+                "loragate_engine_adapter_requests_running",
+                "Requests being computed, by adapter.",
+                report.running_by_adapter,
+            ),
+            ("loragate_engine_adapter_requests_waiting", "Requests queued, by adapter.", report.waiting_by_adapter),
+        ):
+            counts = dict.fromkeys([labels.base, *own, labels.OTHER], 0)
+            for adapter_id, n in pairs:
+                counts[labels(adapter_id)] += n
+            family = GaugeMetricFamily(name, doc, labels=["adapter"])
+            for label, n in counts.items():
+                family.add_metric([label], n)
+            yield family
+        resident = GaugeMetricFamily(
+            "loragate_engine_adapter_resident",
+            "1 for the tier a registered adapter's weights are in now (device, host or disk), 0 for the others; "
+            "adapters with a label of their own only.",
+            labels=["adapter", "tier"],
+        )
+        for adapter_id in own:
+            where = engine.adapter_residence(adapter_id)
+            if where is not None:  # else unregistered: it is in no tier
+                for tier in _TIERS:
+                    resident.add_metric([adapter_id, tier], float(tier == where))
+        yield resident
+        # Adapters without a label of their own: all minus the labelled ones, read at one moment. An id counted
+        # there never gets a label later (labels are given when first seen), so "other" only grows.
+        by_id, loads, evictions = engine.device_adapters.counters.by_adapter(own)
+        for name, doc, total, i in (
+            ("loragate_engine_adapter_loads", "Device loads of an adapter's weights, by adapter.", loads, 0),
+            ("loragate_engine_adapter_evictions", "Adapters evicted from the device, by adapter.", evictions, 1),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["adapter"])
+            for adapter_id in own:
+                counter.add_metric([adapter_id], by_id[adapter_id][i])
+            counter.add_metric([labels.OTHER], total - sum(c[i] for c in by_id.values()))
+            yield counter
+
+
 class EngineMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, max_adapters: int = MAX_ADAPTER_LABELS) -> None:
+        """`max_adapters`: adapters with a label of their own in the per-adapter series (AdapterLabels)."""
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -148,14 +247,34 @@ class EngineMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
+        self.adapters = AdapterLabels(max_adapters)
+        self.adapter_prompt_tokens = Counter(
+            "loragate_engine_adapter_prompt_tokens",
+            "Prompt tokens of finished requests, by adapter.",
+            ["adapter"],
+            registry=r,
+        )
+        self.adapter_generation_tokens = Counter(
+            "loragate_engine_adapter_generation_tokens", "Tokens generated, by adapter.", ["adapter"], registry=r
+        )
         self._stats_collector = _EngineStatsCollector()
         r.register(self._stats_collector)
+        self._adapter_collector = _AdapterCollector(self.adapters)
+        r.register(self._adapter_collector)
 
     def bind_stats(self, stats: Callable[[], EngineStats]) -> None:
         """Read the running/waiting/KV gauges from `stats` (normally `LLMEngine.stats`)."""
         self._stats_collector.stats = stats
 
+    def bind_engine(self, engine: LLMEngine) -> None:
+        """Read the gauges of `engine` (`bind_stats`) and its per-adapter ones; the base model is labelled with
+        its served name."""
+        self.bind_stats(engine.stats)
+        self.adapters.base = engine.model_name
+        self._adapter_collector.engine = engine
+
     def start_request(self, priority: str = "standard") -> RequestTracker:
+        """A request's tracker; name its adapter (`RequestTracker.adapter`) once the engine accepted it."""
         return RequestTracker(self, priority)
 
     def count_error(self, status_code: int) -> None:
@@ -177,6 +296,7 @@ class RequestTracker:
         self._last: RequestOutput | None = None
         self._last_time = self._arrival
         self._done = False
+        self.adapter = metrics.adapters.base  # its `adapter` label, set by the server once the engine accepted it
 
     def on_output(self, out: RequestOutput) -> None:
         if out.queue_time_s is not None:
@@ -203,5 +323,8 @@ class RequestTracker:
         m.e2e.observe(self._last_time - self._arrival)
         m.prompt_tokens.inc(last.num_prompt_tokens)
         m.generation_tokens.inc(last.num_output_tokens)
+        # The same numbers as the `usage` the client was sent (engine/entrypoints/responses.py usage()).
+        m.adapter_prompt_tokens.labels(adapter=self.adapter).inc(last.num_prompt_tokens)
+        m.adapter_generation_tokens.labels(adapter=self.adapter).inc(last.num_output_tokens)
         if self._first_token is not None and last.num_output_tokens > 1:
             m.tpot.observe((self._last_time - self._first_token) / (last.num_output_tokens - 1))

@@ -8,6 +8,11 @@ which frees its KV blocks. Every error is JSON: {"error": {"type": ..., "message
 Adapters: a request names one with `X-Adapter-ID` or `model`; any id that is not registered (hostile
 ones included: they can never be registered) is a 404, never the base model. The /v1/adapters admin
 routes, which load and unload them at run time, are in engine/entrypoints/adapter_routes.py.
+
+Load: GET /load and the `X-Loragate-Load` header of every generation answer (errors included) report the
+engine's requests running and waiting and its pool use, for the gateway's routing (gateway/admission.py
+EngineLoad). Both read the report the engine thread publishes after each step (`LLMEngine.load_report`):
+one attribute read, no round trip to the engine thread.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.core.async_engine import AsyncEngine, EngineDeadError, RequestFailed
-from engine.core.outputs import RequestOutput
+from engine.core.outputs import LoadReport, RequestOutput
 from engine.core.request import TokenLogprob
 from engine.entrypoints.adapter_routes import AdapterRoutes
 from engine.entrypoints.metrics import EngineMetrics, RequestTracker
@@ -48,6 +53,12 @@ _GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
+
+
+def load_header(report: LoadReport) -> dict[str, str]:
+    """`X-Loragate-Load: running=R, waiting=W, pool=0.41`: comma-separated name=value fields (the gateway reads
+    running and waiting, and ignores fields it does not know)."""
+    return {"X-Loragate-Load": f"running={report.running}, waiting={report.waiting}, pool={report.pool_used:.2f}"}
 
 
 def _unavailable(message: str, reason: str) -> ApiError:
@@ -118,6 +129,7 @@ class EngineRoutes:
         self.tokenizer = engine.engine.tokenizer
         self.base_model = engine.engine.model_name
         self.max_model_len = engine.engine.max_model_len
+        self.max_num_seqs = engine.engine.config.max_num_seqs
         self.created = int(time.time())
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(self._token_text)
 
@@ -208,13 +220,16 @@ class EngineRoutes:
         tracker = self.metrics.start_request(priority.name.lower())
         with _engine_errors(adapter_id):
             it = self.engine.generate(fmt.request_id, prompt_ids, params, priority, adapter_id)
+        # Only now, the adapter known to be registered, may its id take a metrics label: ids that 404 take none.
+        tracker.adapter = self.metrics.adapters.assign(adapter_id)
         streaming = False  # once True, the SSE generator owns `it` and closes it
         try:
             first = await unless_disconnected(request.receive, _next(it, adapter_id))
             if req.stream:
                 streaming = True
                 events = self._events(it, first, fmt, tracker, req.include_usage, span, scope.pop_all())
-                return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+                headers = {**_SSE_HEADERS, **self.load_headers()}
+                return StreamingResponse(events, media_type="text/event-stream", headers=headers)
             result = await unless_disconnected(request.receive, _collect(it, first, tracker))
         except ClientGone:
             tracker.finish("abort")
@@ -227,7 +242,7 @@ class EngineRoutes:
         record_output(span, last)
         if last.finish_reason == "abort":
             raise _unavailable("the request was aborted: the engine is shutting down", "draining")
-        return JSONResponse(fmt.response(text, logprobs, last))
+        return JSONResponse(fmt.response(text, logprobs, last), headers=self.load_headers())
 
     async def _events(
         self,
@@ -292,13 +307,37 @@ class EngineRoutes:
         body, content_type = self.metrics.render()
         return Response(body, headers={"Content-Type": content_type})
 
+    def load_headers(self) -> dict[str, str]:
+        """The X-Loragate-Load header of an answer starting now."""
+        return load_header(self.engine.engine.load_report)
 
-def _exception_handlers(metrics: EngineMetrics) -> dict[Any, Callable[..., Awaitable[Response]]]:
+    async def load(self, request: Request) -> Response:
+        """GET /load: the engine's load as last published (cheap enough to poll every second: O(adapters on the
+        device))."""
+        report = self.engine.engine.load_report
+        return JSONResponse(
+            {
+                "running": report.running,
+                "waiting": report.waiting,
+                "kv_blocks_used": report.kv_blocks_used,
+                "kv_blocks_free": report.kv_blocks_free,
+                "pool_used": round(report.pool_used, 4),
+                "device_adapters": list(report.device_adapters),
+                "max_num_seqs": self.max_num_seqs,
+            }
+        )
+
+
+def _exception_handlers(api: EngineRoutes) -> dict[Any, Callable[..., Awaitable[Response]]]:
+    metrics = api.metrics
+
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
+        headers = exc.headers
         if request.url.path in _GENERATION_PATHS:
             metrics.count_error(exc.status)
-        return error_response(exc.status, exc.type, exc.message, exc.headers)
+            headers = {**(headers or {}), **api.load_headers()}
+        return error_response(exc.status, exc.type, exc.message, headers)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -308,17 +347,20 @@ def _exception_handlers(metrics: EngineMetrics) -> dict[Any, Callable[..., Await
 
     async def server_error(request: Request, exc: Exception) -> Response:
         # Starlette re-raises the exception after this response is sent; uvicorn logs it.
+        headers = None
         if request.url.path in _GENERATION_PATHS:
             metrics.count_error(500)
-        return error_response(500, "internal_error", "internal server error")
+            headers = api.load_headers()
+        return error_response(500, "internal_error", "internal server error", headers)
 
     return {ApiError: api_error, HTTPException: http_error, Exception: server_error}
 
 
 def build_app(engine: AsyncEngine, metrics: EngineMetrics | None = None) -> Starlette:
     """The engine's HTTP app; its lifespan starts and stops `engine`."""
-    metrics = metrics if metrics is not None else EngineMetrics()
-    metrics.bind_stats(engine.engine.stats)
+    if metrics is None:
+        metrics = EngineMetrics(max_adapters=engine.engine.config.metrics_max_adapters)
+    metrics.bind_engine(engine.engine)
     api = EngineRoutes(engine, metrics)
 
     @contextlib.asynccontextmanager
@@ -338,7 +380,8 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None = None) -> Star
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),
+        Route("/load", api.load, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers=_exception_handlers(metrics), lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers=_exception_handlers(api), lifespan=lifespan)
     app.state.api = api
     return app

@@ -16,9 +16,10 @@ request uses it and is evicted (least recently used first) only when unpinned.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -93,6 +94,29 @@ class TierCounters:
     evictions: int = 0
     load_seconds_sum: float = 0.0
     load_buckets: list[int] = field(default_factory=lambda: [0] * len(LOAD_BUCKETS))
+    # Device loads and evictions per adapter id (every version), for the per-adapter metrics. They change with
+    # `loads` and `evictions` under `lock`: the metrics (another thread) fold the ids without a label of their
+    # own into total minus labelled, which must come from one moment or that counter would seem to go back.
+    loads_by_adapter: dict[str, int] = field(default_factory=dict)
+    evictions_by_adapter: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count_load(self, adapter_id: str) -> None:
+        with self.lock:
+            self.loads += 1
+            self.loads_by_adapter[adapter_id] = self.loads_by_adapter.get(adapter_id, 0) + 1
+
+    def count_eviction(self, adapter_id: str) -> None:
+        with self.lock:
+            self.evictions += 1
+            self.evictions_by_adapter[adapter_id] = self.evictions_by_adapter.get(adapter_id, 0) + 1
+
+    def by_adapter(self, adapter_ids: Iterable[str]) -> tuple[dict[str, tuple[int, int]], int, int]:
+        """({id: (loads, evictions)} for `adapter_ids`, all loads, all evictions), read at one moment (safe
+        from any thread; O(len(adapter_ids)), however many adapters were ever loaded)."""
+        with self.lock:
+            counts = {a: (self.loads_by_adapter.get(a, 0), self.evictions_by_adapter.get(a, 0)) for a in adapter_ids}
+            return counts, self.loads, self.evictions
 
 
 class DeviceAdapterTier:
@@ -145,6 +169,11 @@ class DeviceAdapterTier:
 
     def is_resident(self, spec: AdapterSpec) -> bool:
         return spec.key in self.resident
+
+    def current_ids(self) -> tuple[str, ...]:
+        """The ids resident on the device, sorted; a version kept only for the requests still running on it
+        (stale) is not counted: new requests cannot use it."""
+        return tuple(sorted({key.adapter_id for key, res in self.resident.items() if not res.stale}))
 
     def ensure_resident(self, spec: AdapterSpec) -> bool:
         """Bring `spec` onto the device, evicting idle adapters as needed; False if it cannot be now."""
@@ -203,7 +232,7 @@ class DeviceAdapterTier:
         if self.mirror is not None:
             self.mirror.update(self.tables, slot)
         self.resident[spec.key] = Resident(spec, slot, start, n)
-        self.counters.loads += 1
+        self.counters.count_load(spec.adapter_id)
 
     def _observe_load(self, seconds: float) -> None:
         self.counters.load_seconds_sum += seconds
@@ -225,7 +254,7 @@ class DeviceAdapterTier:
         self._clear_slot(res.slot)
         self._free_slots.append(res.slot)
         self.pool.free_run(res.first_page, res.num_pages)
-        self.counters.evictions += 1
+        self.counters.count_eviction(key.adapter_id)
 
     def _clear_slot(self, slot: int) -> None:
         for layer in self.tables.ranks:

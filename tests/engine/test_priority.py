@@ -4,6 +4,7 @@ with fake runner outputs (no model), plus a long randomized run checking invaria
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import torch
 from test_scheduler import fake_run
@@ -241,6 +242,10 @@ def _check(s: Scheduler) -> None:
         ]
         assert res.pins == len(users)
     assert len(s.running) <= s.config.max_num_seqs
+    # What the engine's load report and per-adapter metrics read: kept as requests come and go, never recounted.
+    assert dict(s.waiting.count_by_adapter()) == Counter(r.adapter_id for r in s.waiting)
+    c = s.adapters.counters
+    assert (sum(c.loads_by_adapter.values()), sum(c.evictions_by_adapter.values())) == (c.loads, c.evictions)
     for r in s.running:  # a running request's adapter is on the device: pinned, never evicted
         assert r.swapped_kv is None
         assert r.adapter is None or s.adapters.is_resident(r.adapter)
