@@ -9,9 +9,10 @@ One module per concern (Starlette-style, flat); `app.build_app` only wires them:
 - engines: `fleet` (the upstream set, what it serves, drains), `discovery` (DNS), `admission` + `breaker`
   (in-flight caps, the priority queue, affinity, circuit breakers), `upstream` + `proxy` (the engines'
   models, forwarding and streaming with one retry);
-- fleet-wide state: `fleet_store` + `redis_client` (what replicas share through Redis), `rollout` +
-  `rollback` + `progress` (canary and A/B splits, health windows, progressive steps), `overrides`
-  (suspensions, drains), `reload` + `watch` (hot reload, the file watcher);
+- fleet-wide state: `fleet_store` + `redis_client` (what replicas share through Redis; the Redis
+  connection and its circuit breaker), `rollout` + `rollback` + `progress` (canary and A/B splits, health
+  windows, progressive steps), `overrides` (suspensions, drains), `reload` + `watch` (hot reload, the file
+  watcher);
 - `telemetry` (Prometheus and OpenTelemetry), `serving` (building and serving the app), `clock`.
 Never imports the engine or torch.
 """

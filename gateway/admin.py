@@ -7,6 +7,8 @@
   POST /admin/upstreams/{action}          drain | undrain | reset-breaker, body {"url": ...}
   POST /admin/tenants/{id}/{action}       suspend | resume, body {"reason": ...} (optional)
   POST /admin/overrides/clear             lift every suspension and drain (gateway/overrides.py)
+  GET  /admin/usage                       the usage ledger summed (gateway/usage.py): ?since=&until=
+                                          (default: this UTC month), &tenant=, &by=tenant,adapter,day
   GET  /admin/ui                          the ops page (gateway/ops.html): it holds no data of its own
 
 Auth is the `Authorization: Bearer <admin key>` header only: no cookie, no key in a URL. A page on another
@@ -40,10 +42,12 @@ from gateway.fleet import Fleet
 from gateway.fleet_store import FleetStore
 from gateway.overrides import BREAKER, TENANT, UPSTREAM
 from gateway.policy import PolicyError
+from gateway.redis_client import UNREACHABLE, breakers_of
 from gateway.reload import PolicyStore
 from gateway.rollout import Rollouts
 from gateway.telemetry import GatewayMetrics
-from loragate.errors import ApiError, bad_request, shown, unauthorized
+from gateway.usage import USAGE_KEYS, UsageLedger, aggregate, day_start, month_start, parse_when
+from loragate.errors import ApiError, bad_request, shown, unauthorized, unavailable
 from loragate.http_io import read_json
 
 logger = logging.getLogger(__name__)
@@ -56,6 +60,7 @@ LOG_SHOWN = 50  # of which GET /admin/policy shows the newest
 MAX_ACTOR = 64
 MAX_REASON = 200
 ADMIN_BODY_BYTES = 16 << 10
+USAGE_TODAY_S = 10.0  # the ops page's usage of today is read from the ledger at most this often
 
 
 def not_found(message: str) -> ApiError:
@@ -97,7 +102,11 @@ class OpsPage:
 class AdminRoutes:
     """The /admin/* routes over the parts they act on: the policy, the engines, the fleet's shared store."""
 
-    def __init__(self, store: PolicyStore, fleet: Fleet, metrics: GatewayMetrics, fleet_store: FleetStore) -> None:
+    def __init__(
+        self, store: PolicyStore, fleet: Fleet, metrics: GatewayMetrics, fleet_store: FleetStore, ledger: UsageLedger
+    ) -> None:
+        self.ledger = ledger
+        self._today: tuple[float, list[dict[str, Any]]] | None = None  # (when read, rows): the ops page's
         self.store = store
         self.fleet = fleet
         self.metrics = metrics
@@ -113,6 +122,7 @@ class AdminRoutes:
             Route("/admin/upstreams/{action}", self.upstream, methods=["POST"]),
             Route("/admin/tenants/{id}/{action}", self.tenant, methods=["POST"]),
             Route("/admin/overrides/clear", self.clear_overrides, methods=["POST"]),
+            Route("/admin/usage", self.usage, methods=["GET"]),
             Route("/admin/ui", self.ui, methods=["GET"]),
         ]
 
@@ -144,14 +154,52 @@ class AdminRoutes:
                 "suspended": suspended.to_json() if suspended is not None else None,
             }
         return {
+            "usage_today": await self._usage_today(),
             **self.store.describe(),
             "routing": fleet.routing(),
             "queues": fleet.admission.queue_depths(),
             "tenants": tenants,
             "overrides": fleet.overrides.describe(),
+            # The Redis breaker (gateway/redis_client.py), one per Redis; null without --redis.
+            "redis": next((b.describe() for b in breakers_of(self.fleet_store)), None),
             "actions": await self._read_log(),
             "now": iso_time(time.time()),
         }
+
+    async def _usage_today(self) -> list[dict[str, Any]] | None:
+        """Today's (UTC) usage per tenant for the ops page, read at most every USAGE_TODAY_S; None while
+        the ledger's store is unreachable."""
+        now = time.time()
+        if self._today is None or now - self._today[0] >= USAGE_TODAY_S:
+            try:
+                rows = aggregate(await self.ledger.read(day_start(now), now + 1), ["tenant"])
+            except UNREACHABLE as exc:
+                logger.warning("could not read the usage ledger: %s", exc)
+                return None
+            self._today = (now, rows)
+        return self._today[1]
+
+    async def usage(self, request: Request) -> Response:
+        self._require_admin(request)
+        query = request.query_params
+        now = time.time()
+        try:
+            since = parse_when(query["since"], now) if "since" in query else month_start(now)
+            until = parse_when(query["until"], now) if "until" in query else now + 1
+        except ValueError as exc:
+            raise bad_request(f"since/until: {exc}") from None
+        by = [key.strip() for key in query.get("by", "tenant").split(",") if key.strip()]
+        unknown = [key for key in by if key not in USAGE_KEYS]
+        if unknown:
+            raise bad_request(f"by: unknown key {shown(unknown[0])} (any of: {', '.join(USAGE_KEYS)})")
+        try:
+            records = await self.ledger.read(since, until)
+        except UNREACHABLE as exc:
+            raise unavailable(f"the usage ledger's store is unreachable: {exc}", "redis_unavailable") from None
+        tenant = query.get("tenant")
+        if tenant is not None:
+            records = [r for r in records if r.tenant == tenant]
+        return JSONResponse(aggregate(records, by))
 
     async def _read_log(self) -> list[dict[str, Any]]:
         share = self.fleet_store

@@ -5,13 +5,21 @@ raises `Shed`:
 - An upstream can take a request when it is not in `exclude`, not drained by an operator (`set_drained`:
   it takes no new request, those in flight finish), its breaker allows it and fewer than
   `max_inflight_per_upstream` requests are in flight on it.
+- An upstream's load is what it reports of itself (`EngineLoad`: its running and waiting requests, from
+  every gateway replica, read from the `X-Loragate-Load` header of its answers and from GET /load about
+  once a second) while that report is fresh, and never less than this replica's own requests in flight
+  on it; with `load_source: local` (the policy's `admission`), only the latter, as before engines reported.
 - Without an affinity key (a base-model request) the least loaded of those is chosen (ties rotate).
 - With an affinity key (an adapter id) the upstreams are ranked by rendezvous (highest-random-weight)
   hashing of (key, url), so each adapter has a stable preferred replica that keeps it loaded and warm
   instead of every replica paging it in. The first upstream in that order that can take the request and
   has fewer than `spill_inflight` in flight gets it; when every one that can take it is at or above
   `spill_inflight`, the request spills to the least loaded of them (ties in rendezvous order), trading a
-  cold adapter load for not piling onto one hot replica. `spills` counts requests that did not get their
+  cold adapter load for not piling onto one hot replica. With engine-reported loads, an upstream is also
+  too busy for affinity when its load would pass `balance_factor` times the fleet's mean (consistent
+  hashing with bounded loads, Mirrokni et al. 2018), so replicas whose requests pile onto one engine see
+  it and spread, while each adapter keeps one preferred engine; a spill then prefers an engine that
+  reports the adapter on its device. `spills` counts requests that did not get their
   first healthy choice because it was that busy. An upstream whose breaker is open is skipped, so its
   adapters move to their next choice and come back when it recovers; removing an upstream remaps only the
   adapters it was first choice for (`rendezvous_order` is the pure ranking, shared with admin views).
@@ -30,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -85,12 +94,46 @@ class Shed(Exception):
         super().__init__(f"{reason}: {self.message}")
 
 
+MIN_BOUND = 2  # the bounded-load rule's smallest bound: below it affinity always holds
+LOAD_FRESH_S = 3.0  # an engine's report older than this is ignored (this replica's in-flight count only)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What an engine reports of itself: requests running and waiting there, from every gateway replica."""
+
+    running: int
+    waiting: int
+    at: float  # time.monotonic() when it was received
+
+    @classmethod
+    def parse(cls, header: str, at: float) -> EngineLoad | None:
+        """The `X-Loragate-Load` header (`running=3, waiting=1, ...`; unknown fields ignored), or None."""
+        fields: dict[str, int] = {}
+        for part in header.split(","):
+            name, _, value = part.strip().partition("=")
+            if value.isdigit():
+                fields[name] = int(value)
+        if "running" not in fields or "waiting" not in fields:
+            return None
+        return cls(fields["running"], fields["waiting"], at)
+
+
 @dataclass(eq=False, slots=True)
 class Upstream:
     url: str
     breaker: CircuitBreaker
     inflight: int = 0
     drained: bool = False  # an operator's drain: no new requests (gateway/overrides.py)
+    reported: EngineLoad | None = None  # its last report (gateway/fleet.py polls it; answers carry it too)
+    on_device: frozenset[str] = frozenset()  # adapters it last reported resident on its device
+
+    def load(self, now: float) -> int:
+        """Requests on it as best known: its fresh report, never less than ours in flight there."""
+        report = self.reported
+        if report is None or now - report.at > LOAD_FRESH_S:
+            return self.inflight
+        return max(self.inflight, report.running + report.waiting)
 
     def can_allow(self) -> bool:
         """Whether it may take a request now, room aside (without taking a half-open probe place)."""
@@ -174,8 +217,12 @@ class AdmissionController:
         clock: Callable[[], float] = time.monotonic,
         *,
         spill_inflight: int | None = None,
+        load_source: str = "local",
+        balance_factor: float = 1.25,
     ) -> None:
         self.upstreams = list(upstreams)
+        self.load_source = load_source  # "engine": reported loads and bounded-load affinity; "local": ours only
+        self.balance_factor = balance_factor
         self.retiring: list[Upstream] = []  # removed by set_upstreams, requests still in flight on them
         self.spills = 0  # affinity requests sent past a busy first choice (exported as a metric)
         self._set_limits(max_inflight_per_upstream, max_queue, queue_timeout_s, spill_inflight)
@@ -202,12 +249,19 @@ class AdmissionController:
         self.queue_timeout_s = queue_timeout_s
 
     def reconfigure(
-        self, max_inflight_per_upstream: int, max_queue: int, queue_timeout_s: float, spill_inflight: int | None = None
+        self,
+        max_inflight_per_upstream: int,
+        max_queue: int,
+        queue_timeout_s: float,
+        spill_inflight: int | None = None,
+        load_source: str = "local",
+        balance_factor: float = 1.25,
     ) -> None:
         """New limits (a policy reload). Requests in flight and waiters already queued keep what they have
         (a waiter's timeout was set when it arrived; a queue now over `max_queue` drains as slots free);
         new room is handed out at once."""
         self._set_limits(max_inflight_per_upstream, max_queue, queue_timeout_s, spill_inflight)
+        self.load_source, self.balance_factor = load_source, balance_factor
         self._dispatch()
 
     def set_upstreams(self, upstreams: list[Upstream]) -> None:
@@ -326,10 +380,14 @@ class AdmissionController:
             return self._pick_least_loaded(exclude)
         return self._pick_affine(exclude, affinity)
 
+    def _load(self, upstream: Upstream) -> int:
+        return upstream.load(self._clock()) if self.load_source == "engine" else upstream.inflight
+
     def _pick_least_loaded(self, exclude: frozenset[str]) -> Upstream | None:
         """The least loaded upstream with room whose breaker allows a request."""
         n = len(self.upstreams)
-        order = sorted(range(n), key=lambda i: (self.upstreams[i].inflight, (i - self._rotation) % n))
+        loads = [self._load(u) for u in self.upstreams]
+        order = sorted(range(n), key=lambda i: (loads[i], (i - self._rotation) % n))
         for i in order:
             upstream = self.upstreams[i]
             if upstream.url in exclude or upstream.drained or upstream.inflight >= self.max_inflight_per_upstream:
@@ -348,8 +406,19 @@ class AdmissionController:
         """
         healthy = [u for u in self._rendezvous(affinity) if u.url not in exclude and u.can_allow()]
         roomy = [u for u in healthy if u.inflight < self.max_inflight_per_upstream]
-        calm = [u for u in roomy if u.inflight < self.spill_inflight]
-        busy = sorted((u for u in roomy if u.inflight >= self.spill_inflight), key=lambda u: u.inflight)
+        if self.load_source == "engine":
+            loads = {id(u): self._load(u) for u in roomy}
+            # Bounded loads: with this request, no upstream above balance_factor x the mean; never below
+            # MIN_BOUND, so light traffic keeps every adapter on its preferred upstream.
+            mean = (sum(loads.values()) + 1) / max(1, len(roomy))
+            bound = max(MIN_BOUND, math.ceil(self.balance_factor * mean))
+            calm = [u for u in roomy if loads[id(u)] < self.spill_inflight and loads[id(u)] + 1 <= bound]
+            busy = sorted(
+                (u for u in roomy if u not in calm), key=lambda u: (affinity not in u.on_device, loads[id(u)])
+            )
+        else:
+            calm = [u for u in roomy if u.inflight < self.spill_inflight]
+            busy = sorted((u for u in roomy if u.inflight >= self.spill_inflight), key=lambda u: u.inflight)
         for upstream in calm + busy:  # sorted() is stable: equally loaded busy ones stay in rendezvous order
             if upstream.breaker.allow():
                 if upstream is not healthy[0]:

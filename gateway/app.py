@@ -7,6 +7,8 @@
   AdminRoutes (gateway/admin.py)          /admin/*: the policy, operator actions, the ops page
   PolicyStore (gateway/reload.py)         the active policy, hot reload, the rollouts built from it
   FleetStore (gateway/fleet_store.py)     what the replicas share through Redis
+  UsageLedger (gateway/usage.py)          one record per finished request, written in the background
+  BudgetStore (gateway/budgets.py)        tokens per day and month per tenant
 
 A background loop (the app's lifespan, `Gateway.housekeeping`) polls the policy file for changes, exchanges
 rollbacks, rollout steps and operator overrides (suspended tenants, drained upstreams: gateway/overrides.py)
@@ -25,12 +27,14 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 import httpx
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
 from gateway.admin import AdminRoutes
 from gateway.admission import AdmissionController, Upstream
+from gateway.budgets import BudgetStore, MemoryBudgets
 from gateway.discovery import DnsUpstreams
 from gateway.fleet import Fleet, new_breaker
 from gateway.fleet_store import FleetStore, LocalFleetStore
@@ -39,17 +43,20 @@ from gateway.overrides import Overrides
 from gateway.policy import Policy, PolicyError
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
+from gateway.redis_client import breakers_of
 from gateway.reload import PolicyStore
 from gateway.request_context import HeaderLimit
 from gateway.routes import HANDLERS, ApiRoutes
 from gateway.telemetry import GatewayMetrics
 from gateway.tenant_gate import TenantGate
 from gateway.upstream import DEFAULT_READ_TIMEOUT_S, UpstreamCatalog, make_client
+from gateway.usage import MemoryUsageLedger, UsageLedger
 from gateway.watch import PolicyWatcher
 
 logger = logging.getLogger(__name__)
 
-BACKGROUND_INTERVAL_S = 1.0  # policy file polls and rollback exchanges
+BACKGROUND_INTERVAL_S = 1.0  # policy file polls, rollback exchanges, usage ledger writes
+SHUTDOWN_FLUSH_S = 5.0  # at shutdown, the usage ledger's buffer gets this long to reach the store
 
 
 @dataclass(eq=False)
@@ -61,6 +68,7 @@ class Gateway:
     gate: TenantGate
     metrics: GatewayMetrics
     fleet_store: FleetStore
+    ledger: UsageLedger
     watcher: PolicyWatcher | None = None
     _sync_failing: bool = False
 
@@ -68,6 +76,9 @@ class Gateway:
         """A reloaded policy's admission, breaker and rate-limiter settings, applied in place."""
         self.fleet.apply_settings(policy)
         self.gate.limiter.on_error = policy.ratelimit.on_redis_error
+        self.metrics.adapter_label.name_from_policy(
+            (t.adapters for t in policy.tenants), ((r.name, (v.adapter for v in r.variants)) for r in policy.rollouts)
+        )
 
     def drain(self) -> None:
         self.fleet.drain()
@@ -98,6 +109,7 @@ class Gateway:
         else:
             self._sync_failing = False
         self.fleet.apply_overrides()
+        await self.ledger.flush()
 
 
 def build_app(
@@ -112,6 +124,8 @@ def build_app(
     environ: Mapping[str, str] = os.environ,
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
     fleet_store: FleetStore | None = None,
+    ledger: UsageLedger | None = None,
+    budgets: BudgetStore | None = None,
     background_interval_s: float = BACKGROUND_INTERVAL_S,
     discovery: DnsUpstreams | None = None,
     clear_overrides: bool = False,
@@ -120,7 +134,8 @@ def build_app(
 
     `policy_path` enables hot reload (POST /admin/reload, and the file watched while the app's lifespan
     runs); `fleet_store` (gateway/fleet_store.py's RedisFleetStore) shares rollbacks, rollout steps and
-    operator overrides with other replicas; `clear_overrides` lifts the overrides at start (--clear-overrides).
+    operator overrides with other replicas; `ledger` and `budgets` (gateway/usage.py, gateway/budgets.py)
+    default to this process's memory; `clear_overrides` lifts the overrides at start (--clear-overrides).
     """
     metrics = metrics if metrics is not None else GatewayMetrics()
     shared = fleet_store if fleet_store is not None else LocalFleetStore()
@@ -143,9 +158,14 @@ def build_app(
     )
     overrides = Overrides(shared)
     fleet = Fleet(store, admission, UpstreamCatalog(lambda: admission.upstreams, http), overrides, discovery)
-    gate = TenantGate(limiter, overrides, metrics)
+    budgets = budgets if budgets is not None else MemoryBudgets()
+    budgets.on_alert = metrics.count_budget_alert
+    ledger = ledger if ledger is not None else MemoryUsageLedger()
+    gate = TenantGate(limiter, overrides, metrics, budgets)
     watcher = PolicyWatcher(policy_path) if policy_path is not None else None
-    gateway = Gateway(store, fleet, gate, metrics, shared, watcher)
+    gateway = Gateway(store, fleet, gate, metrics, shared, ledger, watcher)
+    gateway.apply_settings(policy)
+    metrics.adapter_label.bases = lambda: fleet.catalog.cached().bases
     metrics.bind(
         queue_depths=admission.queue_depths,
         inflight=admission.inflight,
@@ -155,6 +175,8 @@ def build_app(
         spills=lambda: admission.spills,
         rollout_weights=lambda: store.active.rollouts.weights(),
         overrides=overrides.describe,
+        redis_breakers=lambda: breakers_of(limiter, shared),
+        ledger=lambda: {"pending": len(ledger.pending), "dropped": ledger.dropped},
     )
 
     @contextlib.asynccontextmanager
@@ -163,7 +185,10 @@ def build_app(
             await fleet.clear_overrides()
         with contextlib.suppress(Exception):  # Redis down: the loop retries
             await gateway.housekeeping()  # the fleet's overrides and rollout steps before the first request
-        tasks = [asyncio.create_task(gateway.background(background_interval_s))]
+        tasks = [
+            asyncio.create_task(gateway.background(background_interval_s)),
+            asyncio.create_task(fleet.polling_loads()),
+        ]
         if discovery is not None:
             await fleet.discover()  # serve from what DNS says from the first request on
             tasks.append(asyncio.create_task(fleet.discovering()))
@@ -175,15 +200,23 @@ def build_app(
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             gateway.drain()
+            with anyio.move_on_after(SHUTDOWN_FLUSH_S):
+                await ledger.flush()
+            if ledger.pending:
+                logger.error(
+                    "usage ledger: %d records not written at shutdown (store unreachable)", len(ledger.pending)
+                )
+            await ledger.aclose()
+            await budgets.aclose()
             if own_client:
                 await http.aclose()
             await limiter.aclose()
             await shared.aclose()
 
     routes = [
-        *GenerateRoutes(store, gate, fleet, Proxy(http, admission, metrics), metrics, max_body_bytes).routes(),
+        *GenerateRoutes(store, gate, fleet, Proxy(http, admission, metrics), metrics, ledger, max_body_bytes).routes(),
         *ApiRoutes(store, gate, fleet, limiter, metrics).routes(),
-        *AdminRoutes(store, fleet, metrics, shared).routes(),
+        *AdminRoutes(store, fleet, metrics, shared, ledger).routes(),
     ]
     app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan, middleware=[Middleware(HeaderLimit)])
     app.state.gateway = gateway

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
-from gateway.admission import AdmissionController, Upstream
+import httpx
+
+from gateway.admission import AdmissionController, EngineLoad, Upstream
 from gateway.breaker import CircuitBreaker
 from gateway.discovery import DnsUpstreams
 from gateway.overrides import Overrides
@@ -22,6 +25,9 @@ from gateway.reload import PolicyStore
 from gateway.upstream import UpstreamCatalog
 
 logger = logging.getLogger(__name__)
+
+LOAD_POLL_S = 1.0  # how often each engine's GET /load is read (its answers' X-Loragate-Load in between)
+LOAD_TIMEOUT_S = 1.0
 
 
 def new_breaker(settings: Breaker) -> CircuitBreaker:
@@ -83,13 +89,41 @@ class Fleet:
             except Exception:
                 logger.exception("engine discovery failed")
 
+    async def poll_loads(self) -> None:
+        """Read every engine's load report once (GET /load): its running and waiting requests and the
+        adapters on its device. An engine without the route, or that does not answer, keeps its last."""
+        client = self.catalog.client
+
+        async def one(upstream: Upstream) -> None:
+            try:
+                resp = await client.get(f"{upstream.url}/load", timeout=LOAD_TIMEOUT_S)
+                resp.raise_for_status()
+                data = resp.json()
+                upstream.reported = EngineLoad(int(data["running"]), int(data["waiting"]), time.monotonic())
+                upstream.on_device = frozenset(str(a) for a in data.get("device_adapters", ()))
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                pass  # the breaker and the catalog notice engines that are down; this is only a hint
+
+        await asyncio.gather(*(one(u) for u in self.admission.upstreams))
+
+    async def polling_loads(self) -> None:
+        """Until cancelled: `poll_loads()` every LOAD_POLL_S."""
+        while True:
+            await asyncio.sleep(LOAD_POLL_S)
+            try:
+                await self.poll_loads()
+            except Exception:
+                logger.exception("polling the engines' loads failed")
+
     def upstream(self, url: str) -> Upstream | None:
         return next((u for u in self.admission.upstreams if u.url == url), None)
 
     def apply_settings(self, policy: Policy) -> None:
         """A reloaded policy's admission and breaker settings, applied in place."""
         a, b = policy.admission, policy.breaker
-        self.admission.reconfigure(a.max_inflight_per_upstream, a.max_queue, a.queue_timeout_s, a.spill_at)
+        self.admission.reconfigure(
+            a.max_inflight_per_upstream, a.max_queue, a.queue_timeout_s, a.spill_at, a.load_source, a.balance_factor
+        )
         for upstream in self.admission.upstreams:
             upstream.breaker.reconfigure(b.failure_threshold, b.open_seconds, b.half_open_probes)
 
@@ -140,9 +174,12 @@ class Fleet:
 
     @staticmethod
     def upstream_state(upstream: Upstream) -> dict[str, Any]:
+        report = upstream.reported
         return {
             "url": upstream.url,
             "inflight": upstream.inflight,
+            "load": upstream.load(time.monotonic()),
+            "reported": {"running": report.running, "waiting": report.waiting} if report is not None else None,
             "breaker": upstream.breaker.state,
             "consecutive_failures": upstream.breaker.consecutive_failures,
             "drained": upstream.drained,

@@ -5,8 +5,8 @@
   unknown -> 404) -> priority (X-Priority capped to the tenant's max_priority) -> rate limit (429
   rate_limited | tokens_exhausted) -> admission (an upstream by adapter affinity, gateway/fleet.py; 503
   queue_full | queue_timeout | circuit_open | no_upstream | draining) -> proxy (gateway/proxy.py) -> settle:
-  release the slot, reconcile the token reservation with the real usage, record the rollout variant's
-  outcome, metrics, span.
+  release the slot, reconcile the token reservation and the budget hold with the real usage, record the
+  rollout variant's outcome, the usage ledger's record (gateway/usage.py), metrics, span.
 
 A request reads `store.active` once, when it starts, and finishes under that policy whatever reloads
 meanwhile. The routes are plain ASGI callables (not request -> response functions) so that one task owns
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 import anyio
 from starlette.requests import Request
@@ -34,6 +35,7 @@ from gateway.request_context import GenerationBody, resolve_priority, upstream_b
 from gateway.rollout import Routed
 from gateway.telemetry import GatewayMetrics, finish_span, request_span
 from gateway.tenant_gate import TenantGate
+from gateway.usage import UsageLedger, UsageRecord, split_version
 from loragate.errors import ApiError, adapter_not_found, bad_request, shown, unavailable
 from loragate.http_io import ClientGone, read_json, unless_disconnected
 
@@ -44,6 +46,7 @@ REASONS = frozenset(
     {
         "rate_limited",
         "tokens_exhausted",
+        "budget_exhausted",
         "queue_full",
         "queue_timeout",
         "circuit_open",
@@ -65,8 +68,10 @@ class GenerateRoutes:
         fleet: Fleet,
         proxy: Proxy,
         metrics: GatewayMetrics,
+        ledger: UsageLedger,
         max_body_bytes: int,
     ) -> None:
+        self.ledger = ledger
         self.store = store
         self.gate = gate
         self.fleet = fleet
@@ -123,7 +128,7 @@ class GenerateRoutes:
     ) -> Response:
         if self.fleet.draining:
             raise unavailable("the gateway is draining and takes no new requests", "draining")
-        headers, exchange.reservation = await self.gate.rate_limit(tenant, body.reserve_tokens, active)
+        headers, exchange.reservation, exchange.hold = await self.gate.rate_limit(tenant, body.reserve_tokens, active)
         try:
             exchange.slot = await unless_disconnected(
                 request.receive, self.fleet.admission.acquire(call.priority, call.tenant, affinity=call.affinity)
@@ -142,23 +147,47 @@ class GenerateRoutes:
             response.headers["X-Loragate-Adapter"] = call.served
         return response
 
-    async def settle(self, exchange: Exchange) -> None:
-        """After the response: close the upstream, free the slot, give back unused reserved tokens."""
+    async def settle(self, exchange: Exchange, used: tuple[int, int] | None) -> None:
+        """After the response: close the upstream, free the slot, charge the tokens per minute and the
+        budgets what the request used (`used`: prompt and completion tokens; None: nothing)."""
         with anyio.CancelScope(shield=True):
             await exchange.close_upstream()
             if exchange.slot is not None:
                 exchange.slot.release()
-            reservation, exchange.reservation = exchange.reservation, None  # settle it once
+            total = sum(used) if used is not None else 0
+            hold, exchange.hold = exchange.hold, None  # settle each once
+            await self.gate.settle_budget(hold, total)
+            reservation, exchange.reservation = exchange.reservation, None
             if reservation is None:
                 return
-            if exchange.prompt_tokens is not None and exchange.completion_tokens is not None:
-                used = exchange.prompt_tokens + exchange.completion_tokens
-            else:  # no usage seen: nothing was generated, or we cannot tell (then keep the reservation)
-                used = reservation.tokens if exchange.delivered else 0
             try:
-                await self.gate.limiter.reconcile(reservation, used)
+                await self.gate.limiter.reconcile(reservation, total)
             except Exception:
                 logger.exception("reconciling %s's token reservation failed", reservation.tenant)
+
+    def record_usage(
+        self, call: Call, exchange: Exchange, used: tuple[int, int] | None, trace_id: str, finished: float
+    ) -> None:
+        """The request's one ledger record and its token counters."""
+        prompt, completion = used if used is not None else (0, 0)
+        self.metrics.count_tokens(call.tenant, call.served, prompt, completion)
+        adapter, version = split_version(call.served)
+        self.ledger.record(
+            UsageRecord(
+                request_id=call.request_id,
+                at=time.time(),
+                tenant=call.tenant,
+                adapter=adapter,
+                version=version,
+                rollout=call.rollout or "",
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                status=exchange.status,
+                priority=call.priority.name.lower(),
+                latency_ms=round((finished - call.started_at) * 1000, 1),
+                trace_id=trace_id,
+            )
+        )
 
 
 class Generate:
@@ -187,9 +216,27 @@ class Generate:
         except ApiError as exc:
             exc.headers = {**r.gate.known_headers(tenant_id), **exc.headers}
             await exc.response()(scope, receive, send)
+            finished = time.monotonic()
             r.metrics.observe_request(
-                tenant_id, "", exc.status, exc.headers.get("X-Loragate-Reason"), time.monotonic() - started
+                tenant_id, "", exc.status, exc.headers.get("X-Loragate-Reason"), finished - started
             )
+            if tenant_id != "unknown":  # refused before it had an adapter: a record without tokens
+                r.ledger.record(
+                    UsageRecord(
+                        request_id=uuid.uuid4().hex,
+                        at=time.time(),
+                        tenant=tenant_id,
+                        adapter="",
+                        version="",
+                        rollout="",
+                        prompt_tokens=0,
+                        completion_tokens=0,
+                        status=exc.status,
+                        priority="",
+                        latency_ms=round((finished - started) * 1000, 1),
+                        trace_id="",
+                    )
+                )
             return
         served = adapter or r.fleet.base_name(body.model)
         call = Call(
@@ -204,6 +251,8 @@ class Generate:
             started_at=started,
             rollout=routed.rollout if routed is not None else None,
             affinity=adapter if active.policy.admission.affinity else None,
+            request_id=uuid.uuid4().hex,
+            estimated_prompt_tokens=body.prompt_tokens,
         )
         with request_span(
             self.operation, served, tenant=tenant.id, adapter=served, priority=priority.name.lower()
@@ -224,8 +273,14 @@ class Generate:
                     self._judge_variant(active, call, exchange)
                 await response(scope, receive, send)
             finally:
-                await r.settle(exchange)
+                used = exchange.used_tokens(call.estimated_prompt_tokens)
+                await r.settle(exchange, used)
                 exchange.status = exchange.status or 500  # 0: an unexpected error, answered 500 by Starlette
+                finished = time.monotonic()
+                context = span.get_span_context()
+                r.record_usage(
+                    call, exchange, used, format(context.trace_id, "032x") if context.is_valid else "", finished
+                )
                 finish_span(
                     span,
                     status_code=exchange.status,
@@ -234,7 +289,7 @@ class Generate:
                     output_tokens=exchange.completion_tokens,
                 )
                 reason = exchange.outcome if exchange.outcome in REASONS else None
-                r.metrics.observe_request(tenant.id, served, exchange.status, reason, time.monotonic() - started)
+                r.metrics.observe_request(tenant.id, served, exchange.status, reason, finished - started)
                 self._judge_variant(active, call, exchange)  # a stream: now that it has ended
 
     def _judge_variant(self, active: ActivePolicy, call: Call, exchange: Exchange) -> None:

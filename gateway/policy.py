@@ -92,6 +92,13 @@ class Limits(_Model):
     tokens_per_minute: PosInt
 
 
+class Budgets(_Model):
+    """Tokens (prompt + completion) a tenant may use per UTC day and per UTC month; None: no bound."""
+
+    tokens_per_day: PosInt | None = None
+    tokens_per_month: PosInt | None = None
+
+
 class Defaults(_Model):
     priority: PriorityName = "standard"
     limits: Limits = Limits(requests_per_second=10, burst=20, tokens_per_minute=60000)
@@ -103,6 +110,7 @@ class Tenant(_Model):
     adapters: tuple[NonEmptyStr, ...] = ()  # globs over adapter ids and rollout names
     max_priority: PriorityName = "critical"
     limits: Limits | None = None  # None: the policy's defaults
+    budgets: Budgets = Budgets()  # none by default
 
     def allows(self, adapter_id: str) -> bool:
         """Whether this tenant may use an adapter id or rollout name (case-sensitive globs)."""
@@ -189,6 +197,10 @@ class Admission(_Model):
     # there, then spill to the next choice. None: three quarters of max_inflight_per_upstream.
     spill_inflight: PosInt | None = None
     affinity: StrictBool = True  # False: adapter requests go to the least loaded upstream, like base ones
+    # What an upstream's load is: "engine" what it reports (every replica's requests there), "local" this
+    # replica's requests in flight only. With "engine", affinity also yields past balance_factor x the mean.
+    load_source: Literal["engine", "local"] = "engine"
+    balance_factor: Annotated[float, Field(strict=False, ge=1.0, le=10.0, allow_inf_nan=False)] = 1.25
 
     @property
     def spill_at(self) -> int:

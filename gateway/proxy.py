@@ -28,7 +28,8 @@ import anyio
 import httpx
 from starlette.responses import Response, StreamingResponse
 
-from gateway.admission import AdmissionController, Shed, Slot
+from gateway.admission import AdmissionController, EngineLoad, Shed, Slot
+from gateway.budgets import Hold
 from gateway.ratelimit import Reservation
 from gateway.telemetry import GatewayMetrics, inject_headers
 from loragate.errors import error_body, error_response
@@ -56,6 +57,8 @@ class Call:
     started_at: float  # time.monotonic() when the gateway received it
     rollout: str | None = None  # the rollout name the client asked for, when `adapter` is one of its variants
     affinity: str | None = None  # the key admission places it by (the adapter, unless affinity is off)
+    request_id: str = ""  # the usage ledger's key for it (gateway/usage.py)
+    estimated_prompt_tokens: int = 0  # the gateway's estimate, for a stream cut before the engine's usage
 
 
 @dataclass(slots=True)
@@ -64,6 +67,7 @@ class Exchange:
 
     slot: Slot | None = None
     reservation: Reservation | None = None  # the tenant's reserved tokens, settled after the response
+    hold: Hold | None = None  # the tokens held against the tenant's budgets, settled after the response
     status: int = 0
     outcome: str = "ok"
     prompt_tokens: int | None = None
@@ -71,6 +75,7 @@ class Exchange:
     delivered: bool = False  # some byte of the answer reached the client
     ttft_s: float | None = None  # arrival to the first token sent (a whole answer: to the answer)
     last_token_at: float | None = None  # time.monotonic() of the last token sent
+    chunks_sent: int = 0  # content events sent (a stream's tokens, for one cut before its usage came)
     judged: bool = False  # recorded against its rollout variant already
     upstream: httpx.Response | None = None  # an open upstream stream, closed on settle
     tried: set[str] = field(default_factory=set)
@@ -81,6 +86,16 @@ class Exchange:
         if self.ttft_s is None:
             self.ttft_s = now - started_at
         self.last_token_at = now
+        self.chunks_sent += 1
+
+    def used_tokens(self, estimated_prompt: int) -> tuple[int, int] | None:
+        """(prompt, completion) tokens this request used: the engine's usage, or for a stream cut before it
+        came the events sent and the prompt estimate; None when nothing reached the client."""
+        if self.prompt_tokens is not None and self.completion_tokens is not None:
+            return self.prompt_tokens, self.completion_tokens
+        if not self.delivered:
+            return None
+        return (self.prompt_tokens if self.prompt_tokens is not None else estimated_prompt), self.chunks_sent
 
     def take_usage(self, usage: Any) -> None:
         if isinstance(usage, dict):
@@ -215,6 +230,11 @@ class Proxy:
         except httpx.HTTPError as exc:
             raise _failure(502, "upstream_error", f"upstream {url} failed: {exc!r}") from None
         exchange.upstream = resp
+        load = resp.headers.get("x-loragate-load")
+        if load is not None:  # the engine's own count of its requests, every gateway replica's included
+            exchange.slot.upstream.reported = (
+                EngineLoad.parse(load, time.monotonic()) or exchange.slot.upstream.reported
+            )
         if resp.status_code >= 400 or not call.stream:
             return await self._whole(call, resp, exchange)
         return await self._start_stream(call, resp, exchange)

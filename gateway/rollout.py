@@ -14,9 +14,9 @@ Routing (`Rollouts.route`): a request that names a rollout gets one of its varia
   rollout serves its last variant to everyone. Operators pause, resume, promote, roll back and reset a
   rollout (`Rollouts.act`, POST /admin/rollouts/{name}/{action}).
 
-Health (`Rollouts.record`, gateway/rollback.py): every request that reached an upstream is recorded against its variant in a
-sliding window of `rollback.window_s` (the app decides what is an error: an engine's 5xx other than 503,
-an upstream failure, a broken stream). When a variant other than the first has at least `min_requests`
+Health (`Rollouts.record`, gateway/rollback.py): every request that reached an upstream is recorded against
+its variant in a sliding window of `rollback.window_s` (the app decides what is an error: an engine's 5xx
+other than 503, an upstream failure, a broken stream). When a variant other than the first has at least `min_requests`
 in its window and its error rate exceeds `max_error_rate`, or the p99 of its time to first token
 exceeds `max_ttft_p99_ms`, the rollout is rolled back: logged, counted, shown in GET /admin/policy.
 It stays rolled back until the policy is reloaded with POST /admin/reload; a file-change reload that

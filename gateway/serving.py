@@ -6,11 +6,13 @@ import logging
 from pathlib import Path
 
 from gateway.app import build_app
+from gateway.budgets import RedisBudgets
 from gateway.discovery import DnsUpstreams
 from gateway.fleet_store import RedisFleetStore
 from gateway.policy import Policy, load_policy
 from gateway.ratelimit import MemoryRateLimiter, RateLimiter
 from gateway.redis_limiter import RedisRateLimiter
+from gateway.usage import RETENTION, RedisUsageLedger
 from loragate.http_server import ConnectionLimits, serve_app
 from loragate.tracing import setup_tracing
 
@@ -40,6 +42,7 @@ def serve(
     limits: ConnectionLimits | None = None,
     discovery: DnsUpstreams | None = None,
     clear_overrides: bool = False,
+    usage_retention: int = RETENTION,
 ) -> None:
     """Serve the gateway until SIGINT/SIGTERM. `policy`, if given, is `policy_path` already loaded.
 
@@ -49,7 +52,13 @@ def serve(
     policy = policy if policy is not None else load_policy(policy_path)
     setup_tracing("loragate-gateway")
     limiter = make_limiter(redis_url, policy)
-    shared = RedisFleetStore(redis_url) if redis_url is not None else None  # rollouts, overrides: like the limits
+    # With Redis, everything the replicas must agree on is shared like the limits: rollouts and overrides,
+    # the usage ledger, budgets. Without it, each lives in this process (build_app's defaults).
+    shared = ledger = budgets = None
+    if redis_url is not None:
+        shared = RedisFleetStore(redis_url)
+        ledger = RedisUsageLedger(redis_url, retention=usage_retention)
+        budgets = RedisBudgets(redis_url)
     app = build_app(
         policy,
         upstreams,
@@ -57,6 +66,8 @@ def serve(
         max_body_bytes=max_body_bytes,
         policy_path=policy_path,
         fleet_store=shared,
+        ledger=ledger,
+        budgets=budgets,
         discovery=discovery,
         clear_overrides=clear_overrides,
     )

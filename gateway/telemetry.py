@@ -2,8 +2,8 @@
 
 `GatewayMetrics` owns a `CollectorRegistry` (never prometheus-client's global default), so several
 gateways in one process (tests) do not collide. Counters and histograms are fed per request by the app;
-queue depths, in-flight requests, breaker states and Redis errors belong to other components and are
-read from callbacks at scrape time (`bind`), so there is one owner of each number.
+queue depths, in-flight requests, breaker states, Redis errors and the Redis breaker belong to other
+components and are read from callbacks at scrape time (`bind`), so there is one owner of each number.
 
 Each request runs in a SERVER span (`request_span`, named "{operation} {model}" after the GenAI semantic
 conventions); `inject_headers` puts its context in the upstream request as a W3C `traceparent`, which the
@@ -13,9 +13,9 @@ processes build their TracerProvider with loragate/tracing.py from the same OTEL
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, StatusCode
@@ -26,11 +26,54 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
-RATELIMIT_DECISIONS = ("allowed", "rate_limited", "tokens_exhausted", "unavailable")
+RATELIMIT_DECISIONS = ("allowed", "rate_limited", "tokens_exhausted", "budget_exhausted", "unavailable")
+MAX_ADAPTER_LABELS = 50  # adapters with a label of their own beyond the policy's named ones; the rest: "other"
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+
+_GLOB_CHARS = frozenset("*?[]")
+
+
+class AdapterLabels:
+    """The `adapter` label's values, bounded however many adapters exist: the base models and the adapters
+    and rollouts the policy names (tenants' `adapters` entries that are not globs, rollout names and
+    variants) keep their own; of the others, the first `max_extra` seen keep theirs (a series once
+    exported stays), and every later one is counted as "other"."""
+
+    OTHER = "other"
+
+    def __init__(self, max_extra: int = MAX_ADAPTER_LABELS) -> None:
+        self.max_extra = max_extra
+        self.named: frozenset[str] = frozenset()
+        self.extra: set[str] = set()
+        self.bases: Callable[[], frozenset[str]] = frozenset
+
+    def name_from_policy(self, tenants: Iterable[Iterable[str]], rollouts: Iterable[tuple[str, Iterable[str]]]) -> None:
+        named = {a for adapters in tenants for a in adapters if not _GLOB_CHARS & set(a)}
+        for name, variants in rollouts:
+            named.add(name)
+            named.update(variants)
+        self.named = frozenset(named)
+
+    def __call__(self, adapter: str) -> str:
+        if not adapter or adapter in self.named or adapter in self.extra or adapter in self.bases():
+            return adapter
+        if len(self.extra) < self.max_extra:
+            self.extra.add(adapter)
+            return adapter
+        return self.OTHER
+
 
 _propagator = TraceContextTextMapPropagator()
 _tracer = trace.get_tracer("loragate.gateway")  # a proxy: follows whatever provider is set later
+
+
+class RedisBreakerView(Protocol):
+    """What the metrics read of a Redis circuit breaker (gateway/redis_client.py's RedisBreaker)."""
+
+    @property
+    def is_open(self) -> bool: ...
+    @property
+    def skipped(self) -> int: ...
 
 
 class _Bound:
@@ -46,8 +89,12 @@ class _Bound:
         spills: Callable[[], int],
         rollout_weights: Callable[[], dict[tuple[str, str], float]],
         overrides: Callable[[], dict[str, Any]],
+        redis_breakers: Callable[[], Sequence[RedisBreakerView]],
+        ledger: Callable[[], dict[str, int]],
     ) -> None:
+        self.ledger = ledger
         self.queue_depths = queue_depths
+        self.redis_breakers = redis_breakers
         self.rollout_weights = rollout_weights
         self.overrides = overrides
         self.inflight = inflight
@@ -95,6 +142,17 @@ class _StateCollector:
             "Rate limiter calls that failed to reach Redis.",
             value=bound.redis_errors(),
         )
+        redis_breakers = bound.redis_breakers()
+        yield GaugeMetricFamily(
+            "loragate_gateway_redis_breaker_open",
+            "1 while the Redis circuit breaker is open (Redis is skipped, or one probe call is testing it).",
+            value=int(any(b.is_open for b in redis_breakers)),
+        )
+        yield CounterMetricFamily(
+            "loragate_gateway_redis_skipped",
+            "Redis calls answered as unreachable at once, without trying Redis, while its breaker was open.",
+            value=sum(b.skipped for b in redis_breakers),
+        )
         rolled = GaugeMetricFamily(
             "loragate_gateway_rollout_rolled_back",
             "1 while a rollout serves only its first variant after an automatic rollback.",
@@ -130,6 +188,18 @@ class _StateCollector:
             "Adapter requests sent to another "
             "upstream because their preferred one had spill_inflight requests in flight.",
             value=bound.spills(),
+        )
+        ledger = bound.ledger()
+        yield GaugeMetricFamily(
+            "loragate_gateway_usage_pending",
+            "Usage records buffered on this replica, not yet in the shared store (it is unreachable, or the "
+            "next write is under a second away).",
+            value=ledger.get("pending", 0),
+        )
+        yield CounterMetricFamily(
+            "loragate_gateway_usage_dropped",
+            "Usage records lost because the buffer was full while the store was unreachable.",
+            value=ledger.get("dropped", 0),
         )
 
 
@@ -208,11 +278,31 @@ class GatewayMetrics:
             ["action", "changed"],
             registry=self.registry,
         )
+        self.prompt_tokens = Counter(
+            "loragate_gateway_prompt_tokens",
+            "Prompt tokens of finished requests (the engine's count), by tenant and adapter.",
+            ["tenant", "adapter"],
+            registry=self.registry,
+        )
+        self.completion_tokens = Counter(
+            "loragate_gateway_completion_tokens",
+            "Completion tokens sent to clients, by tenant and adapter.",
+            ["tenant", "adapter"],
+            registry=self.registry,
+        )
+        self.budget_alerts = Counter(
+            "loragate_gateway_budget_alerts",
+            "Tenants reaching 80% or 100% of a token budget (once per tenant, window and level on a replica).",
+            ["tenant", "window", "level"],
+            registry=self.registry,
+        )
+        self.adapter_label = AdapterLabels()
         self._tallies: dict[str, list[int]] = {}  # tenant -> [requests, shed, errors], for the ops page
         self._state = _StateCollector()
         self.registry.register(self._state)
 
     def observe_request(self, tenant: str, adapter: str, status: int, reason: str | None, duration_s: float) -> None:
+        adapter = self.adapter_label(adapter)
         self.requests.labels(tenant, adapter, str(status), reason or "").inc()
         tally = self._tallies.setdefault(tenant, [0, 0, 0])
         tally[0] += 1
@@ -221,15 +311,24 @@ class GatewayMetrics:
         self.duration.labels(adapter, f"{status // 100}xx").observe(duration_s)
 
     def observe_ttft(self, adapter: str, seconds: float) -> None:
-        self.ttft.labels(adapter).observe(seconds)
+        self.ttft.labels(self.adapter_label(adapter)).observe(seconds)
 
     def observe_tpot(self, adapter: str, seconds: float) -> None:
-        self.tpot.labels(adapter).observe(seconds)
+        self.tpot.labels(self.adapter_label(adapter)).observe(seconds)
+
+    def count_tokens(self, tenant: str, adapter: str, prompt: int, completion: int) -> None:
+        adapter = self.adapter_label(adapter)
+        self.prompt_tokens.labels(tenant, adapter).inc(prompt)
+        self.completion_tokens.labels(tenant, adapter).inc(completion)
+
+    def count_budget_alert(self, tenant: str, window: str, level: float) -> None:
+        self.budget_alerts.labels(tenant, window, f"{round(level * 100)}%").inc()
 
     def count_ratelimit(self, decision: str) -> None:
         self.ratelimit.labels(decision).inc()
 
     def observe_variant(self, rollout: str, variant: str, error: bool, ttft_s: float | None) -> None:
+        variant = self.adapter_label(variant)  # named by the policy, unless an override header names another
         self.rollout_requests.labels(rollout, variant, "error" if error else "ok").inc()
         if not error and ttft_s is not None:
             self.rollout_ttft.labels(rollout, variant).observe(ttft_s)
@@ -262,10 +361,21 @@ class GatewayMetrics:
         spills: Callable[[], int] = int,
         rollout_weights: Callable[[], dict[tuple[str, str], float]] = dict,
         overrides: Callable[[], dict[str, Any]] = dict,
+        redis_breakers: Callable[[], Sequence[RedisBreakerView]] = list,
+        ledger: Callable[[], dict[str, int]] = dict,
     ) -> None:
         """Read these at each scrape; binding again replaces the callbacks."""
         self._state.bound = _Bound(
-            queue_depths, inflight, breaker_states, redis_errors, rolled_back, spills, rollout_weights, overrides
+            queue_depths,
+            inflight,
+            breaker_states,
+            redis_errors,
+            rolled_back,
+            spills,
+            rollout_weights,
+            overrides,
+            redis_breakers,
+            ledger,
         )
 
     def render(self) -> tuple[bytes, str]:

@@ -39,17 +39,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Steer a running gateway through its admin API: rollouts, upstreams, "
         "tenants. The admin key is read from the environment (--key-env).",
     )
-    p.add_argument(
-        "--url",
-        default=os.environ.get("LORAGATE_URL", DEFAULT_URL),
-        help="the gateway's base URL (default: $LORAGATE_URL, else %(default)s)",
-    )
-    p.add_argument(
-        "--key-env",
-        default="LORAGATE_ADMIN_KEY",
-        metavar="NAME",
-        help="the environment variable holding the admin key (default: %(default)s)",
-    )
+    add_gateway_args(p)
     actions = p.add_subparsers(
         dest="admin_command", required=True, metavar="{status,rollout,upstream,tenant,overrides,reload}"
     )
@@ -67,6 +57,67 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     overrides = actions.add_parser("overrides", help="lift every suspension and drain")
     overrides.add_argument("action", choices=("clear",))
     actions.add_parser("reload", help="reload the policy file (starts rollouts afresh, lifts overrides)")
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    """--url and --key-env: how every admin command finds the gateway and its admin key."""
+    p.add_argument(
+        "--url",
+        default=os.environ.get("LORAGATE_URL", DEFAULT_URL),
+        help="the gateway's base URL (default: $LORAGATE_URL, else %(default)s)",
+    )
+    p.add_argument(
+        "--key-env",
+        default="LORAGATE_ADMIN_KEY",
+        metavar="NAME",
+        help="the environment variable holding the admin key (default: %(default)s)",
+    )
+
+
+class AdminCallFailed(Exception):
+    """The call did not get an answer: the message for stderr, and the exit status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def call(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None, prog: str) -> Any:
+    """The admin API's JSON answer to `method path` on the gateway `args.url`, with the key `args.key_env`
+    names; AdminCallFailed (status 2 without a key, 1 for an error answer or no gateway)."""
+    key = os.environ.get(args.key_env, "").strip()
+    if not key:
+        raise AdminCallFailed(f"{prog}: error: set {args.key_env} to the gateway's admin key", 2)
+    headers = {"Authorization": f"Bearer {key}", "Accept": "application/json"}
+    try:
+        headers["X-Loragate-Actor"] = getpass.getuser()
+    except (KeyError, OSError):  # no login name (a container with an unnamed uid): the key's fingerprint only
+        pass
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(args.url.rstrip("/") + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.load(exc)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        raise AdminCallFailed(f"{prog}: {method} {path}: {exc.code} {message}", 1) from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise AdminCallFailed(f"{prog}: cannot reach the gateway at {args.url}: {exc}", 1) from None
+
+
+def write_stdout(text: str) -> None:
+    """Print `text`; a reader that went away (`... | head`) is not an error."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
@@ -87,38 +138,11 @@ def _request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]
 
 
 def run(args: argparse.Namespace) -> int:
-    key = os.environ.get(args.key_env, "").strip()
-    if not key:
-        print(f"loragate admin: error: set {args.key_env} to the gateway's admin key", file=sys.stderr)
-        return 2
     method, path, body = _request(args)
-    headers = {"Authorization": f"Bearer {key}", "Accept": "application/json"}
     try:
-        headers["X-Loragate-Actor"] = getpass.getuser()
-    except (KeyError, OSError):  # no login name (a container with an unnamed uid): the key's fingerprint only
-        pass
-    data = None
-    if body is not None:
-        data = json.dumps(body).encode()
-        headers["Content-Type"] = "application/json"
-    request = urllib.request.Request(args.url.rstrip("/") + path, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-            answer = json.load(response)
-    except urllib.error.HTTPError as exc:
-        try:
-            message = json.load(exc)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = exc.reason
-        print(f"loragate admin: {method} {path}: {exc.code} {message}", file=sys.stderr)
-        return 1
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        print(f"loragate admin: cannot reach the gateway at {args.url}: {exc}", file=sys.stderr)
-        return 1
-    try:
-        json.dump(answer, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-    except BrokenPipeError:  # `loragate admin status | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        answer = call(args, method, path, body, "loragate admin")
+    except AdminCallFailed as exc:
+        print(exc, file=sys.stderr)
+        return exc.status
+    write_stdout(json.dumps(answer, indent=2) + "\n")
     return 0

@@ -49,6 +49,9 @@ class Behavior:
     tokens: int = 8  # completion length
     token_interval_s: float = 0.005  # between stream chunks
     pause_after_chunks: int | None = None  # stream this many chunks, then wait for `resume()`
+    # An engine's load report (running, waiting, adapters on its device): GET /load answers it, and every
+    # generation answer carries it as X-Loragate-Load. None: no /load route (404) and no header.
+    load: tuple[int, int, tuple[str, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -133,8 +136,20 @@ class MockUpstream:
                 Route("/v1/completions", self._generate, methods=["POST"]),
                 Route("/v1/chat/completions", self._generate, methods=["POST"]),
                 Route("/healthz", self._healthz, methods=["GET"]),
+                Route("/load", self._load, methods=["GET"]),
             ]
         )
+
+    async def _load(self, request: Request) -> Response:
+        load = self.behavior.load
+        if load is None:
+            return JSONResponse({"error": {"type": "not_found", "message": "no /load"}}, status_code=404)
+        running, waiting, device = load
+        return JSONResponse({"running": running, "waiting": waiting, "device_adapters": list(device)})
+
+    def _load_header(self) -> dict[str, str]:
+        load = self.behavior.load
+        return {} if load is None else {"X-Loragate-Load": f"running={load[0]}, waiting={load[1]}, pool=0.10"}
 
     async def _healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -163,7 +178,9 @@ class MockUpstream:
         model = request.headers.get("x-adapter-id") or body.get("model") or self.base_model
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._events(behavior, chat, model, usage), media_type="text/event-stream")
+            return StreamingResponse(
+                self._events(behavior, chat, model, usage), media_type="text/event-stream", headers=self._load_header()
+            )
         if behavior.drop_before_first_byte:
             return StreamingResponse(self._nothing(), media_type="application/json")
         text = "".join(f"t{i} " for i in range(behavior.tokens))
@@ -180,7 +197,8 @@ class MockUpstream:
                 "model": model,
                 "choices": [choice],
                 "usage": _usage(behavior.tokens),
-            }
+            },
+            headers=self._load_header(),
         )
 
     async def _nothing(self) -> AsyncIterator[bytes]:

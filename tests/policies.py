@@ -24,6 +24,7 @@ def tenant_yaml(
     max_priority: str | None = None,
     limits: str | None = UNLIMITED,
     extra_keys: str = "",
+    budgets: str | None = None,
 ) -> str:
     """One entry of `tenants:`; `api_keys` are plain keys (hashed here), `adapters` a YAML list."""
     keys = [api_keys] if isinstance(api_keys, str) else api_keys
@@ -33,6 +34,8 @@ def tenant_yaml(
         lines.append(f"    max_priority: {max_priority}")
     if limits is not None:
         lines.append(f"    limits: {limits}")
+    if budgets is not None:
+        lines.append(f"    budgets: {budgets}")
     return "\n".join(lines)
 
 

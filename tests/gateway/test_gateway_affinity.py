@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.admission import AdmissionController, Slot, Upstream, rendezvous_order
+from gateway.admission import AdmissionController, EngineLoad, Slot, Upstream, rendezvous_order
 from gateway.breaker import CircuitBreaker
 from loragate.priority import Priority
 
@@ -303,3 +303,102 @@ def test_every_slot_is_used_whatever_the_affinity(cap: int) -> None:
             slot.release()
 
     run(main)
+
+
+# ---------------------------------------------------------------- routing on the engines' reported load
+
+
+def engine_mode(
+    urls: tuple[str, ...] = ("http://a", "http://b"), cap: int = 64, spill: int = 48
+) -> AdmissionController:
+    ctl = make(urls=urls, cap=cap, spill=spill)
+    ctl.reconfigure(cap, 16, 5.0, spill, load_source="engine", balance_factor=1.2)
+    return ctl
+
+
+def test_engine_load_header_parses_and_refuses_what_it_cannot_read() -> None:
+    load = EngineLoad.parse("running=3, waiting=11, pool=0.42, future=x", 5.0)
+    assert load == EngineLoad(3, 11, 5.0)
+    for bad in ("", "running=3", "running=-1, waiting=2", "running=a, waiting=2", "garbage"):
+        assert EngineLoad.parse(bad, 0.0) is None
+
+
+def test_a_replica_sees_what_other_replicas_put_on_an_engine() -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        for source, expected in (("local", "http://a"), ("engine", "http://b")):
+            ctl = engine_mode()
+            ctl._clock = clock
+            ctl.load_source = source
+            a, b = ctl.upstreams
+            a.reported = EngineLoad(running=30, waiting=20, at=clock())  # another gateway's requests
+            b.reported = EngineLoad(running=1, waiting=0, at=clock())
+            base = await ctl.acquire(STD, "t")  # no affinity: the least loaded
+            adapter = await ctl.acquire(STD, "t", affinity=adapter_preferring("http://a", ("http://a", "http://b")))
+            assert (base.upstream.url, adapter.upstream.url) == (expected, expected), source
+            if source == "engine":
+                # A stale report counts for nothing: only this replica's own requests are left.
+                clock.advance(10)
+                assert a.load(clock()) == a.inflight and b.load(clock()) == b.inflight
+            base.release()
+            adapter.release()
+
+    run(main)
+
+
+def test_bounded_loads_split_a_skewed_adapter_stream_and_keep_adapters_together() -> None:
+    async def main() -> None:
+        urls = ("http://a", "http://b")
+        hot = adapter_preferring("http://a", urls)
+        keys = [hot] * 6 + [adapter_preferring(u, urls, skip=i) for i in range(1, 3) for u in urls]  # 60% hot
+        stream = [keys[i % len(keys)] for i in range(60)]
+        shares = {}
+        for source in ("local", "engine"):
+            ctl = engine_mode(urls)
+            ctl.load_source = source
+            slots = [await ctl.acquire(STD, "t", affinity=key) for key in stream]  # all held: pure placement
+            counts = Counter(s.upstream.url for s in slots)
+            shares[source] = max(counts.values()) / len(slots)
+            # Each cold adapter stays on one upstream; only the hot one is split.
+            for key in set(stream) - {hot}:
+                assert len({s.upstream.url for s, k in zip(slots, stream, strict=True) if k == key}) == 1
+            for slot in slots:
+                slot.release()
+        assert shares["local"] >= 0.7  # spill_inflight alone: the hot adapter's engine takes its whole share
+        assert shares["engine"] <= 0.6  # bounded loads: at most balance_factor x the mean
+
+    run(main)
+
+
+def test_the_gateway_reads_engine_loads_from_answers_and_get_load() -> None:
+    from gateway.app import build_app
+    from gateway.policy import parse_policy
+    from gateway.ratelimit import MemoryRateLimiter
+
+    from gateway_testing import asgi
+    from mock_upstream import MockUpstream
+    from policies import ADMIN, bearer, policy_yaml, tenant_yaml
+
+    policy = parse_policy(policy_yaml(tenant_yaml("acme", "k", '["*"]')))
+
+    async def main(url: str, mock: MockUpstream) -> None:
+        app = build_app(policy, [url], MemoryRateLimiter())
+        async with asgi(app) as gw:
+            fleet = app.state.gateway.fleet
+            [upstream] = fleet.admission.upstreams
+            mock.behavior.load = (7, 3, ("a1",))
+            resp = await gw.post("/v1/completions", json={"prompt": "hi"}, headers=bearer("k"))
+            assert resp.status_code == 200
+            assert (upstream.reported.running, upstream.reported.waiting) == (7, 3)  # from X-Loragate-Load
+            mock.behavior.load = (0, 12, ("a1", "a2"))
+            await fleet.poll_loads()  # what the background loop does every second
+            assert (upstream.reported.running, upstream.reported.waiting) == (0, 12)
+            assert upstream.on_device == frozenset({"a1", "a2"})
+            [state] = (await gw.get("/admin/policy", headers=ADMIN)).json()["routing"]["upstreams"]
+            assert state["reported"] == {"running": 0, "waiting": 12} and state["load"] == 12
+            mock.behavior.load = None  # an engine without /load keeps its last report
+            await fleet.poll_loads()
+            assert upstream.reported.waiting == 12
+
+    with MockUpstream() as mock:
+        asyncio.run(main(mock.url, mock))

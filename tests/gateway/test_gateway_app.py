@@ -519,7 +519,7 @@ def test_queued_requests_are_served_by_priority(mock: MockUpstream) -> None:
             await wait_until(lambda: mock.count == 1)
             for i, priority in enumerate(("sheddable", "standard", "critical")):
                 tasks.append(asyncio.ensure_future(send(priority)))
-                await wait_until(lambda: sum(admission.queue_depths().values()) == i + 1)
+                await wait_until(lambda i=i: sum(admission.queue_depths().values()) == i + 1)
             mock.release()
             return list(await asyncio.gather(*tasks))
 

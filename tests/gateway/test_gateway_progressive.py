@@ -84,7 +84,9 @@ def test_raising_the_new_weight_only_moves_users_from_old_to_new() -> None:
         share = got.count("a2") / len(users)
         assert abs(share - weight / 100) < 0.01, (weight, share)  # the step's weight, within 1%
         if previous is not None:  # nobody goes back from the new variant to the old one
-            assert not [u for u, before, now in zip(users, previous, got) if before == "a2" and now == "a1"]
+            assert not [
+                u for u, before, now in zip(users, previous, got, strict=True) if before == "a2" and now == "a1"
+            ]
         previous = got
     # And bucket by bucket, for every weight from 0 to 100: a bucket of the new variant stays new.
     new_before = set()

@@ -346,13 +346,12 @@ def test_rollback_is_shared_through_redis_by_two_gateway_processes(
     (_, one), (_, two) = gateways
     try:
         with httpx.Client(timeout=30) as http:
-            post = lambda url, user: http.post(
-                f"{url}/v1/completions",
-                json=COMPLETION,  # noqa: E731
-                headers=support(user),
-            )
+
+            def post(url: str, user: str) -> httpx.Response:
+                return http.post(f"{url}/v1/completions", json=COMPLETION, headers=support(user))
+
             # 5 canary failures on each gateway: neither has min_requests (10) of its own, the fleet has
-            assert [post(url, u).status_code for url, u in zip([one, two] * 5, canary[:10])] == [500] * 10
+            assert [post(url, u).status_code for url, u in zip([one, two] * 5, canary[:10], strict=True)] == [500] * 10
             for url in (one, two):
                 state = wait_for_rollback(http, url, rolled_back=True)
                 assert state["variant"] == "a2"

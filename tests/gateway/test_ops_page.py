@@ -112,6 +112,10 @@ def test_ops_page_shows_live_state_escapes_names_and_its_buttons_act(browser: An
             page.click("button[type=submit]")
             page.wait_for_selector("body[data-loaded=yes]")
             page.wait_for_selector("#tenants td:has-text('acme')")
+            # Today's usage per tenant, from the ledger: the three requests above, as the engine counted them.
+            page.wait_for_selector("#usage td:has-text('acme')")
+            usage_row = page.locator("#usage tr", has_text="acme").inner_text().split()
+            assert usage_row[0] == "acme" and usage_row[1] == "3" and usage_row[3] == str(3 * engine.behavior.tokens)
             rollout = page.locator(".rollout").first
             assert rollout.get_attribute("data-rollout") == EVIL_ROLLOUT
             assert "progressing" in rollout.inner_text() and "step 1/3 (10%)" in rollout.inner_text()
