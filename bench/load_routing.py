@@ -94,13 +94,13 @@ def run_once(
     adapters: list[str],
     prompts: list[str],
     env: dict[str, str],
+    engine_ports: list[int],
 ) -> dict[str, float]:
     procs: list[subprocess.Popen[bytes]] = []
     logs = Path(tempfile.mkdtemp())
     try:
         engines, gateways = [], []
-        for k in range(2):
-            port = free_port()
+        for k, port in enumerate(engine_ports):
             argv = [
                 "engine",
                 "--model",
@@ -172,8 +172,11 @@ def main() -> None:
     )
     runs: dict[str, list[dict[str, float]]] = {"local": [], "engine": []}
     for _ in range(args.rounds):
+        # Both runs of a round use the same engine URLs: rendezvous hashing ranks engines by URL, so the
+        # same ports give both the same preferred engine for every adapter.
+        engine_ports = [free_port(), free_port()]
         for source in ("local", "engine"):  # the baseline first in each round
-            r = run_once(source, args, adapter_dir, adapters, prompts, env)
+            r = run_once(source, args, adapter_dir, adapters, prompts, env, engine_ports)
             runs[source].append(r)
             print(
                 f"load_source {source:6}  busier engine {100 * r['busier_share']:3.0f}% of the tokens  adapter loads "

