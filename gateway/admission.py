@@ -224,7 +224,7 @@ class AdmissionController:
         *,
         spill_inflight: int | None = None,
         load_source: str = "local",
-        balance_factor: float = 1.25,
+        balance_factor: float = 1.2,
     ) -> None:
         self.upstreams = list(upstreams)
         self.load_source = load_source  # "engine": reported loads and bounded-load affinity; "local": ours only
@@ -262,7 +262,7 @@ class AdmissionController:
         queue_timeout_s: float,
         spill_inflight: int | None = None,
         load_source: str = "local",
-        balance_factor: float = 1.25,
+        balance_factor: float = 1.2,
     ) -> None:
         """New limits (a policy reload). Requests in flight and waiters already queued keep what they have
         (a waiter's timeout was set when it arrived; a queue now over `max_queue` drains as slots free);

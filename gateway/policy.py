@@ -200,7 +200,7 @@ class Admission(_Model):
     # What an upstream's load is: "engine" what it reports (every replica's requests there), "local" this
     # replica's requests in flight only. With "engine", affinity also yields past balance_factor x the mean.
     load_source: Literal["engine", "local"] = "engine"
-    balance_factor: Annotated[float, Field(strict=False, ge=1.0, le=10.0, allow_inf_nan=False)] = 1.25
+    balance_factor: Annotated[float, Field(strict=False, ge=1.0, le=10.0, allow_inf_nan=False)] = 1.2
 
     @property
     def spill_at(self) -> int:

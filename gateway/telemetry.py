@@ -23,6 +23,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from loragate.labels import BoundedLabels
+
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
@@ -33,18 +35,13 @@ BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 _GLOB_CHARS = frozenset("*?[]")
 
 
-class AdapterLabels:
-    """The `adapter` label's values, bounded however many adapters exist: the base models and the adapters
-    and rollouts the policy names (tenants' `adapters` entries that are not globs, rollout names and
-    variants) keep their own; of the others, the first `max_extra` seen keep theirs (a series once
-    exported stays), and every later one is counted as "other"."""
-
-    OTHER = "other"
+class AdapterLabels(BoundedLabels):
+    """The gateway's `adapter` label (loragate/labels.py): the base models and the adapters and rollouts the
+    policy names (tenants' `adapters` entries that are not globs, rollout names and variants) keep their own;
+    of the others, the first `max_extra` seen keep theirs, and every later one is counted as "other"."""
 
     def __init__(self, max_extra: int = MAX_ADAPTER_LABELS) -> None:
-        self.max_extra = max_extra
-        self.named: frozenset[str] = frozenset()
-        self.extra: set[str] = set()
+        super().__init__(max_extra)
         self.bases: Callable[[], frozenset[str]] = frozenset
 
     def name_from_policy(self, tenants: Iterable[Iterable[str]], rollouts: Iterable[tuple[str, Iterable[str]]]) -> None:
@@ -55,12 +52,9 @@ class AdapterLabels:
         self.named = frozenset(named)
 
     def __call__(self, adapter: str) -> str:
-        if not adapter or adapter in self.named or adapter in self.extra or adapter in self.bases():
+        if not adapter or adapter in self.bases():  # "": answered before an adapter was known
             return adapter
-        if len(self.extra) < self.max_extra:
-            self.extra.add(adapter)
-            return adapter
-        return self.OTHER
+        return self.assign(adapter)
 
 
 _propagator = TraceContextTextMapPropagator()

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from engine.core.outputs import EngineStats, RequestOutput
+from loragate.labels import BoundedLabels
 
 if TYPE_CHECKING:  # the engine (and torch) only for the types: the metrics are built before it is bound
     from engine.core.llm_engine import LLMEngine
@@ -33,32 +34,23 @@ MAX_ADAPTER_LABELS = 50  # the default of --metrics-max-adapters
 _TIERS = ("device", "host", "disk")
 
 
-class AdapterLabels:
-    """The `adapter` label's values, bounded however many adapters are registered: the base model is labelled
-    with its served name; the first `max_adapters` adapter ids seen (in requests for a registered adapter: ids
-    that 404 never take one) keep their own, and every later id is counted as "other". A label once exported
-    keeps counting, so every counter stays monotonic. An adapter whose id is "other" is counted as "other".
-    Used from the event loop only (request starts and scrapes)."""
-
-    OTHER = "other"
+class AdapterLabels(BoundedLabels):
+    """The engine's `adapter` label: the base model is labelled with its served name; the first `max_adapters`
+    adapter ids seen (in requests for a registered adapter: ids that 404 never take one) keep their own, and
+    every later id is counted as "other" (loragate/labels.py). Used from the event loop only (request starts
+    and scrapes)."""
 
     def __init__(self, max_adapters: int = MAX_ADAPTER_LABELS, base: str = "") -> None:
-        self.max_adapters = max_adapters
+        super().__init__(max_adapters)
         self.base = base  # the served model name, once bound to an engine
-        self.own: dict[str, None] = {}  # the ids with a label of their own, in the order first seen
 
     def assign(self, adapter_id: str | None) -> str:
         """The label of a request's adapter (None: the base model), giving the id its own while there is room."""
-        if adapter_id is not None and adapter_id not in self.own:
-            if len(self.own) < self.max_adapters and adapter_id != self.OTHER:
-                self.own[adapter_id] = None
-        return self(adapter_id)
+        return self.base if adapter_id is None else super().assign(adapter_id)
 
     def __call__(self, adapter_id: str | None) -> str:
         """The label of `adapter_id` as things are (never gives out a label)."""
-        if adapter_id is None:
-            return self.base
-        return adapter_id if adapter_id in self.own else self.OTHER
+        return self.base if adapter_id is None else self.label(adapter_id)
 
 
 class _EngineStatsCollector:
