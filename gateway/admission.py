@@ -97,7 +97,7 @@ class Shed(Exception):
 
 MIN_BOUND = 2  # the bounded-load rule's smallest bound: below it affinity always holds
 COLD_SPILL = 1.5  # how far past the bound a cold adapter's request waits before moving to where it is not
-HOT_INFLIGHT = 3  # an adapter with this many of our requests in flight is worth loading on a second upstream
+RECENT = 256  # the adapter requests this replica admitted last, whose shares say which adapters are hot
 LOAD_FRESH_S = 3.0  # an engine's report older than this is ignored (this replica's in-flight count only)
 
 
@@ -146,14 +146,11 @@ class Upstream:
 class Slot:
     """The right to send one request to `upstream`. `release()` is idempotent and wakes the next waiter."""
 
-    __slots__ = ("upstream", "wait_s", "affinity", "_controller", "_released")
+    __slots__ = ("upstream", "wait_s", "_controller", "_released")
 
-    def __init__(
-        self, upstream: Upstream, controller: AdmissionController, wait_s: float, affinity: str | None = None
-    ) -> None:
+    def __init__(self, upstream: Upstream, controller: AdmissionController, wait_s: float) -> None:
         self.upstream = upstream
         self.wait_s = wait_s  # seconds spent queued (0 when admitted at once)
-        self.affinity = affinity
         self._controller = controller
         self._released = False
 
@@ -162,7 +159,7 @@ class Slot:
             return
         self._released = True
         self.upstream.inflight -= 1
-        self._controller._released(self)
+        self._controller._dispatch()
 
 
 @dataclass(eq=False, slots=True)
@@ -231,7 +228,8 @@ class AdmissionController:
         self.balance_factor = balance_factor
         self.retiring: list[Upstream] = []  # removed by set_upstreams, requests still in flight on them
         self.spills = 0  # affinity requests sent past a busy first choice (exported as a metric)
-        self._by_affinity: collections.Counter[str] = collections.Counter()  # our requests in flight per key
+        self._recent: deque[str] = deque()  # the last RECENT affinity keys admitted here
+        self._recent_counts: collections.Counter[str] = collections.Counter()
         self._set_limits(max_inflight_per_upstream, max_queue, queue_timeout_s, spill_inflight)
         self._clock = clock
         self._bands = [_Band() for _ in Priority]
@@ -418,17 +416,16 @@ class AdmissionController:
             # Bounded loads: with this request, no upstream above balance_factor x the mean (never below
             # MIN_BOUND, so light traffic keeps every adapter on its preferred upstream). Moving a request
             # to an upstream without the adapter on its device costs a load there and may evict another
-            # adapter: worth it for a hot adapter (HOT_INFLIGHT of ours in flight: it will stay resident
-            # there), not for a cold one, which moves only to an upstream that has it, or past COLD_SPILL x
-            # the bound.
+            # adapter: worth it for a hot adapter (`_is_hot`: it will stay resident there and take its share),
+            # not for a cold one, which moves only to an upstream that has it, or past COLD_SPILL x the bound.
             mean = (sum(loads.values()) + 1) / max(1, len(roomy))
             bound = max(MIN_BOUND, math.ceil(self.balance_factor * mean))
             cold_bound = max(bound, math.ceil(COLD_SPILL * bound))
 
-            def fits(u: Upstream, limit: int) -> bool:
-                return loads[id(u)] < self.spill_inflight and loads[id(u)] + 1 <= limit
+            def fits(u: Upstream, limit: int) -> bool:  # spill_inflight stays a bound on this replica's requests
+                return u.inflight < self.spill_inflight and loads[id(u)] + 1 <= limit
 
-            hot = self._by_affinity[affinity] >= HOT_INFLIGHT
+            hot = self._is_hot(affinity, len(roomy))
             warm = [u for u in roomy if fits(u, bound) and (hot or u is healthy[0] or affinity in u.on_device)]
             calm = warm + [u for u in roomy if u not in warm and fits(u, cold_bound)]
             busy = sorted(
@@ -451,15 +448,20 @@ class AdmissionController:
     def _grant(self, upstream: Upstream, wait_s: float, affinity: str | None = None) -> Slot:
         upstream.inflight += 1
         if affinity is not None:
-            self._by_affinity[affinity] += 1
-        return Slot(upstream, self, wait_s, affinity)
+            self._recent.append(affinity)
+            self._recent_counts[affinity] += 1
+            if len(self._recent) > RECENT:
+                gone = self._recent.popleft()
+                self._recent_counts[gone] -= 1
+                if not self._recent_counts[gone]:
+                    del self._recent_counts[gone]
+        return Slot(upstream, self, wait_s)
 
-    def _released(self, slot: Slot) -> None:
-        if slot.affinity is not None:
-            self._by_affinity[slot.affinity] -= 1
-            if not self._by_affinity[slot.affinity]:
-                del self._by_affinity[slot.affinity]
-        self._dispatch()
+    def _is_hot(self, affinity: str, upstreams: int) -> bool:
+        """Whether `affinity` carries so much of this replica's recent traffic (1 / (2 x upstreams) of it, a
+        quarter with two) that one engine cannot take its share alone: then a copy on a second engine pays
+        for its load. Rarer adapters would each cost a load for a handful of requests."""
+        return len(self._recent) >= 64 and self._recent_counts[affinity] * 2 * upstreams >= len(self._recent)
 
     def _make_room(self, priority: Priority) -> None:
         """Ensure the queue can take one more waiter of `priority`, or raise Shed(queue_full)."""

@@ -356,6 +356,8 @@ def test_bounded_loads_split_a_skewed_adapter_stream_and_keep_adapters_together(
         for source in ("local", "engine"):
             ctl = engine_mode(urls)
             ctl.load_source = source
+            for key in stream + stream:  # the replica's recent history: which adapters are hot
+                (await ctl.acquire(STD, "t", affinity=key)).release()
             slots = [await ctl.acquire(STD, "t", affinity=key) for key in stream]  # all held: pure placement
             counts = Counter(s.upstream.url for s in slots)
             shares[source] = max(counts.values()) / len(slots)
