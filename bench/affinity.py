@@ -66,6 +66,24 @@ def engine_counts(urls: list[str]) -> tuple[float, float, list[float]]:
     return loads, evictions, tokens
 
 
+def start_engine(adapter_dir: Path, tier: int, port: int, log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """One SmolLM2 engine on one thread, with a device tier of `tier` adapters, serving `adapter_dir`."""
+    argv = ["engine", "--model", "smollm2", "--threads", "1", "--adapter-dir", str(adapter_dir)]
+    argv += ["--max-device-adapters", str(tier), "--port", str(port), "--log-level", "warning"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "loragate", *argv], env=env, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT
+    )
+
+
+def zipf_workload(adapters: int, requests: int) -> tuple[Path, list[str], list[str]]:
+    """`adapters` ids over the W1 weight sets (cached), a Zipf stream of `requests` of them, and the prompts."""
+    root = cache_root() / "bench-adapters"
+    weight_dirs = make_w1_adapters(resolve_model("smollm2").path, root / "w1")
+    adapter_dir = scale_adapter_dir(weight_dirs, root, adapters)
+    ids = sorted(p.name for p in adapter_dir.iterdir())
+    return adapter_dir, [ids[k] for k in zipf_choices(len(ids), requests, seed=1)], w1_prompts(16)
+
+
 async def drive(url: str, adapters: list[str], prompts: list[str], concurrency: int) -> list[float]:
     """Send request i for adapters[i] with `concurrency` in flight; each one's latency in seconds."""
     out: list[float] = []
@@ -102,32 +120,7 @@ def run_once(
         engines = []
         for k in range(2):
             port = free_port()
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "loragate",
-                        "engine",
-                        "--model",
-                        "smollm2",
-                        "--threads",
-                        "1",
-                        "--adapter-dir",
-                        str(adapter_dir),
-                        "--max-device-adapters",
-                        str(tier),
-                        "--port",
-                        str(port),
-                        "--log-level",
-                        "warning",
-                    ],
-                    env=env,
-                    cwd=REPO,
-                    stdout=open(logs / f"engine{k}.log", "wb"),
-                    stderr=subprocess.STDOUT,
-                )
-            )
+            procs.append(start_engine(adapter_dir, tier, port, logs / f"engine{k}.log", env))
             engines.append(f"http://127.0.0.1:{port}")
         policy = logs / "policy.yaml"
         policy.write_text(BENCH_TENANT + ADMISSION.format(affinity="true" if affinity else "false", spill=spill))
@@ -178,12 +171,7 @@ def main() -> None:
     ap.add_argument("--spill-inflight", type=int, default=12, help="admission.spill_inflight (of 16)")
     ap.add_argument("--json", type=Path, help="also write the figures here as one JSON object")
     args = ap.parse_args()
-    root = cache_root() / "bench-adapters"
-    weight_dirs = make_w1_adapters(resolve_model("smollm2").path, root / "w1")
-    adapter_dir = scale_adapter_dir(weight_dirs, root, args.adapters)
-    ids = sorted(p.name for p in adapter_dir.iterdir())
-    adapters = [ids[k] for k in zipf_choices(len(ids), args.requests, seed=1)]
-    prompts = w1_prompts(16)
+    adapter_dir, adapters, prompts = zipf_workload(args.adapters, args.requests)
     env = {**os.environ, "LORAGATE_BENCH_KEY": KEY, "PYTHONPATH": str(REPO)}
     print(
         f"{args.requests} requests over {len(set(adapters))} distinct adapters (Zipf), {args.concurrency} in "

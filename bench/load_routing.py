@@ -38,10 +38,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.affinity import engine_counts  # noqa: E402
+from bench.affinity import engine_counts, start_engine, zipf_workload  # noqa: E402
 from bench.gateway_overhead import BENCH_TENANT, KEY, free_port  # noqa: E402
-from bench.throughput import make_w1_adapters, scale_adapter_dir, w1_prompts, zipf_choices  # noqa: E402
-from engine.model.sources import cache_root, resolve_model  # noqa: E402
 from loragate.launch import stop, wait_healthy  # noqa: E402
 from loragate.stats import percentile  # noqa: E402
 
@@ -101,22 +99,7 @@ def run_once(
     try:
         engines, gateways = [], []
         for k, port in enumerate(engine_ports):
-            argv = [
-                "engine",
-                "--model",
-                "smollm2",
-                "--threads",
-                "1",
-                "--adapter-dir",
-                str(adapter_dir),
-                "--max-device-adapters",
-                str(args.tier),
-                "--port",
-                str(port),
-                "--log-level",
-                "warning",
-            ]
-            procs.append(loragate(argv, logs / f"engine{k}.log", env))
+            procs.append(start_engine(adapter_dir, args.tier, port, logs / f"engine{k}.log", env))
             engines.append(f"http://127.0.0.1:{port}")
         policy = logs / "policy.yaml"
         policy.write_text(BENCH_TENANT + ADMISSION.format(source=source))
@@ -159,12 +142,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (local, engine, local, ...)")
     ap.add_argument("--json", type=Path, help="also write the figures here as one JSON object")
     args = ap.parse_args()
-    root = cache_root() / "bench-adapters"
-    weight_dirs = make_w1_adapters(resolve_model("smollm2").path, root / "w1")
-    adapter_dir = scale_adapter_dir(weight_dirs, root, args.adapters)
-    ids = sorted(p.name for p in adapter_dir.iterdir())
-    adapters = [ids[k] for k in zipf_choices(len(ids), args.requests, seed=1)]
-    prompts = w1_prompts(16)
+    adapter_dir, adapters, prompts = zipf_workload(args.adapters, args.requests)
     env = {**os.environ, "LORAGATE_BENCH_KEY": KEY, "PYTHONPATH": str(REPO)}
     print(
         f"{args.requests} requests over {len(set(adapters))} distinct adapters (Zipf s=1.1), 2 gateways x "
