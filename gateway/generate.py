@@ -166,25 +166,35 @@ class GenerateRoutes:
                 logger.exception("reconciling %s's token reservation failed", reservation.tenant)
 
     def record_usage(
-        self, call: Call, exchange: Exchange, used: tuple[int, int] | None, trace_id: str, finished: float
+        self,
+        tenant: str,
+        status: int,
+        latency_s: float,
+        *,
+        call: Call | None = None,
+        used: tuple[int, int] | None = None,
+        trace_id: str = "",
     ) -> None:
-        """The request's one ledger record and its token counters."""
+        """A request's one ledger record and its token counters; `call` None: refused before it had one (no
+        adapter, no tokens)."""
         prompt, completion = used if used is not None else (0, 0)
-        self.metrics.count_tokens(call.tenant, call.served, prompt, completion)
-        adapter, version = split_version(call.served)
+        served = call.served if call is not None else ""
+        if call is not None:
+            self.metrics.count_tokens(tenant, served, prompt, completion)
+        adapter, version = split_version(served)
         self.ledger.record(
             UsageRecord(
-                request_id=call.request_id,
+                request_id=call.request_id if call is not None else uuid.uuid4().hex,
                 at=time.time(),
-                tenant=call.tenant,
+                tenant=tenant,
                 adapter=adapter,
                 version=version,
-                rollout=call.rollout or "",
+                rollout=(call.rollout or "") if call is not None else "",
                 prompt_tokens=prompt,
                 completion_tokens=completion,
-                status=exchange.status,
-                priority=call.priority.name.lower(),
-                latency_ms=round((finished - call.started_at) * 1000, 1),
+                status=status,
+                priority=call.priority.name.lower() if call is not None else "",
+                latency_ms=round(latency_s * 1000, 1),
                 trace_id=trace_id,
             )
         )
@@ -221,22 +231,7 @@ class Generate:
                 tenant_id, "", exc.status, exc.headers.get("X-Loragate-Reason"), finished - started
             )
             if tenant_id != "unknown":  # refused before it had an adapter: a record without tokens
-                r.ledger.record(
-                    UsageRecord(
-                        request_id=uuid.uuid4().hex,
-                        at=time.time(),
-                        tenant=tenant_id,
-                        adapter="",
-                        version="",
-                        rollout="",
-                        prompt_tokens=0,
-                        completion_tokens=0,
-                        status=exc.status,
-                        priority="",
-                        latency_ms=round((finished - started) * 1000, 1),
-                        trace_id="",
-                    )
-                )
+                r.record_usage(tenant_id, exc.status, finished - started)
             return
         served = adapter or r.fleet.base_name(body.model)
         call = Call(
@@ -278,9 +273,8 @@ class Generate:
                 exchange.status = exchange.status or 500  # 0: an unexpected error, answered 500 by Starlette
                 finished = time.monotonic()
                 context = span.get_span_context()
-                r.record_usage(
-                    call, exchange, used, format(context.trace_id, "032x") if context.is_valid else "", finished
-                )
+                trace_id = format(context.trace_id, "032x") if context.is_valid else ""
+                r.record_usage(tenant.id, exchange.status, finished - started, call=call, used=used, trace_id=trace_id)
                 finish_span(
                     span,
                     status_code=exchange.status,

@@ -44,6 +44,7 @@ REASONS = frozenset(
     {
         "rate_limited",
         "tokens_exhausted",
+        "budget_exhausted",
         "queue_full",
         "queue_timeout",
         "circuit_open",
