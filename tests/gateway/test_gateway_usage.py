@@ -142,8 +142,8 @@ def test_the_ledger_holds_what_clients_received_once_across_replicas_a_restart_a
                 {"tenant": "globex", "requests": 4, "prompt_tokens": None, "completion_tokens": sum(sent)},
             ]
 
-            def ledger() -> list[dict[str, int]]:
-                resp = http.get(f"{urls[1]}/admin/usage?since=1h&by=tenant", headers=ADMIN)
+            def ledger(url: str) -> list[dict[str, int]]:
+                resp = http.get(f"{url}/admin/usage?since=1h&by=tenant", headers=ADMIN)
                 if resp.status_code == 503:  # Redis just thawed: the breaker still skips it for a moment
                     return []
                 assert resp.status_code == 200, resp.text
@@ -154,7 +154,14 @@ def test_the_ledger_holds_what_clients_received_once_across_replicas_a_restart_a
                     return False
                 return all(rows[1][k] == v for k, v in expected[1].items() if v is not None)
 
-            rows = poll(lambda: matches(got := ledger()) and got, 20, interval_s=0.2, what="every record written")
+            # A replica's answer includes its own records still buffered; each sees the other's only once they
+            # are in Redis, so both agreeing means every record was written.
+            rows = poll(
+                lambda: matches(got := ledger(urls[0])) and ledger(urls[1]) == got and got,
+                20,
+                interval_s=0.2,
+                what="every record written",
+            )
             assert rows[1]["prompt_tokens"] > 0  # the gateway's estimate for streams cut before their usage
 
             # `loragate usage` answers the same, in every format.
