@@ -35,6 +35,16 @@ class EngineConfig:
     enable_prefix_cache: bool = True  # reuse KV blocks of prompt prefixes (same adapter version only)
     # adapters with an `adapter` label of their own in the per-adapter metrics (the first seen); the rest: "other"
     metrics_max_adapters: int = 50
+    # Adapters fetched from object stores, the Hub or https (engine/lora/adapter_store.py): the bounded disk
+    # cache they land in (None: fetching is off), its size bound, one adapter's size cap, the source prefixes
+    # the engine may fetch from (nothing else, whatever a request says), how long one download may take, and
+    # how long a request waits for one before it gets 503 adapter_loading.
+    adapter_cache_dir: str | None = None
+    adapter_cache_mb: int = 10240
+    adapter_max_mb: int = 1024
+    adapter_source_allow: tuple[str, ...] = ()
+    adapter_fetch_timeout_s: float = 300.0
+    adapter_load_wait_s: float = 20.0
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -69,5 +79,11 @@ class EngineConfig:
             and (not isinstance(self.num_threads, int) or self.num_threads < 1)
         ):
             raise ValueError(f"num_threads must be a positive integer or 'auto', got {self.num_threads!r}")
+        if self.adapter_cache_mb < 1 or self.adapter_max_mb < 1:
+            raise ValueError("adapter_cache_mb and adapter_max_mb must be >= 1")
+        if self.adapter_fetch_timeout_s <= 0 or self.adapter_load_wait_s < 0:
+            raise ValueError("adapter_fetch_timeout_s must be > 0 and adapter_load_wait_s >= 0")
+        if self.adapter_source_allow and self.adapter_cache_dir is None:
+            raise ValueError("--adapter-source-allow needs --adapter-cache-dir (where fetched adapters are kept)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -140,6 +140,37 @@ def _add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "/v1/adapters loads more from inside it at run time",
     )
     p.add_argument(
+        "--adapter-cache-dir",
+        type=Path,
+        help="the disk cache for adapters fetched from --adapter-source-allow sources (object stores, the "
+        "Hub, https); created if missing, kept across restarts",
+    )
+    p.add_argument(
+        "--adapter-cache-mb",
+        type=_positive,
+        default=10240,
+        help="size bound of --adapter-cache-dir in MiB (least recently used adapters not in use are evicted)",
+    )
+    p.add_argument("--adapter-max-mb", type=_positive, default=1024, help="largest adapter the engine fetches, in MiB")
+    p.add_argument(
+        "--adapter-source-allow",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="PREFIX",
+        help="source prefixes adapters may be fetched from (s3://bucket/prefix/, hf://org/, https://host/path/, "
+        "a local directory); a request naming any other source is refused",
+    )
+    p.add_argument(
+        "--adapter-fetch-timeout-s", type=_seconds, default=300.0, help="longest one adapter download may take"
+    )
+    p.add_argument(
+        "--adapter-load-wait-s",
+        type=_seconds,
+        default=20.0,
+        help="how long a request waits for its adapter's download before it gets 503 adapter_loading",
+    )
+    p.add_argument(
         "--max-device-adapters",
         type=_positive,
         default=8,
@@ -337,6 +368,8 @@ def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     # Prompts are tokenized one at a time: the tokenizers' own thread pool would only compete with the
     # compute threads for the CPUs.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # huggingface_hub (adapters fetched from hf:// sources) sends nothing beyond the requests it is asked for.
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     from engine.config import EngineConfig
     from engine.entrypoints.serving import serve
 
@@ -361,6 +394,12 @@ def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         aging_s=args.aging_s,
         enable_prefix_cache=not args.no_prefix_cache,
         metrics_max_adapters=args.metrics_max_adapters,
+        adapter_cache_dir=str(args.adapter_cache_dir) if args.adapter_cache_dir is not None else None,
+        adapter_cache_mb=args.adapter_cache_mb,
+        adapter_max_mb=args.adapter_max_mb,
+        adapter_source_allow=tuple(args.adapter_source_allow),
+        adapter_fetch_timeout_s=args.adapter_fetch_timeout_s,
+        adapter_load_wait_s=args.adapter_load_wait_s,
     )
     try:
         config.validate()

@@ -183,6 +183,10 @@ class AsyncEngine:
 
     async def unload_adapter(self, adapter_id: str) -> None:
         """Unregister an adapter (KeyError if unknown); its pages are freed once no request uses it."""
+        self.forget_adapter(adapter_id)
+
+    def forget_adapter(self, adapter_id: str) -> None:
+        """`unload_adapter` from any thread (KeyError if unknown)."""
         self.engine.adapters.unregister(adapter_id)
         self._inbox.put(_RetireAdapter(adapter_id))
 

@@ -319,6 +319,13 @@ class LLMEngine:
         except KeyError:
             return None
 
+    def adapter_error(self, adapter_id: str) -> str | None:
+        """Why a registered adapter's weights could not be loaded (None: they could, or it is not registered)."""
+        try:
+            return self.adapters.broken(self.adapters.get(adapter_id))
+        except KeyError:
+            return None
+
     def _residence(self, spec: AdapterSpec) -> str:
         if self.device_adapters.is_resident(spec):
             return "device"

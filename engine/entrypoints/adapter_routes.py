@@ -1,13 +1,17 @@
 """The adapter admin API: /v1/adapters lists (GET), loads (POST) and unloads (DELETE) adapters at run time.
 
 POST loads only from inside the engine's --adapter-dir (`LoadAdapterRequest.resolve_path` enforces it),
-and re-registering an id replaces its content under a new version. Errors are JSON like every other
-route's: 400 for an unusable id, path or adapter, 404 for unloading an id that is not registered.
+and re-registering an id replaces its content under a new version. GET shows where each adapter is
+(`state`: disk, host or device; downloading or failed for fetched ones not yet registered, see
+engine/entrypoints/fetched_adapters.py), its device loads and evictions and when it was last used.
+Errors are JSON like every other route's: 400 for an unusable id, path or adapter, 404 for unloading an id
+that is not registered.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -15,6 +19,7 @@ from starlette.routing import Route
 
 from engine.core.async_engine import AsyncEngine
 from engine.core.outputs import AdapterStatus
+from engine.entrypoints.fetched_adapters import FetchedAdapters
 from engine.entrypoints.protocol import LoadAdapterRequest, parse_body
 from engine.entrypoints.responses import adapter_card
 from engine.lora.peft_config import AdapterError, validate_adapter_id
@@ -25,8 +30,9 @@ from loragate.http_io import list_body, read_json
 class AdapterRoutes:
     """The /v1/adapters handlers; one instance per app, bound to one engine."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, fetched: FetchedAdapters) -> None:
         self.engine = engine
+        self.fetched = fetched
         self.base_model = engine.engine.model_name
         adapter_dir = engine.engine.config.adapter_dir
         self.adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
@@ -40,7 +46,7 @@ class AdapterRoutes:
     async def adapters(self, request: Request) -> Response:
         """GET lists the registered adapters; POST registers one from inside --adapter-dir."""
         if request.method == "GET":
-            return JSONResponse(list_body([adapter_card(a, self.base_model) for a in self.engine.list_adapters()]))
+            return JSONResponse(list_body(self.cards()))
         req = parse_body(LoadAdapterRequest, await read_json(request))
         if self.adapter_dir is None:
             raise bad_request(
@@ -54,6 +60,24 @@ class AdapterRoutes:
         registered = AdapterStatus(spec.adapter_id, spec.version, spec.max_rank, spec.modules, "disk")
         status = next((a for a in self.engine.list_adapters() if (a.adapter_id, a.version) == spec.key), registered)
         return JSONResponse(adapter_card(status, self.base_model))
+
+    def cards(self) -> list[dict[str, Any]]:
+        statuses = self.engine.list_adapters()
+        counts, _, _ = self.engine.engine.device_adapters.counters.by_adapter([a.adapter_id for a in statuses])
+        cards = []
+        for status in statuses:
+            loads, evictions = counts.get(status.adapter_id, (0, 0))
+            cards.append(
+                {
+                    **adapter_card(status, self.base_model),
+                    "state": status.residence,
+                    "loads": loads,
+                    "evictions": evictions,
+                    "error": self.engine.engine.adapter_error(status.adapter_id),
+                    **self.fetched.card_fields(status.adapter_id),
+                }
+            )
+        return cards + self.fetched.pending_cards(self.base_model)
 
     async def unload_adapter(self, request: Request) -> Response:
         adapter_id = request.path_params["adapter_id"]

@@ -37,6 +37,7 @@ from engine.core.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from engine.core.outputs import LoadReport, RequestOutput
 from engine.core.request import TokenLogprob
 from engine.entrypoints.adapter_routes import AdapterRoutes
+from engine.entrypoints.fetched_adapters import FetchedAdapters, wanted_from_headers
 from engine.entrypoints.metrics import EngineMetrics, RequestTracker
 from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from engine.entrypoints.responses import ChatFormatter, CompletionFormatter, Formatter, model_card
@@ -122,9 +123,10 @@ class EngineRoutes:
     """The engine's route handlers but the /v1/adapters ones (AdapterRoutes): the OpenAI API (completions, chat
     completions, models), the probes and /metrics; one instance per app, bound to one engine."""
 
-    def __init__(self, engine: AsyncEngine, metrics: EngineMetrics) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: EngineMetrics, fetched: FetchedAdapters) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.fetched = fetched
         self.draining = False  # set on SIGTERM: stop admitting, let in-flight requests finish
         self.tokenizer = engine.engine.tokenizer
         self.base_model = engine.engine.model_name
@@ -217,6 +219,11 @@ class EngineRoutes:
             raise _unavailable("the engine is draining; retry on another replica", "draining")
         if not self.engine.running:
             raise _unavailable("the engine loop is not running; retry on another replica", "engine_failure")
+        wanted = wanted_from_headers(request) if adapter_id is not None else None
+        if adapter_id is not None and wanted is not None:  # a catalog adapter: fetched on its first request
+            sha256 = await self.fetched.ensure(adapter_id, wanted)
+            scope.callback(self.fetched.release, sha256)  # pinned in the disk cache until the request ends
+        self.fetched.touch(adapter_id)
         tracker = self.metrics.start_request(priority.name.lower())
         with _engine_errors(adapter_id):
             it = self.engine.generate(fmt.request_id, prompt_ids, params, priority, adapter_id)
@@ -361,7 +368,8 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None = None) -> Star
     if metrics is None:
         metrics = EngineMetrics(max_adapters=engine.engine.config.metrics_max_adapters)
     metrics.bind_engine(engine.engine)
-    api = EngineRoutes(engine, metrics)
+    fetched = FetchedAdapters.from_config(engine)
+    api = EngineRoutes(engine, metrics, fetched)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -376,7 +384,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None = None) -> Star
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
-        *AdapterRoutes(engine).routes(),
+        *AdapterRoutes(engine, fetched).routes(),
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),

@@ -67,13 +67,22 @@ _Fail = Callable[[str], AdapterError]  # builds an error that names the adapter
 
 
 def validate_adapter_id(adapter_id: str) -> str:
-    """Return `adapter_id` if it is 1..128 of [A-Za-z0-9._-], not starting with '.', without '..'."""
+    """Return `adapter_id` if it is `[namespace/]name[@version]`, at most 128 characters: the name and the
+    namespace (a tenant's, for adapters it publishes) each of [A-Za-z0-9._-], not starting with '.' and
+    without '..'; the version digits (a catalog version: gateway/adapter_catalog.py)."""
     if not isinstance(adapter_id, str) or not 1 <= len(adapter_id) <= MAX_ID_LEN:
         raise AdapterError(f"adapter id must be a string of 1 to {MAX_ID_LEN} characters")
-    if _ID_RE.fullmatch(adapter_id) is None or adapter_id.startswith(".") or ".." in adapter_id:
+    name, at, version = adapter_id.partition("@")
+    segments = name.split("/")
+    if (
+        len(segments) > 2
+        or any(_ID_RE.fullmatch(s) is None or s.startswith(".") or ".." in s for s in segments)
+        or (at and not version.isascii())
+        or (at and not version.isdigit())
+    ):
         raise AdapterError(
-            f"invalid adapter id {adapter_id!r}: use letters, digits, '.', '_' and '-', "
-            "not starting with '.' and without '..'"
+            f"invalid adapter id {adapter_id!r}: use [namespace/]name[@version], names of letters, digits, "
+            "'.', '_' and '-', not starting with '.' and without '..', a version of digits"
         )
     return adapter_id
 

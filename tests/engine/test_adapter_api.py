@@ -30,7 +30,7 @@ from processes import start_engine_server
 MODEL = "tiny-random"
 PROMPT = "The quick brown fox"
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
-HOSTILE_IDS = ["../x", "a/b", "x" * 10_000, "..", "/etc/passwd", ".hidden", "a\\b", "ü", "a b"]
+HOSTILE_IDS = ["../x", "a/b/c", "a@x", "x" * 10_000, "..", "/etc/passwd", ".hidden", "a\\b", "ü", "a b"]
 
 
 def _start_server(log_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:

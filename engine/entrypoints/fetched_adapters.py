@@ -1,0 +1,216 @@
+"""Adapters fetched on their first request: the catalog's `ID@N`, from the source the gateway names.
+
+The gateway resolves a catalog adapter (gateway/adapter_catalog.py) to a version and sends it here as
+`X-Adapter-ID: ID@N` with `X-Adapter-Source`, `X-Adapter-SHA256` and optionally `X-Adapter-Size`. If `ID@N`
+is not registered, `FetchedAdapters.ensure` has the disk tier (engine/lora/adapter_store.py) fetch it —
+one download however many requests wait for it — then registers it from the cache and the request runs.
+A request waits at most `--adapter-load-wait-s`; then it gets 503 `adapter_loading` with Retry-After while
+the download goes on. A failed download answers 502 `adapter_fetch_failed` with the reason, and is not
+tried again before its backoff has passed.
+
+Trust boundary: any caller that can reach the engine may name a source, as any caller may POST
+/v1/adapters; what bounds it is the engine's own `--adapter-source-allow` (nothing outside it is ever
+fetched, 403 `adapter_source_not_allowed`) and the pinned digest (content that does not match is never
+registered). Clients reach engines only through the gateway, which sets these headers itself and never
+forwards a client's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+
+from engine.core.async_engine import AsyncEngine
+from engine.lora.adapter_store import AdapterStore, FetchBackoff
+from loragate.adapter_sources import AllowList, SourceError
+from loragate.errors import ApiError, bad_request, retry_after, unavailable
+
+logger = logging.getLogger(__name__)
+
+LOADING_RETRY_AFTER_S = 2.0  # what a request that timed out waiting for a download is told
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_MAX_SOURCE_CHARS = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class Wanted:
+    """A request's adapter as the gateway's catalog pins it."""
+
+    source: str
+    sha256: str
+    size: int | None
+
+
+def wanted_from_headers(request: Request) -> Wanted | None:
+    """The pinned source the gateway sent with the request; None without X-Adapter-Source; 400 if malformed."""
+    source = request.headers.get("x-adapter-source")
+    if source is None:
+        return None
+    sha256 = (request.headers.get("x-adapter-sha256") or "").strip().lower()
+    if not source.strip() or len(source) > _MAX_SOURCE_CHARS:
+        raise bad_request(f"X-Adapter-Source: must be a source URI of 1 to {_MAX_SOURCE_CHARS} characters")
+    if _SHA256_RE.fullmatch(sha256) is None:
+        raise bad_request("X-Adapter-SHA256: a source needs the content's sha256 (64 hex digits)")
+    size_text = request.headers.get("x-adapter-size")
+    size = None
+    if size_text is not None:
+        if not size_text.strip().isdigit():
+            raise bad_request("X-Adapter-Size: must be a number of bytes")
+        size = int(size_text)
+    return Wanted(source.strip(), sha256, size)
+
+
+def fetch_failed(message: str, retry_after_s: float) -> ApiError:
+    return ApiError(
+        502,
+        "adapter_fetch_failed",
+        message,
+        {"Retry-After": retry_after(retry_after_s), "X-Loragate-Reason": "adapter_fetch_failed"},
+    )
+
+
+class FetchedAdapters:
+    """Registers fetched adapters under their catalog ids; pins a cache entry while requests use it."""
+
+    def __init__(self, engine: AsyncEngine, store: AdapterStore | None, load_wait_s: float) -> None:
+        self.engine = engine
+        self.store = store
+        self.load_wait_s = load_wait_s
+        self._lock = threading.Lock()  # `evicted` may run in the disk tier's download thread
+        self._digests: dict[str, str] = {}  # registered id -> the sha256 it was registered from
+        self._registering: dict[str, asyncio.Future[None]] = {}  # id -> its registration in progress
+        self.last_used: dict[str, float] = {}  # id -> time.time() of its last request
+
+    @classmethod
+    def from_config(cls, engine: AsyncEngine) -> FetchedAdapters:
+        config = engine.engine.config
+        fetched = cls(engine, None, config.adapter_load_wait_s)
+        if config.adapter_cache_dir is not None:
+            fetched.store = AdapterStore(
+                Path(config.adapter_cache_dir),
+                max_bytes=config.adapter_cache_mb << 20,
+                max_adapter_bytes=config.adapter_max_mb << 20,
+                allow=AllowList(config.adapter_source_allow),
+                fetch_timeout_s=config.adapter_fetch_timeout_s,
+                on_evict=fetched.evicted,
+            )
+        return fetched
+
+    def touch(self, adapter_id: str | None) -> None:
+        if adapter_id is not None:
+            self.last_used[adapter_id] = time.time()
+
+    async def ensure(self, adapter_id: str, wanted: Wanted) -> str:
+        """Make `adapter_id` registered with `wanted`'s content (fetching it if needed) and pin its cache
+        entry; the sha256 to unpin when the request is done. ApiError: 403, 502 or 503 (see the module)."""
+        if self.store is None:
+            raise ApiError(
+                403,
+                "adapter_source_not_allowed",
+                "this engine fetches no adapters: start it with --adapter-cache-dir and --adapter-source-allow",
+            )
+        self.store.pin(wanted.sha256)
+        self.store.entry(wanted.sha256)  # marks it used: the disk tier evicts the least recently used first
+        try:
+            await asyncio.wait_for(self._ready(adapter_id, wanted), timeout=self.load_wait_s)
+        except asyncio.TimeoutError:
+            self.store.unpin(wanted.sha256)
+            raise unavailable(
+                f"adapter {adapter_id!r} is being fetched from {wanted.source}; retry shortly",
+                "adapter_loading",
+                LOADING_RETRY_AFTER_S,
+            ) from None
+        except BaseException:
+            self.store.unpin(wanted.sha256)
+            raise
+        return wanted.sha256
+
+    def release(self, sha256: str) -> None:
+        if self.store is not None:
+            self.store.unpin(sha256)
+
+    async def _ready(self, adapter_id: str, wanted: Wanted) -> None:
+        while self._digest(adapter_id) != wanted.sha256 or self.engine.engine.adapter_residence(adapter_id) is None:
+            pending = self._registering.get(adapter_id)
+            if pending is None:
+                pending = asyncio.ensure_future(self._fetch_and_register(adapter_id, wanted))
+                self._registering[adapter_id] = pending
+                pending.add_done_callback(lambda _: self._registering.pop(adapter_id, None))
+            await asyncio.shield(pending)  # a waiter that gives up leaves the download to the others
+
+    def _digest(self, adapter_id: str) -> str | None:
+        with self._lock:
+            return self._digests.get(adapter_id)
+
+    async def _fetch_and_register(self, adapter_id: str, wanted: Wanted) -> None:
+        assert self.store is not None
+        try:
+            path = await self.store.ensure(wanted.source, wanted.sha256, wanted.size)
+        except FetchBackoff as exc:
+            raise fetch_failed(f"adapter {adapter_id!r} ({exc.reason}): {exc}", exc.retry_after_s) from None
+        except SourceError as exc:
+            if exc.reason == "invalid":
+                raise bad_request(f"X-Adapter-Source: {exc}") from None
+            if exc.reason == "not_allowed":
+                raise ApiError(403, "adapter_source_not_allowed", f"adapter {adapter_id!r}: {exc}") from None
+            raise fetch_failed(f"adapter {adapter_id!r} ({exc.reason}): {exc}", 1.0) from None
+        try:
+            await self.engine.load_adapter(adapter_id, path)
+        except ValueError as exc:  # AdapterError: the files are no LoRA adapter for this base model
+            raise fetch_failed(f"adapter {adapter_id!r} from {wanted.source} is unusable: {exc}", 60.0) from None
+        with self._lock:
+            self._digests[adapter_id] = wanted.sha256
+        logger.info("adapter %s fetched from %s (sha256 %s)", adapter_id, wanted.source, wanted.sha256[:12])
+
+    def evicted(self, sha256: str) -> None:
+        """The disk tier removed an entry (never one in use): unregister the ids registered from it. Called
+        from the event loop's thread or the download thread, so it only queues the unload."""
+        with self._lock:
+            ids = [adapter_id for adapter_id, digest in self._digests.items() if digest == sha256]
+            for adapter_id in ids:
+                del self._digests[adapter_id]
+        for adapter_id in ids:
+            with contextlib.suppress(KeyError):  # unloaded meanwhile (DELETE /v1/adapters)
+                self.engine.forget_adapter(adapter_id)
+            logger.info("adapter %s unregistered: its files left the disk cache", adapter_id)
+
+    def card_fields(self, adapter_id: str) -> dict[str, Any]:
+        """What GET /v1/adapters adds to a registered adapter's card."""
+        sha256 = self._digest(adapter_id)
+        entries = self.store.status() if self.store is not None and sha256 is not None else []
+        entry = next((e for e in entries if e["sha256"] == sha256), {})
+        return {"source": entry.get("source"), "sha256": sha256, "last_used": self.last_used.get(adapter_id)}
+
+    def pending_cards(self, base_model: str) -> list[dict[str, Any]]:
+        """GET /v1/adapters' cards for cache entries no id is registered from: downloading, failed, or on disk
+        from before a restart (their ids are learnt from the next request that names them)."""
+        if self.store is None:
+            return []
+        with self._lock:
+            registered = set(self._digests.values())
+        return [
+            {
+                "id": None,
+                "object": "adapter",
+                "parent": base_model,
+                "state": entry["state"],
+                "residence": entry["state"],
+                "source": entry.get("source"),
+                "sha256": entry["sha256"],
+                "error": entry.get("error"),
+                "last_used": entry.get("last_used"),
+                "loads": 0,
+                "evictions": 0,
+            }
+            for entry in self.store.status()
+            if entry["sha256"] not in registered
+        ]
