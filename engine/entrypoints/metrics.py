@@ -26,6 +26,7 @@ from loragate.labels import BoundedLabels
 
 if TYPE_CHECKING:  # the engine (and torch) only for the types: the metrics are built before it is bound
     from engine.core.llm_engine import LLMEngine
+    from engine.lora.adapter_store import AdapterStore
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
@@ -201,6 +202,48 @@ class _AdapterCollector:
             yield counter
 
 
+class _DiskCacheCollector:
+    """The disk tier of fetched adapters (engine/lora/adapter_store.py), read at scrape time; no per-adapter
+    label (GET /v1/adapters lists each one), so the series stay few however many adapters are fetched."""
+
+    def __init__(self) -> None:
+        self.store: AdapterStore | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        store = self.store
+        if store is None:
+            return
+        entries = store.status()
+        yield GaugeMetricFamily(
+            "loragate_engine_adapter_cache_bytes", "Bytes of fetched adapters on disk.", value=store.total_bytes()
+        )
+        yield GaugeMetricFamily(
+            "loragate_engine_adapter_cache_limit_bytes",
+            "The disk cache's bound (--adapter-cache-mb).",
+            value=store.max_bytes,
+        )
+        states = GaugeMetricFamily(
+            "loragate_engine_adapter_cache_entries", "Fetched adapters by state.", labels=["state"]
+        )
+        for state in ("downloading", "disk", "failed"):
+            states.add_metric([state], sum(1 for e in entries if e["state"] == state))
+        yield states
+        for name, doc, value in (
+            (
+                "loragate_engine_adapter_downloads",
+                "Adapter downloads that completed (verified and stored).",
+                store.downloads,
+            ),
+            ("loragate_engine_adapter_download_failures", "Adapter downloads that failed.", store.failures),
+            (
+                "loragate_engine_adapter_cache_evictions",
+                "Fetched adapters evicted from the disk cache.",
+                store.evictions,
+            ),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+
+
 class EngineMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, max_adapters: int = MAX_ADAPTER_LABELS) -> None:
         """`max_adapters`: adapters with a label of their own in the per-adapter series (AdapterLabels)."""
@@ -253,6 +296,8 @@ class EngineMetrics:
         r.register(self._stats_collector)
         self._adapter_collector = _AdapterCollector(self.adapters)
         r.register(self._adapter_collector)
+        self._disk_cache_collector = _DiskCacheCollector()
+        r.register(self._disk_cache_collector)
 
     def bind_stats(self, stats: Callable[[], EngineStats]) -> None:
         """Read the running/waiting/KV gauges from `stats` (normally `LLMEngine.stats`)."""
@@ -264,6 +309,10 @@ class EngineMetrics:
         self.bind_stats(engine.stats)
         self.adapters.base = engine.model_name
         self._adapter_collector.engine = engine
+
+    def bind_store(self, store: AdapterStore | None) -> None:
+        """Export the disk cache of fetched adapters (none without --adapter-cache-dir)."""
+        self._disk_cache_collector.store = store
 
     def start_request(self, priority: str = "standard") -> RequestTracker:
         """A request's tracker; name its adapter (`RequestTracker.adapter`) once the engine accepted it."""

@@ -369,6 +369,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None = None) -> Star
         metrics = EngineMetrics(max_adapters=engine.engine.config.metrics_max_adapters)
     metrics.bind_engine(engine.engine)
     fetched = FetchedAdapters.from_config(engine)
+    metrics.bind_store(fetched.store)
     api = EngineRoutes(engine, metrics, fetched)
 
     @contextlib.asynccontextmanager

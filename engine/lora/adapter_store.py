@@ -90,6 +90,8 @@ class AdapterStore:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._pins: dict[str, int] = {}
         self._download_slots = threading.BoundedSemaphore(max_downloads)
+        # For the metrics (engine/entrypoints/metrics.py): downloads that succeeded and failed, entries evicted.
+        self.downloads = self.failures = self.evictions = 0
         self.root.mkdir(parents=True, exist_ok=True)
         self._load()
 
@@ -231,6 +233,7 @@ class AdapterStore:
                 entry.state, entry.size, entry.future = "disk", fetched.size, None
                 entry.last_used, entry.error, entry.failures = time.time(), None, 0
                 entry.downloads += 1
+                self.downloads += 1
                 self._entries.move_to_end(sha256)
             _fsync(self.root)
         except Exception as exc:
@@ -246,6 +249,7 @@ class AdapterStore:
 
     def _failed(self, sha256: str, error: SourceError) -> FetchBackoff:
         with self._lock:
+            self.failures += 1
             entry = self._entries[sha256]
             entry.failures += 1
             delay = min(self._max_backoff_s, self._backoff_s * 2 ** (entry.failures - 1))
@@ -278,6 +282,7 @@ class AdapterStore:
                 f"{incoming} bytes do not fit the adapter cache ({self.max_bytes} bytes): it is full of adapters "
                 "in use",
             )
+        self.evictions += len(victims)
         for entry in victims:
             os.rename(self.root / entry.sha256, self.root / f"{TMP_PREFIX}evicted-{entry.sha256}")
             del self._entries[entry.sha256]

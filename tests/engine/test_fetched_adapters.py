@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.model.sources import load_tokenizer
 
@@ -138,6 +139,12 @@ def _size(directory: Path) -> int:
     return sum((directory / name).stat().st_size for name in ("adapter_config.json", "adapter_model.safetensors"))
 
 
+def _metric(base: str, name: str) -> float:
+    """One sample of the engine's /metrics, read with prometheus-client's own parser."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
 def _cards(base: str) -> list[dict[str, Any]]:
     return httpx.get(f"{base}/v1/adapters", timeout=10).json()["data"]
 
@@ -188,6 +195,7 @@ def test_twenty_concurrent_first_requests_share_one_download(
     url = files.put("/pub/beta.zip", archive)
     files.fault("/pub/beta.zip", chunk_delay_s=0.05, chunk_bytes=4096)  # slow enough that all 20 wait on it
     headers = _headers("beta@1", url, hashlib.sha256(archive).hexdigest())
+    downloads = _metric(base, "loragate_engine_adapter_downloads_total")
 
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60) as client:
@@ -205,6 +213,7 @@ def test_twenty_concurrent_first_requests_share_one_download(
         assert int(resp.headers["Retry-After"]) >= 1
     poll(lambda: _complete(base, headers).status_code == 200, 30, what="beta served")
     assert files.count("/pub/beta.zip") == 1
+    assert _metric(base, "loragate_engine_adapter_downloads_total") == downloads + 1
     assert texts <= {_peft_text(tiny_model_dir, beta)}
     assert _text(_complete(base, headers)) == _peft_text(tiny_model_dir, beta)
 
