@@ -10,6 +10,8 @@
   GET  /admin/usage                       the usage ledger summed (gateway/usage.py): ?since=&until=
                                           (default: this UTC month), &tenant=, &by=tenant,adapter,day
   GET  /admin/ui                          the ops page (gateway/ops.html): it holds no data of its own
+  /admin/adapters[/{id}]                  the adapter catalog (gateway/adapter_admin.py); tenants that may
+                                          publish reach their own namespace there with their API key
 
 Auth is the `Authorization: Bearer <admin key>` header only: no cookie, no key in a URL. A page on another
 site can neither read these answers nor trigger an action (a cross-site form cannot set that header, and
@@ -37,6 +39,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.adapter_catalog import AdapterCatalog
+from gateway.auth import Authenticator
 from gateway.clock import iso_time
 from gateway.fleet import Fleet
 from gateway.fleet_store import FleetStore
@@ -65,6 +69,23 @@ USAGE_TODAY_S = 10.0  # the ops page's usage of today is read from the ledger at
 
 def not_found(message: str) -> ApiError:
     return ApiError(404, "not_found", message)
+
+
+def key_fingerprint(authorization: str | None) -> str:
+    """The first 12 hex digits of the sha256 of the key in `Bearer <key>`: who, in logs, without the key."""
+    key = (authorization or "").strip().partition(" ")[2].strip()
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def admin_who(request: Request, auth: Authenticator) -> str | None:
+    """An admin caller's name for the action log: the key's fingerprint, after the X-Loragate-Actor it names
+    itself by, if any; None when the request carries no admin key."""
+    authorization = request.headers.get("authorization")
+    if not auth.is_admin(authorization):
+        return None
+    who = f"key:{key_fingerprint(authorization)}"
+    actor = "".join(c for c in request.headers.get("x-loragate-actor", "") if c.isprintable()).strip()
+    return f"{actor[:MAX_ACTOR]} ({who})" if actor else who
 
 
 def _text(value: Any, field: str, limit: int) -> str:
@@ -103,9 +124,16 @@ class AdminRoutes:
     """The /admin/* routes over the parts they act on: the policy, the engines, the fleet's shared store."""
 
     def __init__(
-        self, store: PolicyStore, fleet: Fleet, metrics: GatewayMetrics, fleet_store: FleetStore, ledger: UsageLedger
+        self,
+        store: PolicyStore,
+        fleet: Fleet,
+        metrics: GatewayMetrics,
+        fleet_store: FleetStore,
+        ledger: UsageLedger,
+        adapters: AdapterCatalog,
     ) -> None:
         self.ledger = ledger
+        self.adapters = adapters
         self._today: tuple[float, list[dict[str, Any]]] | None = None  # (when read, rows): the ops page's
         self.store = store
         self.fleet = fleet
@@ -130,13 +158,10 @@ class AdminRoutes:
 
     def _require_admin(self, request: Request) -> str:
         """The caller's name for the log; 401 without an admin key."""
-        authorization = request.headers.get("authorization")
-        if not self.store.active.auth.is_admin(authorization):
+        who = admin_who(request, self.store.active.auth)
+        if who is None:
             raise unauthorized("an admin key is required (Authorization: Bearer <admin key>)")
-        key = (authorization or "").strip().partition(" ")[2].strip()
-        who = f"key:{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-        actor = "".join(c for c in request.headers.get("x-loragate-actor", "") if c.isprintable()).strip()
-        return f"{actor[:MAX_ACTOR]} ({who})" if actor else who
+        return who
 
     # ---- reading ----
 
@@ -212,7 +237,8 @@ class AdminRoutes:
 
     # ---- acting ----
 
-    async def _record(self, who: str, action: str, target: str, changed: bool, detail: str = "") -> None:
+    async def record(self, who: str, action: str, target: str, changed: bool, detail: str = "") -> None:
+        """Log, count and keep one operator action (the shared log too, with Redis)."""
         entry = {"at": iso_time(time.time()), "by": who, "action": action, "target": target, "changed": changed}
         if detail:
             entry["detail"] = detail
@@ -238,16 +264,16 @@ class AdminRoutes:
         Redis) on every replica."""
         who = self._require_admin(request)
         try:
-            active = self.store.reload(await self.fleet.served_adapters(), fresh=True)
+            active = self.store.reload(self.adapters.served(await self.fleet.served_adapters()), fresh=True)
         except PolicyError as exc:
-            await self._record(who, "reload", "policy", False, "refused")
+            await self.record(who, "reload", "policy", False, "refused")
             raise ApiError(400, "invalid_policy", str(exc)) from None
         try:
             await active.rollouts.clear_shared()
         except Exception as exc:  # Redis down: this replica is fresh, the others keep a shared rollback
             logger.warning("could not clear the shared rollbacks: %s", exc)
         await self.fleet.clear_overrides()
-        await self._record(who, "reload", "policy", True, f"sha256 {active.sha256[:12]}")
+        await self.record(who, "reload", "policy", True, f"sha256 {active.sha256[:12]}")
         return JSONResponse(self.store.describe())
 
     async def rollout(self, request: Request) -> Response:
@@ -262,7 +288,7 @@ class AdminRoutes:
             changed = await rollouts.act(name, action, who)
         except ValueError as exc:
             raise ApiError(409, "conflict", str(exc)) from None
-        await self._record(who, f"rollout.{action}", name, changed)
+        await self.record(who, f"rollout.{action}", name, changed)
         return JSONResponse(
             {
                 "action": action,
@@ -293,7 +319,7 @@ class AdminRoutes:
             changed = upstream.breaker.reset()
             await overrides.put(BREAKER, url, "reset by an operator", who)  # the other replicas reset theirs
         self.fleet.apply_overrides()
-        await self._record(who, f"upstream.{action}", url, changed)
+        await self.record(who, f"upstream.{action}", url, changed)
         return JSONResponse(
             {"action": action, "upstream": url, "changed": changed, "state": self.fleet.upstream_state(upstream)}
         )
@@ -312,7 +338,7 @@ class AdminRoutes:
             changed = await overrides.put(TENANT, tenant_id, reason, who)
         else:
             changed = await overrides.remove(TENANT, tenant_id)
-        await self._record(who, f"tenant.{action}", tenant_id, changed)
+        await self.record(who, f"tenant.{action}", tenant_id, changed)
         suspended = overrides.suspended(tenant_id)
         return JSONResponse(
             {
@@ -328,7 +354,7 @@ class AdminRoutes:
         had = self.fleet.overrides.describe()
         changed = bool(had["suspended_tenants"] or had["drained_upstreams"])
         await self.fleet.clear_overrides()
-        await self._record(who, "overrides.clear", "all", changed)
+        await self.record(who, "overrides.clear", "all", changed)
         return JSONResponse({"action": "clear", "changed": changed, "overrides": self.fleet.overrides.describe()})
 
     # ---- the page ----

@@ -5,6 +5,8 @@
   GenerateRoutes (gateway/generate.py)    POST /v1/completions, /v1/chat/completions: a request's path
   ApiRoutes (gateway/routes.py)           GET /v1/models, /healthz, /readyz, /metrics
   AdminRoutes (gateway/admin.py)          /admin/*: the policy, operator actions, the ops page
+  AdapterRoutes (gateway/adapter_admin.py)  /admin/adapters: the fleet's adapter catalog
+  AdapterCatalog (gateway/adapter_catalog.py)  catalog ids -> versions pinned to a source (Redis or memory)
   PolicyStore (gateway/reload.py)         the active policy, hot reload, the rollouts built from it
   FleetStore (gateway/fleet_store.py)     what the replicas share through Redis
   UsageLedger (gateway/usage.py)          one record per finished request, written in the background
@@ -12,7 +14,8 @@
 
 A background loop (the app's lifespan, `Gateway.housekeeping`) polls the policy file for changes, exchanges
 rollbacks, rollout steps and operator overrides (suspended tenants, drained upstreams: gateway/overrides.py)
-with the other replicas through Redis and moves progressive rollouts on, about once a second; with
+with the other replicas through Redis, moves progressive rollouts on and reads the adapter catalog again,
+about once a second; with
 `--upstream-dns`, another re-resolves the engines' DNS name every few seconds (gateway/discovery.py) and
 updates the upstreams.
 """
@@ -32,9 +35,12 @@ import httpx
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
+from gateway.adapter_admin import AdapterRoutes
+from gateway.adapter_catalog import AdapterCatalog
 from gateway.admin import AdminRoutes
 from gateway.admission import AdmissionController, Upstream
 from gateway.budgets import BudgetStore, MemoryBudgets
+from gateway.catalog_store import CatalogStore, LocalCatalogStore
 from gateway.discovery import DnsUpstreams
 from gateway.fleet import Fleet, new_breaker
 from gateway.fleet_store import FleetStore, LocalFleetStore
@@ -69,6 +75,7 @@ class Gateway:
     metrics: GatewayMetrics
     fleet_store: FleetStore
     ledger: UsageLedger
+    adapters: AdapterCatalog
     watcher: PolicyWatcher | None = None
     _sync_failing: bool = False
 
@@ -98,7 +105,7 @@ class Gateway:
         # A new digest that is already active: POST /admin/reload loaded these bytes first.
         if self.watcher is not None and self.watcher.check() and self.watcher.digest != self.store.active.sha256:
             with contextlib.suppress(PolicyError):  # logged, counted and shown by the store
-                self.store.reload(await self.fleet.served_adapters(), fresh=False)
+                self.store.reload(self.adapters.served(await self.fleet.served_adapters()), fresh=False)
         try:
             await self.store.active.rollouts.sync()
             await self.fleet.sync_overrides()
@@ -109,6 +116,7 @@ class Gateway:
         else:
             self._sync_failing = False
         self.fleet.apply_overrides()
+        await self.adapters.refresh()  # keeps the last snapshot while the store is unreachable
         await self.ledger.flush()
 
 
@@ -129,13 +137,16 @@ def build_app(
     background_interval_s: float = BACKGROUND_INTERVAL_S,
     discovery: DnsUpstreams | None = None,
     clear_overrides: bool = False,
+    catalog_store: CatalogStore | None = None,
 ) -> Starlette:
     """The gateway app in front of `upstream_urls` (and of the engines `discovery` finds in DNS).
 
     `policy_path` enables hot reload (POST /admin/reload, and the file watched while the app's lifespan
     runs); `fleet_store` (gateway/fleet_store.py's RedisFleetStore) shares rollbacks, rollout steps and
     operator overrides with other replicas; `ledger` and `budgets` (gateway/usage.py, gateway/budgets.py)
-    default to this process's memory; `clear_overrides` lifts the overrides at start (--clear-overrides).
+    default to this process's memory; `clear_overrides` lifts the overrides at start (--clear-overrides);
+    `catalog_store` (gateway/catalog_store.py's RedisCatalogStore) shares the adapter catalog, else it is
+    this process's.
     """
     metrics = metrics if metrics is not None else GatewayMetrics()
     shared = fleet_store if fleet_store is not None else LocalFleetStore()
@@ -163,7 +174,8 @@ def build_app(
     ledger = ledger if ledger is not None else MemoryUsageLedger()
     gate = TenantGate(limiter, overrides, metrics, budgets)
     watcher = PolicyWatcher(policy_path) if policy_path is not None else None
-    gateway = Gateway(store, fleet, gate, metrics, shared, ledger, watcher)
+    adapters = AdapterCatalog(catalog_store if catalog_store is not None else LocalCatalogStore())
+    gateway = Gateway(store, fleet, gate, metrics, shared, ledger, adapters, watcher)
     gateway.apply_settings(policy)
     metrics.adapter_label.bases = lambda: fleet.catalog.cached().bases
     metrics.bind(
@@ -175,8 +187,9 @@ def build_app(
         spills=lambda: admission.spills,
         rollout_weights=lambda: store.active.rollouts.weights(),
         overrides=overrides.describe,
-        redis_breakers=lambda: breakers_of(limiter, shared),
+        redis_breakers=lambda: breakers_of(limiter, shared, adapters.store),
         ledger=lambda: {"pending": len(ledger.pending), "dropped": ledger.dropped},
+        catalog=adapters.counts,
     )
 
     @contextlib.asynccontextmanager
@@ -212,11 +225,15 @@ def build_app(
                 await http.aclose()
             await limiter.aclose()
             await shared.aclose()
+            await adapters.aclose()
 
+    proxy = Proxy(http, admission, metrics)
+    admin = AdminRoutes(store, fleet, metrics, shared, ledger, adapters)
     routes = [
-        *GenerateRoutes(store, gate, fleet, Proxy(http, admission, metrics), metrics, ledger, max_body_bytes).routes(),
-        *ApiRoutes(store, gate, fleet, limiter, metrics).routes(),
-        *AdminRoutes(store, fleet, metrics, shared, ledger).routes(),
+        *GenerateRoutes(store, gate, fleet, proxy, metrics, ledger, max_body_bytes, adapters).routes(),
+        *ApiRoutes(store, gate, fleet, limiter, metrics, adapters).routes(),
+        *admin.routes(),
+        *AdapterRoutes(adapters, store, fleet, admin.record).routes(),
     ]
     app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan, middleware=[Middleware(HeaderLimit)])
     app.state.gateway = gateway

@@ -2,6 +2,7 @@
 
   auth (TenantGate: Bearer key -> tenant, else 401; suspended -> 403) -> body (413 / 400) -> adapter
   (X-Adapter-ID or `model`; a rollout name -> one of its variants, gateway/rollout.py; not allowed -> 403;
+  a catalog id `ID[@N]` -> its version `ID@N`, sent with the version's source, gateway/adapter_catalog.py;
   unknown -> 404) -> priority (X-Priority capped to the tenant's max_priority) -> rate limit (429
   rate_limited | tokens_exhausted) -> admission (an upstream by adapter affinity, gateway/fleet.py; 503
   queue_full | queue_timeout | circuit_open | no_upstream | draining) -> proxy (gateway/proxy.py) -> settle:
@@ -26,6 +27,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from gateway.adapter_catalog import AdapterCatalog, Pinned
+from gateway.adapter_ids import base_id
 from gateway.admission import Shed
 from gateway.fleet import Fleet
 from gateway.policy import Tenant
@@ -54,6 +57,8 @@ REASONS = frozenset(
         "draining",
         "ratelimit_unavailable",
         "upstream_unavailable",
+        "adapter_loading",
+        "adapter_fetch_failed",
     }
 )
 
@@ -70,8 +75,10 @@ class GenerateRoutes:
         metrics: GatewayMetrics,
         ledger: UsageLedger,
         max_body_bytes: int,
+        adapters: AdapterCatalog,
     ) -> None:
         self.ledger = ledger
+        self.adapters = adapters
         self.store = store
         self.gate = gate
         self.fleet = fleet
@@ -87,28 +94,35 @@ class GenerateRoutes:
 
     async def resolve_adapter(
         self, request: Request, body: GenerationBody, tenant: Tenant, active: ActivePolicy
-    ) -> tuple[str | None, Routed | None]:
-        """The adapter to serve (None: the base model), and the rollout routing that chose it, if any.
+    ) -> tuple[str | None, Routed | None, Pinned | None]:
+        """The adapter to serve (None: the base model), the rollout routing that chose it, if any, and its
+        catalog version, if it is a catalog adapter (then the adapter is that version's `ID@N`).
 
-        403 not allowed, 404 unknown; a rollout's override header may answer 400 or 403 (rollout.py)."""
+        403 not allowed (checked on the id without its version), 404 unknown (a catalog adapter no engine
+        lists is not unknown: the engine fetches it); a rollout's override header may answer 400 or 403."""
         named = request.headers.getlist("x-adapter-id")
         if len(named) > 1:
             raise bad_request("X-Adapter-ID: given more than once; name one adapter")
         name = (named[0] if named else "").strip() or (body.model or "").strip()
         models = await self.fleet.catalog.models()
         if not name or name in models.bases:
-            return None, None
-        if not tenant.allows(name):
+            return None, None, None
+        rollout = active.policy.rollout(name)
+        if not tenant.allows(name if rollout is not None else base_id(name)):
             raise ApiError(403, "permission_denied", f"adapter {shown(name)} is not allowed for tenant {tenant.id!r}")
-        routed = None
-        if active.policy.rollout(name) is not None:
-            routed = active.rollouts.route(name, tenant, request.headers.get)
+        routed = active.rollouts.route(name, tenant, request.headers.get) if rollout is not None else None
         adapter = routed.adapter if routed is not None else name
-        if models.all and adapter not in models.adapters:  # nothing learned yet: the upstream decides
+        try:
+            pinned = self.adapters.resolve(adapter)
+            if pinned is not None:
+                return pinned.ref, routed, pinned
+            if models.all and adapter not in models.adapters:  # nothing learned yet: the upstream decides
+                raise adapter_not_found(adapter)
+        except ApiError:
             if routed is not None:  # a variant nobody serves is the rollout's failure, not the client's
                 self.observe_variant(active, routed.rollout, adapter, error=True, ttft_s=None)
-            raise adapter_not_found(adapter)
-        return adapter, routed
+            raise
+        return adapter, routed, None
 
     def observe_variant(
         self, active: ActivePolicy, rollout: str, adapter: str, error: bool, ttft_s: float | None
@@ -145,6 +159,8 @@ class GenerateRoutes:
         response.headers.update(headers)
         if response.status_code < 400 or exchange.tried:  # an engine's error names the adapter that failed
             response.headers["X-Loragate-Adapter"] = call.served
+        if call.deprecated:
+            response.headers["Deprecation"] = "true"
         return response
 
     async def settle(self, exchange: Exchange, used: tuple[int, int] | None) -> None:
@@ -221,7 +237,7 @@ class Generate:
             r.gate.refuse_suspended(tenant)
             data = await read_json(request, r.max_body_bytes)
             body = GenerationBody.parse(data, self.chat)
-            adapter, routed = await r.resolve_adapter(request, body, tenant, active)
+            adapter, routed, pinned = await r.resolve_adapter(request, body, tenant, active)
             priority = resolve_priority(request.headers.get("x-priority"), active.policy, tenant)
         except ApiError as exc:
             exc.headers = {**r.gate.known_headers(tenant_id), **exc.headers}
@@ -245,6 +261,9 @@ class Generate:
             include_usage=body.include_usage,
             started_at=started,
             rollout=routed.rollout if routed is not None else None,
+            variant=routed.adapter if routed is not None else None,
+            adapter_headers=pinned.headers() if pinned is not None else {},
+            deprecated=pinned is not None and pinned.deprecated,
             affinity=adapter if active.policy.admission.affinity else None,
             request_id=uuid.uuid4().hex,
             estimated_prompt_tokens=body.prompt_tokens,
@@ -294,4 +313,5 @@ class Generate:
         exchange.judged = True
         # An engine's 503 (overloaded, draining) says "not now", nothing about the variant.
         error = exchange.status >= 500 and exchange.status != 503 or exchange.outcome == "upstream_error"
-        self.r.observe_variant(active, call.rollout, call.served, error, exchange.ttft_s)
+        variant = call.variant if call.variant is not None else call.served
+        self.r.observe_variant(active, call.rollout, variant, error, exchange.ttft_s)

@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.adapter_ids import id_problem
 from loragate.priority import Priority
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "Defaults",
     "Limits",
     "Policy",
+    "PublishQuota",
     "PolicyError",
     "RateLimitPolicy",
     "Rollback",
@@ -104,6 +106,13 @@ class Defaults(_Model):
     limits: Limits = Limits(requests_per_second=10, burst=20, tokens_per_minute=60000)
 
 
+class PublishQuota(_Model):
+    """What a publishing tenant may keep in the adapter catalog: versions of its ids, and their declared bytes."""
+
+    max_adapters: PosInt = 100
+    max_bytes: PosInt = 10 << 30
+
+
 class Tenant(_Model):
     id: NonEmptyStr
     api_keys: tuple[KeyRef, ...]
@@ -111,9 +120,15 @@ class Tenant(_Model):
     max_priority: PriorityName = "critical"
     limits: Limits | None = None  # None: the policy's defaults
     budgets: Budgets = Budgets()  # none by default
+    # May register, deprecate and delete catalog adapters `<id>/<name>` with its own API key (and always use them).
+    publish: StrictBool = False
+    publish_quota: PublishQuota = PublishQuota()
 
     def allows(self, adapter_id: str) -> bool:
-        """Whether this tenant may use an adapter id or rollout name (case-sensitive globs)."""
+        """Whether this tenant may use an adapter id or rollout name (case-sensitive globs; a publishing
+        tenant's own namespace `<id>/...` too)."""
+        if self.publish and adapter_id.startswith(f"{self.id}/"):
+            return True
         return any(fnmatch.fnmatchcase(adapter_id, glob) for glob in self.adapters)
 
     @property
@@ -129,10 +144,12 @@ _GLOB_CHARS = frozenset("*?[]")
 
 
 def _adapter_id(value: str) -> str:
+    """One adapter: an id, `namespace/name` (a catalog id), either with `@N` (a catalog version)."""
     if _GLOB_CHARS & set(value):
         raise ValueError("must name one adapter id, not a pattern (no * ? [ ])")
-    if value != value.strip() or "/" in value or value in (".", ".."):
-        raise ValueError("must be an adapter id (no surrounding spaces, no '/')")
+    segments = value.split("/")
+    if len(segments) > 2 or any(s != s.strip() or s in ("", ".", "..") for s in segments):
+        raise ValueError("must be an adapter id (no surrounding spaces; at most one '/', as in tenant/name)")
     return value
 
 
@@ -245,6 +262,11 @@ class Policy(_Model):
             _check_progressive(rollout, f"rollouts[{i}]")
         owner: dict[str, str] = {}
         for i, tenant in enumerate(self.tenants):
+            if tenant.publish and ("/" in tenant.id or id_problem(tenant.id) is not None):
+                raise ValueError(
+                    f"tenants[{i}].publish: the tenant id {tenant.id!r} names its adapters' namespace "
+                    "(`<id>/<name>`), so it must be letters, digits, '.', '_' and '-', not starting with '.'"
+                )
             for j, ref in enumerate(tenant.api_keys):
                 if ref.startswith("sha256:") and owner.setdefault(ref, tenant.id) != tenant.id:
                     where = f"tenants[{i}].api_keys[{j}]"

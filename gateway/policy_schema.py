@@ -26,8 +26,10 @@ _KEY_REF = r"^(sha256:[0-9a-f]{64}|env:[A-Za-z_][A-Za-z0-9_]*)$"
 _TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"  # an RFC 9110 token: what an HTTP header name may be
 _STICKY_KEY = rf"^(tenant|header:{_TOKEN})$"
 _HEADER_NAME = rf"^{_TOKEN}$"
-# One adapter id: no glob characters, no '/', not '.' or '..', no leading or trailing whitespace.
-_ADAPTER_ID = r"^(?!\.\.?$)[^\s*?\[\]/](?:[^*?\[\]/]*[^\s*?\[\]/])?$"
+# One adapter id: one segment or two joined by '/' (a catalog id, `tenant/name`), each without glob characters,
+# not '.' or '..', without leading or trailing whitespace; `@N` (a catalog version) is part of the last.
+_SEGMENT = r"(?!\.\.?(?:/|$))[^\s*?\[\]/](?:[^*?\[\]/]*[^\s*?\[\]/])?"
+_ADAPTER_ID = rf"^{_SEGMENT}(?:/{_SEGMENT})?$"
 
 
 def policy_json_schema() -> dict[str, Any]:

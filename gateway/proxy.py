@@ -10,6 +10,12 @@
   4xx (the client's doing) do not. A 5xx or transport failure before the first byte reached the client
   is retried ONCE on another upstream; after it, the client gets `data: {"error": ...}` then
   `data: [DONE]`, so no token is ever sent twice.
+- A catalog adapter being fetched (503 `adapter_loading`) or whose fetch failed (502 `adapter_fetch_failed`),
+  as the engine's X-Loragate-Reason says, is the client's answer as the engine gave it (status, body,
+  Retry-After, reason): not retried elsewhere (the engine that owns the adapter is fetching it) and not
+  held against the engine's breaker (it says nothing about the engine's health).
+- Upstream headers are the proxy's own: a client's headers never reach an engine, so only the gateway can
+  name an adapter's source (X-Adapter-Source, X-Adapter-SHA256, X-Adapter-Size, from the catalog).
 
 The `Exchange` records what happened (status, outcome, tokens, the slot held); the app settles it
 (release the slot, reconcile the reservation) once the response has been sent, whatever happened.
@@ -20,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +62,9 @@ class Call:
     include_usage: bool  # the client wants the final usage chunk
     started_at: float  # time.monotonic() when the gateway received it
     rollout: str | None = None  # the rollout name the client asked for, when `adapter` is one of its variants
+    variant: str | None = None  # that variant as the rollout names it (`adapter` is its catalog version, if any)
+    adapter_headers: Mapping[str, str] = field(default_factory=dict)  # a catalog adapter's source headers
+    deprecated: bool = False  # a deprecated catalog version: the answer says so (Deprecation: true)
     affinity: str | None = None  # the key admission places it by (the adapter, unless affinity is off)
     request_id: str = ""  # the usage ledger's key for it (gateway/usage.py)
     estimated_prompt_tokens: int = 0  # the gateway's estimate, for a stream cut before the engine's usage
@@ -116,6 +125,8 @@ def _int_or_none(value: Any) -> int | None:
 # Answers that say the engine itself is unwell (not this one request): they count against its breaker.
 BREAKER_STATUSES = frozenset({502, 503, 504})
 UPSTREAM_UNAVAILABLE = "upstream_unavailable"  # the X-Loragate-Reason of an engine's 503 passed through
+# An engine's answers about one catalog adapter's download: passed through as they are, never retried elsewhere.
+ADAPTER_REASONS = frozenset({"adapter_loading", "adapter_fetch_failed"})
 
 
 class UpstreamFailed(Exception):
@@ -150,6 +161,13 @@ def _passthrough(resp: httpx.Response) -> Response:
         headers=headers,
         media_type=resp.headers.get("content-type", "application/json"),
     )
+
+
+def _adapter_answer(resp: httpx.Response, reason: str) -> Response:
+    """An engine's adapter_loading / adapter_fetch_failed, as it gave it."""
+    headers = {"Retry-After": resp.headers.get("retry-after", "1"), "X-Loragate-Reason": reason}
+    media_type = resp.headers.get("content-type", "application/json")
+    return Response(resp.content, status_code=resp.status_code, headers=headers, media_type=media_type)
 
 
 class SseReader:
@@ -221,6 +239,7 @@ class Proxy:
         headers = {"Content-Type": "application/json", "X-Priority": call.priority.name.lower()}
         if call.adapter is not None:
             headers["X-Adapter-ID"] = call.adapter
+            headers.update(call.adapter_headers)
         inject_headers(headers)
         request = self.client.build_request("POST", f"{url}{call.path}", json=body, headers=headers)
         try:
@@ -250,10 +269,15 @@ class Proxy:
             raise _failure(502, "upstream_error", f"upstream {url} broke off: {exc!r}") from None
         finally:
             await exchange.close_upstream()
+        assert exchange.slot is not None
+        reason = resp.headers.get("x-loragate-reason", "")
+        if resp.status_code >= 500 and reason in ADAPTER_REASONS:
+            exchange.slot.upstream.breaker.record_answered()
+            exchange.status, exchange.outcome = resp.status_code, reason
+            return _adapter_answer(resp, reason)
         if resp.status_code >= 500:
             outcome = UPSTREAM_UNAVAILABLE if resp.status_code == 503 else f"upstream_{resp.status_code}"
             raise UpstreamFailed(_passthrough(resp), outcome, trips_breaker=resp.status_code in BREAKER_STATUSES)
-        assert exchange.slot is not None
         exchange.slot.upstream.breaker.record_success()
         exchange.status = resp.status_code
         if resp.status_code >= 400:

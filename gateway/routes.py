@@ -12,6 +12,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.adapter_catalog import AdapterCatalog
+from gateway.adapter_ids import base_id
 from gateway.fleet import Fleet
 from gateway.ratelimit import RateLimiter
 from gateway.reload import PolicyStore
@@ -22,11 +24,19 @@ from loragate.http_io import list_body
 
 
 class ApiRoutes:
-    """GET /v1/models (the models this key may use), /healthz, /readyz and /metrics."""
+    """GET /v1/models (the models this key may use: the engines' and the catalog's), /healthz, /readyz and
+    /metrics."""
 
     def __init__(
-        self, store: PolicyStore, gate: TenantGate, fleet: Fleet, limiter: RateLimiter, metrics: GatewayMetrics
+        self,
+        store: PolicyStore,
+        gate: TenantGate,
+        fleet: Fleet,
+        limiter: RateLimiter,
+        metrics: GatewayMetrics,
+        adapters: AdapterCatalog,
     ) -> None:
+        self.adapters = adapters
         self.store = store
         self.gate = gate
         self.fleet = fleet
@@ -48,7 +58,10 @@ class ApiRoutes:
         models = await self.fleet.catalog.models()
         base = sorted(models.bases)[0] if models.bases else None
         ids: list[tuple[str, str | None]] = [(b, None) for b in sorted(models.bases)]
-        ids += [(a, base) for a in sorted(models.adapters) if tenant.allows(a)]
+        # Catalog ids once each (not the `ID@N` an engine lists once it fetched one); then the engines' own.
+        catalog = {e.id for e in self.adapters.listed() if tenant.allows(e.id)}
+        engines = {a for a in models.adapters if base_id(a) not in catalog and tenant.allows(base_id(a))}
+        ids += [(a, base) for a in sorted(catalog | engines)]
         ids += [(r.name, base) for r in active.policy.rollouts if tenant.allows(r.name)]
         cards = [
             {"id": i, "object": "model", "created": self.created, "owned_by": "loragate", "root": i, "parent": parent}

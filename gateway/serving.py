@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gateway.app import build_app
 from gateway.budgets import RedisBudgets
+from gateway.catalog_store import RedisCatalogStore
 from gateway.discovery import DnsUpstreams
 from gateway.fleet_store import RedisFleetStore
 from gateway.policy import Policy, load_policy
@@ -53,12 +54,13 @@ def serve(
     setup_tracing("loragate-gateway")
     limiter = make_limiter(redis_url, policy)
     # With Redis, everything the replicas must agree on is shared like the limits: rollouts and overrides,
-    # the usage ledger, budgets. Without it, each lives in this process (build_app's defaults).
-    shared = ledger = budgets = None
+    # the usage ledger, budgets, the adapter catalog. Without it, each lives in this process (build_app's defaults).
+    shared = ledger = budgets = catalog = None
     if redis_url is not None:
         shared = RedisFleetStore(redis_url)
         ledger = RedisUsageLedger(redis_url, retention=usage_retention)
         budgets = RedisBudgets(redis_url)
+        catalog = RedisCatalogStore(redis_url)
     app = build_app(
         policy,
         upstreams,
@@ -70,6 +72,7 @@ def serve(
         budgets=budgets,
         discovery=discovery,
         clear_overrides=clear_overrides,
+        catalog_store=catalog,
     )
     gateway = app.state.gateway
     engines = list(upstreams) + ([f"dns:{discovery.name}:{discovery.port}"] if discovery is not None else [])

@@ -31,6 +31,7 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75
 RATELIMIT_DECISIONS = ("allowed", "rate_limited", "tokens_exhausted", "budget_exhausted", "unavailable")
 MAX_ADAPTER_LABELS = 50  # adapters with a label of their own beyond the policy's named ones; the rest: "other"
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+CATALOG_STATES = ("active", "deprecated")
 
 _GLOB_CHARS = frozenset("*?[]")
 
@@ -85,7 +86,9 @@ class _Bound:
         overrides: Callable[[], dict[str, Any]],
         redis_breakers: Callable[[], Sequence[RedisBreakerView]],
         ledger: Callable[[], dict[str, int]],
+        catalog: Callable[[], dict[str, int]],
     ) -> None:
+        self.catalog = catalog
         self.ledger = ledger
         self.queue_depths = queue_depths
         self.redis_breakers = redis_breakers
@@ -195,6 +198,15 @@ class _StateCollector:
             "Usage records lost because the buffer was full while the store was unreachable.",
             value=ledger.get("dropped", 0),
         )
+        catalog = GaugeMetricFamily(
+            "loragate_gateway_catalog_adapters",
+            "Adapter versions (ID@N) in the fleet's catalog as this replica sees it, by state (active or deprecated).",
+            labels=["state"],
+        )
+        counts = bound.catalog()
+        for state in CATALOG_STATES:
+            catalog.add_metric([state], counts.get(state, 0))
+        yield catalog
 
 
 class GatewayMetrics:
@@ -357,6 +369,7 @@ class GatewayMetrics:
         overrides: Callable[[], dict[str, Any]] = dict,
         redis_breakers: Callable[[], Sequence[RedisBreakerView]] = list,
         ledger: Callable[[], dict[str, int]] = dict,
+        catalog: Callable[[], dict[str, int]] = dict,
     ) -> None:
         """Read these at each scrape; binding again replaces the callbacks."""
         self._state.bound = _Bound(
@@ -370,6 +383,7 @@ class GatewayMetrics:
             overrides,
             redis_breakers,
             ledger,
+            catalog,
         )
 
     def render(self) -> tuple[bytes, str]:

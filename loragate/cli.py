@@ -1,6 +1,6 @@
 """The `loragate` command line: `engine` serves one model, `gateway` fronts engines, `up` starts a local stack,
 `policy` checks policy files offline, `admin` steers a running gateway (loragate/admin_cli.py), `usage` sums
-its usage ledger (loragate/usage_cli.py).
+its usage ledger (loragate/usage_cli.py), `adapters` manages its adapter catalog (loragate/adapters_cli.py).
 
 `up` first makes sure the demo adapters exist (trained once into the cache, see engine/lora/demo.py), then
 launches each component as a child process (an engine on an internal port, then the gateway in front
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from loragate import admin_cli, usage_cli
+from loragate import adapters_cli, admin_cli, usage_cli
 from loragate.http_server import ConnectionLimits
 from loragate.launch import launch as launch_healthy
 from loragate.launch import stop as stop_process
@@ -318,13 +318,16 @@ def _add_policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loragate", description="Multi-LoRA LLM serving.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{engine,up,gateway,policy,admin,usage}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{engine,up,gateway,policy,admin,usage,adapters}"
+    )
     _add_engine_parser(sub)
     _add_up_parser(sub)
     _add_gateway_parser(sub)
     _add_policy_parser(sub)
     admin_cli.add_parser(sub)
     usage_cli.add_parser(sub)
+    adapters_cli.add_parser(sub)
     return parser
 
 
@@ -674,4 +677,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return admin_cli.run(args)
     if args.command == "usage":
         return usage_cli.run(args)
+    if args.command == "adapters":
+        return adapters_cli.run(args)
     return run_up(args)

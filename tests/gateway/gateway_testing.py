@@ -1,4 +1,5 @@
-"""Helpers shared by the gateway's HTTP tests: an in-process (ASGI) client and the error assertion.
+"""Helpers shared by the gateway's HTTP tests: an in-process (ASGI) client, the error assertion, and a fake
+engine that knows the adapter catalog (`CatalogEngine`).
 
 Servers and processes are started with tests/processes.py, policies written with tests/policies.py,
 conditions awaited with tests/polling.py. Nothing here imports torch.
@@ -8,16 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from gateway.policy import parse_policy
 from gateway.rollout import pick_variant
 
 import policies
+from mock_upstream import MockUpstream, Received
 from policies import tenant_yaml
 
 
@@ -91,3 +98,47 @@ def canary_users(text: str, n: int, start: int = 0) -> list[str]:
             users.append(f"user-{i}")
         i += 1
     return users
+
+
+# ---- fake engines that know the adapter catalog (the tests of gateway/adapter_catalog.py) ----
+
+
+@dataclass
+class AdapterReply:
+    """What a CatalogEngine answers every generation request with: an adapter's download state."""
+
+    status: int  # 503 adapter_loading, 502 adapter_fetch_failed, ...
+    reason: str | None  # its X-Loragate-Reason (None: none)
+    retry_after: str = "7"
+
+
+class CatalogEngine(MockUpstream):
+    """A MockUpstream that also answers GET /v1/adapters with `cards` (None: 404, as an engine without the
+    route), and, while `reply` is set, answers generation requests with it (after recording them)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cards: list[dict[str, Any]] | None = []
+        self.reply: AdapterReply | None = None
+
+    def _app(self) -> Starlette:
+        app = super()._app()
+        app.router.routes.insert(0, Route("/v1/adapters", self._adapters, methods=["GET"]))
+        return app
+
+    async def _adapters(self, request: Request) -> Response:
+        if self.cards is None:
+            return JSONResponse({"error": {"type": "not_found", "message": "no such route"}}, status_code=404)
+        return JSONResponse({"object": "list", "data": self.cards})
+
+    async def _generate(self, request: Request) -> Response:
+        reply = self.reply
+        if reply is None:
+            return await super()._generate(request)
+        with self._lock:
+            self.received.append(Received(request.url.path, dict(request.headers), json.loads(await request.body())))
+        headers = {"Retry-After": reply.retry_after}
+        if reply.reason is not None:
+            headers["X-Loragate-Reason"] = reply.reason
+        error = {"error": {"type": reply.reason or "mock_error", "message": f"engine says {reply.reason}"}}
+        return JSONResponse(error, status_code=reply.status, headers=headers)

@@ -52,6 +52,8 @@ REASONS = frozenset(
         "draining",
         "ratelimit_unavailable",
         "upstream_unavailable",
+        "adapter_loading",
+        "adapter_fetch_failed",
     }
 )
 

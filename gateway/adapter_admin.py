@@ -1,0 +1,296 @@
+"""The adapter catalog's routes (gateway/adapter_catalog.py), for operators and for tenants that publish.
+
+  GET    /admin/adapters[?tenant=T]        every id (or tenant T's), its versions, each one's state on each engine
+  POST   /admin/adapters                   register {id, source, sha256, size?, revision?, tenant?}: 201 with a new
+                                           version; 200 `changed: false` when source and sha256 are the newest's
+  GET    /admin/adapters/{id}              one id, or one version (`ID@N`), with its state on each engine
+  POST   /admin/adapters/{id}/deprecate    an id or `ID@N`; the body {"deprecated": false} takes it back
+  DELETE /admin/adapters/{id}              an id (all its versions) or `ID@N`
+
+Ids hold a '/' (`tenant/name`): the route's `{id}` is the rest of the path (percent-encoded or not).
+
+Who: an admin key, as every /admin/ route; or the API key of a tenant whose policy says `publish: true`,
+for the ids of its own namespace only (`<tenant>/<name>`; 403 for any other), within its `publish_quota`
+(`max_adapters`: versions of its ids, deleted ones not counted; `max_bytes`: the sum of their declared sizes,
+which a tenant must therefore declare: the engine checks the size when it fetches). The catalog records who
+published each version (the tenant id, or `admin:<key fingerprint>`); every change is in the admin log.
+
+A version's state on an engine comes from the engine's GET /v1/adapters (read from every engine at once, each
+given ENGINE_TIMEOUT_S): the card of `ID@N` (state, error, last_used, loads, evictions, sha256), "not loaded"
+when the engine does not list it, "unknown" when the engine did not answer. Tenants see the engines as
+`engine-0`, `engine-1`, ... rather than by URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.adapter_catalog import AdapterCatalog, Quota, Registration
+from gateway.adapter_ids import check_id, check_ref
+from gateway.admin import ADMIN_BODY_BYTES, admin_who, key_fingerprint
+from gateway.catalog_entry import CatalogEntry, check_sha256
+from gateway.catalog_store import CatalogBusy
+from gateway.fleet import Fleet
+from gateway.policy import Tenant
+from gateway.redis_client import UNREACHABLE
+from gateway.reload import PolicyStore
+from loragate.adapter_sources import SourceError, parse_source
+from loragate.errors import ApiError, bad_request, shown, unauthorized, unavailable
+from loragate.http_io import read_json
+
+ENGINE_TIMEOUT_S = 1.0
+REGISTER_FIELDS = ("id", "source", "sha256", "size", "revision", "tenant")
+MAX_SOURCE_CHARS = 2048
+MAX_REVISION_CHARS = 200
+ARCHIVE_KINDS = ("https", "http")  # sources whose digest is the archive's, which only the publisher knows
+
+Record = Callable[[str, str, str, bool], Awaitable[None]]  # who, action, target, changed: the admin log
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    who: str  # for the admin log
+    published_by: str  # what the catalog records
+    tenant: Tenant | None  # a publishing tenant, acting on its own namespace; None: an admin
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCards:
+    """One engine's GET /v1/adapters: its cards by id, or why there are none."""
+
+    url: str
+    cards: dict[str, dict[str, Any]] | None
+    error: str | None
+
+    def state(self, ref: str) -> dict[str, Any]:
+        if self.cards is None:
+            return {"state": "unknown", "error": self.error}
+        card = self.cards.get(ref)
+        if card is None:
+            return {"state": "not loaded"}
+        fields = ("error", "last_used", "loads", "evictions", "sha256")
+        return {"state": card.get("state") or card.get("residence") or "unknown", **{f: card.get(f) for f in fields}}
+
+
+class AdapterRoutes:
+    """The /admin/adapters routes over the catalog, the active policy and the engines."""
+
+    def __init__(self, catalog: AdapterCatalog, store: PolicyStore, fleet: Fleet, record: Record) -> None:
+        self.catalog = catalog
+        self.store = store
+        self.fleet = fleet
+        self.record = record
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/admin/adapters", self.list_adapters, methods=["GET"]),
+            Route("/admin/adapters", self.register, methods=["POST"]),
+            Route("/admin/adapters/{ref:path}/deprecate", self.deprecate, methods=["POST"]),
+            Route("/admin/adapters/{ref:path}", self.show, methods=["GET"]),
+            Route("/admin/adapters/{ref:path}", self.delete, methods=["DELETE"]),
+        ]
+
+    # ---- who ----
+
+    def _caller(self, request: Request) -> Caller:
+        """An admin, or a tenant that may publish; 401 for any other key, 403 for a tenant that may not."""
+        active = self.store.active
+        authorization = request.headers.get("authorization")
+        who = admin_who(request, active.auth)
+        if who is not None:
+            return Caller(who, f"admin:{key_fingerprint(authorization)}", None)
+        tenant = active.auth.tenant_for(authorization)
+        if tenant is None:
+            raise unauthorized("an admin key, or the API key of a tenant that may publish, is required")
+        if not tenant.publish:
+            raise ApiError(403, "permission_denied", f"tenant {tenant.id!r} may not publish adapters")
+        if self.fleet.overrides.suspended(tenant.id) is not None:
+            raise ApiError(403, "tenant_suspended", f"tenant {tenant.id!r} is suspended")
+        return Caller(f"tenant:{tenant.id}", tenant.id, tenant)
+
+    @staticmethod
+    def _own(caller: Caller, adapter_id: str) -> None:
+        if caller.tenant is not None and not adapter_id.startswith(f"{caller.tenant.id}/"):
+            raise ApiError(
+                403,
+                "permission_denied",
+                f"tenant {caller.tenant.id!r} may only publish adapters named {caller.tenant.id}/<name>, "
+                f"not {shown(adapter_id)}",
+            )
+
+    # ---- reading ----
+
+    async def list_adapters(self, request: Request) -> Response:
+        caller = self._caller(request)
+        tenant = request.query_params.get("tenant")
+        if caller.tenant is not None:
+            if tenant not in (None, caller.tenant.id):
+                raise ApiError(403, "permission_denied", f"tenant {caller.tenant.id!r} may list only its own")
+            entries = self.catalog.listed(namespace=caller.tenant.id)
+        else:
+            entries = self.catalog.listed(tenant=tenant)
+        engines = await self._engines(caller)
+        body = {
+            "object": "list",
+            "data": [self._describe(e, engines) for e in entries],
+            "engines": [{"url": e.url, "reachable": e.cards is not None, "error": e.error} for e in engines],
+        }
+        return JSONResponse(body)
+
+    async def show(self, request: Request) -> Response:
+        caller = self._caller(request)
+        adapter_id, number = check_ref(request.path_params["ref"])
+        self._own(caller, adapter_id)
+        entry = self.catalog.get(adapter_id)
+        if entry is None:
+            raise ApiError(404, "not_found", f"no adapter {adapter_id!r} in the catalog")
+        if number is not None and entry.version(number) is None:
+            raise ApiError(404, "not_found", f"adapter {adapter_id!r} has no version {number}")
+        body = self._describe(entry, await self._engines(caller))
+        if number is not None:  # the entry as it is (its current version too), that version only
+            body["versions"] = [v for v in body["versions"] if v["version"] == number]
+        return JSONResponse(body)
+
+    def _describe(self, entry: CatalogEntry, engines: list[EngineCards]) -> dict[str, Any]:
+        return entry.describe(lambda ref: {e.url: e.state(ref) for e in engines})
+
+    async def _engines(self, caller: Caller) -> list[EngineCards]:
+        """Every engine's cards, read at once; a tenant sees the engines by position, not by URL."""
+        client = self.fleet.catalog.client
+
+        async def one(url: str) -> EngineCards:
+            try:
+                resp = await client.get(f"{url}/v1/adapters", timeout=ENGINE_TIMEOUT_S)
+                resp.raise_for_status()
+                cards = {str(c["id"]): c for c in resp.json()["data"] if isinstance(c, dict) and "id" in c}
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                return EngineCards(url, None, f"GET /v1/adapters failed: {type(exc).__name__}")
+            return EngineCards(url, cards, None)
+
+        urls = [u.url for u in self.fleet.admission.upstreams]
+        found = await asyncio.gather(*(one(url) for url in urls))
+        if caller.tenant is not None:
+            found = [EngineCards(f"engine-{i}", e.cards, e.error) for i, e in enumerate(found)]
+        return list(found)
+
+    # ---- acting ----
+
+    async def register(self, request: Request) -> Response:
+        caller = self._caller(request)
+        reg = self._registration(await read_json(request, ADMIN_BODY_BYTES), caller)
+        quota = None
+        if caller.tenant is not None:
+            limits = caller.tenant.publish_quota
+            quota = Quota(caller.tenant.id, limits.max_adapters, limits.max_bytes)
+        async with _store_errors():
+            entry, version, changed = await self.catalog.register(reg, quota)
+        ref = f"{entry.id}@{version.version}"
+        await self.record(caller.who, "adapter.register", ref, changed)
+        body = {"action": "register", "changed": changed, "ref": ref, "adapter": entry.describe()}
+        return JSONResponse(body, status_code=201 if changed else 200)
+
+    def _registration(self, data: dict[str, Any], caller: Caller) -> Registration:
+        """The body of POST /admin/adapters, checked; 400 naming the field at fault."""
+        unknown = sorted(set(data) - set(REGISTER_FIELDS))
+        if unknown:
+            raise bad_request(f"{unknown[0]}: unknown field (expected: {', '.join(REGISTER_FIELDS)})")
+        adapter_id = check_id(data.get("id"), "id")
+        self._own(caller, adapter_id)
+        text = data.get("source")
+        if not isinstance(text, str) or not text.strip() or len(text) > MAX_SOURCE_CHARS:
+            raise bad_request(f"source: must be a source URI of 1 to {MAX_SOURCE_CHARS} characters")
+        try:
+            source = parse_source(text.strip())
+        except SourceError as exc:
+            raise bad_request(f"source: {exc}") from None
+        if data.get("sha256") is None:
+            what = "the archive's sha256" if source.kind in ARCHIVE_KINDS else "the adapter's content digest"
+            raise bad_request(
+                f"sha256: required: {what} (`loragate adapters register` computes it for s3, hf and local sources)"
+            )
+        size = data.get("size")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise bad_request("size: must be a positive number of bytes")
+        if size is None and caller.tenant is not None:
+            raise bad_request("size: required when a tenant publishes (its quota counts bytes)")
+        return Registration(
+            id=adapter_id,
+            source=str(source),
+            sha256=check_sha256(data.get("sha256")),
+            size=size,
+            revision=_revision(data.get("revision")),
+            tenant=self._tenant_of(adapter_id, data.get("tenant"), caller),
+            published_by=caller.published_by,
+        )
+
+    def _tenant_of(self, adapter_id: str, given: Any, caller: Caller) -> str | None:
+        """The entry's tenant: the publishing tenant; else the one named (it must exist, and own the id's
+        namespace if the id has one), else the namespace."""
+        namespace = adapter_id.partition("/")[0] if "/" in adapter_id else None
+        if given is not None and not isinstance(given, str):
+            raise bad_request("tenant: must be a string")
+        if caller.tenant is not None:
+            if given not in (None, caller.tenant.id):
+                raise ApiError(403, "permission_denied", f"tenant {caller.tenant.id!r} publishes for itself only")
+            return caller.tenant.id
+        if given is None:
+            return namespace
+        if self.store.active.policy.tenant(given) is None:
+            raise bad_request(f"tenant: no tenant {shown(given)} in the active policy")
+        if namespace is not None and given != namespace:
+            raise bad_request(f"tenant: the id's namespace is {namespace!r}, so its tenant is too")
+        return given
+
+    async def deprecate(self, request: Request) -> Response:
+        caller = self._caller(request)
+        adapter_id, number = check_ref(request.path_params["ref"])
+        self._own(caller, adapter_id)
+        data = await read_json(request, ADMIN_BODY_BYTES, optional=True)
+        deprecated = data.get("deprecated", True)
+        if not isinstance(deprecated, bool):
+            raise bad_request("deprecated: must be true or false")
+        async with _store_errors():
+            entry, changed = await self.catalog.deprecate(adapter_id, number, deprecated)
+        target = request.path_params["ref"]
+        await self.record(caller.who, "adapter.deprecate" if deprecated else "adapter.undeprecate", target, changed)
+        body = {"action": "deprecate", "deprecated": deprecated, "target": target, "changed": changed}
+        return JSONResponse({**body, "adapter": entry.describe()})
+
+    async def delete(self, request: Request) -> Response:
+        caller = self._caller(request)
+        adapter_id, number = check_ref(request.path_params["ref"])
+        self._own(caller, adapter_id)
+        async with _store_errors():
+            entry = await self.catalog.delete(adapter_id, number)
+        target = request.path_params["ref"]
+        await self.record(caller.who, "adapter.delete", target, True)
+        remaining = entry.describe() if entry.versions else None
+        return JSONResponse({"action": "delete", "target": target, "changed": True, "adapter": remaining})
+
+
+@contextlib.asynccontextmanager
+async def _store_errors() -> AsyncIterator[None]:
+    """The store's failures as 503s: unreachable (Redis down), or too busy (writers kept colliding)."""
+    try:
+        yield
+    except UNREACHABLE as exc:
+        raise unavailable(f"the adapter catalog's store is unreachable: {exc}", "redis_unavailable") from None
+    except CatalogBusy as exc:
+        raise unavailable(str(exc), "catalog_busy") from None
+
+
+def _revision(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_REVISION_CHARS or not value.isprintable():
+        raise bad_request(f"revision: must be a printable string of 1 to {MAX_REVISION_CHARS} characters")
+    return value
