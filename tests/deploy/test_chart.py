@@ -1,8 +1,9 @@
 """The chart (helm/loragate) with the real helm binary: `helm lint --strict`, `helm template` with the default
-values and six other value sets, every manifest validated by kubernetes-validate against Kubernetes 1.30
+values and eight other value sets, every manifest validated by kubernetes-validate against Kubernetes 1.30
 (strict: unknown fields are errors), the custom resources (ServiceMonitor, ScaledObject, HTTPRoute)
-checked for their required fields, values.schema.json refusing bad values, and the rendered containers'
-arguments parsed by the `loragate` CLI's own parser.
+checked for their required fields, values.schema.json refusing bad values, the fetched-adapter cache's
+bound derived from its emptyDir's sizeLimit (and refused where the kubelet would evict the pod), and the
+rendered containers' arguments parsed by the `loragate` CLI's own parser.
 """
 
 from __future__ import annotations
@@ -84,6 +85,24 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "className": "nginx",
             "tls": [{"secretName": "llm-tls", "hosts": ["loragate.example.com"]}],
         },
+    },
+    "adapters fetched from an object store and the Hub": {
+        "engine": {
+            "adapters": {
+                "sources": {"allow": ["s3://adapters/prod/", "hf://my-org/"]},
+                "cache": {"sizeLimit": "8Gi"},
+                "maxMb": 512,
+                "fetchTimeoutSeconds": 120,
+                "loadWaitSeconds": 2.5,
+            }
+        },
+        "objectStore": {
+            "endpoint": "http://minio.storage.svc:9000",
+            "region": "eu-west-1",
+            "credentialsSecret": "adapter-store",
+            "secretAccessKeyKey": "secret-key",
+        },
+        "huggingface": {"endpoint": "https://hub.example.com", "tokenSecret": "hub-token"},
     },
     "adapters and a model on volumes": {
         "engine": {
@@ -184,6 +203,15 @@ def test_default_values_render_valid_manifests(default_manifests: list[dict[str,
     assert probes["startupProbe"]["httpGet"]["path"] == "/healthz"
     assert probes["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert probes["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # No adapters volume, no fetching and no credentials unless asked for: the engine serves the base model.
+    assert not find(default_manifests, "PersistentVolumeClaim")
+    engine_pod = engine["spec"]["template"]["spec"]
+    assert {v["name"] for v in engine_pod["volumes"]} == {"cache", "tmp", "dshm"}
+    assert not [a for a in probes["args"] if a in ("--adapter-dir", "--adapter-cache-dir", "--adapter-source-allow")]
+    assert {e["name"]: e.get("value") for e in probes["env"]} == {
+        "LORAGATE_CACHE": "/var/cache/loragate",
+        "HF_HUB_OFFLINE": "1",
+    }
     assert not [
         m
         for m in default_manifests
@@ -229,11 +257,95 @@ def test_value_sets_render_valid_manifests(helm: Path, tmp_path: Path, name: str
         engine_policy = one(manifests, "NetworkPolicy", "-engine")
         [rule] = engine_policy["spec"]["ingress"]
         assert rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+    elif name == "adapters fetched from an object store and the Hub":
+        _check_fetching(manifests, containers)
     elif name == "adapters and a model on volumes":
         assert one(manifests, "PersistentVolumeClaim")["spec"]["resources"]["requests"]["storage"] == "50Gi"
         args = containers["engine"]["args"]
         assert args[args.index("--model") + 1] == "/models/llama-3.2-1b"
         assert args[args.index("--adapter-dir") + 1] == "/adapters"
+
+
+def _check_fetching(manifests: list[dict[str, Any]], containers: dict[str, dict[str, Any]]) -> None:
+    """The engine of "adapters fetched from an object store and the Hub": its fetch flags, the cache emptyDir
+    they point into, and the store's environment (on the engine only)."""
+    assert not find(manifests, "PersistentVolumeClaim")
+    engine = containers["engine"]
+    args = engine["args"]
+    assert "--adapter-dir" not in args  # no adapters volume: the pod starts empty
+    flag = {a: args[args.index(a) + 1] for a in args if a.startswith("--adapter-")}
+    assert flag == {
+        "--adapter-cache-dir": "/var/cache/adapters",
+        "--adapter-cache-mb": str(8 * 1024 - 2 * 512),  # the sizeLimit less room for two downloads
+        "--adapter-max-mb": "512",
+        "--adapter-fetch-timeout-s": "120",
+        "--adapter-load-wait-s": "2.5",
+        "--adapter-source-allow": "s3://adapters/prod/",
+    }
+    at = args.index("--adapter-source-allow")
+    assert args[at + 1 : at + 3] == ["s3://adapters/prod/", "hf://my-org/"] and args[at + 3].startswith("--")
+    pod = one(manifests, "StatefulSet", "-engine")["spec"]["template"]["spec"]
+    [cache] = [v for v in pod["volumes"] if v["name"] == "adapter-cache"]
+    assert cache["emptyDir"] == {"sizeLimit": "8Gi"}
+    [mount] = [m for m in engine["volumeMounts"] if m["name"] == "adapter-cache"]
+    assert mount["mountPath"] == flag["--adapter-cache-dir"] and not mount.get("readOnly")
+    assert {v["name"] for v in pod["volumes"]} == {"cache", "tmp", "dshm", "adapter-cache"}
+    env = {e["name"]: e for e in engine["env"]}
+    assert {name: env[name].get("value") for name in env if "value" in env[name]} == {
+        "LORAGATE_CACHE": "/var/cache/loragate",
+        "HF_HUB_OFFLINE": "0",  # an hf:// source is allowed
+        "AWS_ENDPOINT_URL": "http://minio.storage.svc:9000",
+        "AWS_REGION": "eu-west-1",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+        "HF_ENDPOINT": "https://hub.example.com",
+    }
+    secret_refs = {name: item["valueFrom"]["secretKeyRef"] for name, item in env.items() if "valueFrom" in item}
+    assert secret_refs == {
+        "AWS_ACCESS_KEY_ID": {"name": "adapter-store", "key": "AWS_ACCESS_KEY_ID"},
+        "AWS_SECRET_ACCESS_KEY": {"name": "adapter-store", "key": "secret-key"},
+        "HF_TOKEN": {"name": "hub-token", "key": "HF_TOKEN"},
+    }
+    gateway_env = {e["name"] for e in containers["gateway"].get("env", [])}
+    assert not {n for n in gateway_env if n.startswith(("AWS_", "HF_"))}  # the gateway never fetches
+
+
+@pytest.mark.parametrize(
+    "size_limit, max_mb, cache_mb, expected",
+    [
+        ("20Gi", None, None, 20 * 1024 - 2 * 1024),  # the defaults
+        ("30G", 256, None, 30 * 10**9 // 2**20 - 2 * 256),  # a decimal quantity
+        ("1Ti", None, None, 2**20 - 2 * 1024),
+        ("6144Mi", 1024, 5000, 5000),  # set explicitly
+    ],
+)
+def test_the_adapter_cache_bound_follows_its_size_limit(
+    helm: Path, size_limit: str, max_mb: int | None, cache_mb: int | None, expected: int
+) -> None:
+    values = [
+        "--set",
+        "engine.adapters.sources.allow={s3://a/}",
+        "--set",
+        f"engine.adapters.cache.sizeLimit={size_limit}",
+    ]
+    values += ["--set", f"engine.adapters.maxMb={max_mb}"] if max_mb is not None else []
+    values += ["--set", f"engine.adapters.cache.mb={cache_mb}"] if cache_mb is not None else []
+    args = _containers(render(helm, *values))["engine"]["args"]
+    assert args[args.index("--adapter-cache-mb") + 1] == str(expected)
+
+
+@pytest.mark.parametrize(
+    "values, complaint",
+    [
+        (["--set", "engine.adapters.cache.sizeLimit=2Gi"], "cannot hold an adapter of engine.adapters.maxMb"),
+        (["--set", "engine.adapters.cache.mb=20480"], "must be below engine.adapters.cache.sizeLimit"),
+        (["--set", "engine.adapters.maxMb=4096", "--set", "engine.adapters.cache.mb=2048"], "cannot hold"),
+    ],
+)
+def test_the_chart_refuses_an_adapter_cache_the_kubelet_would_evict(
+    helm: Path, values: list[str], complaint: str
+) -> None:
+    done = helm_template(helm, "--set", "engine.adapters.sources.allow={s3://a/}", *values)
+    assert done.returncode != 0 and complaint in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(
@@ -246,6 +358,12 @@ def test_value_sets_render_valid_manifests(helm: Path, tmp_path: Path, name: str
         (["--set", "gateway.terminationGracePeriodSeconds=10"], "gateway.terminationGracePeriodSeconds"),
         (["--set", "redis.url=http://not-redis"], "redis.url"),
         (["--set-json", 'engine.gpu={"enabled": true, "count": 0}'], "engine.gpu.count"),
+        (["--set", "engine.adapters.sources.allow={ftp://mirror/lora/}"], "engine.adapters.sources.allow.0"),
+        (["--set", "engine.adapters.cache.sizeLimit=1.5Gi"], "engine.adapters.cache.sizeLimit"),
+        (["--set", "engine.adapters.loadWaitSeconds=0"], "engine.adapters.loadWaitSeconds"),
+        (["--set", "objectStore.endpoint=minio:9000"], "objectStore.endpoint"),
+        (["--set", "objectStore.credentialsSecret=My_Keys"], "objectStore.credentialsSecret"),
+        (["--set", "huggingface.token=hf_abc"], "Additional property token is not allowed"),
     ],
 )
 def test_the_values_schema_refuses_bad_values(helm: Path, values: list[str], complaint: str) -> None:
@@ -266,6 +384,9 @@ def test_rendered_commands_parse_with_the_cli_and_the_policy_checks(helm: Path, 
         argv = [str(pod_dirs.get(arg, arg)) for arg in container["args"]]
         args = parser.parse_args(argv)  # exits (a failure) on an argument the CLI does not know
         assert args.command == container["name"]
+        if args.command == "engine":  # the allow-list, whole, as the engine reads it
+            adapters = VALUE_SETS.get(name, {}).get("engine", {}).get("adapters", {})
+            assert args.adapter_source_allow == adapters.get("sources", {}).get("allow", [])
         if args.command == "gateway":
             assert args.upstream_dns.endswith(f".{NAMESPACE}.svc.cluster.local:8001") and args.host == "0.0.0.0"
     for config in find(manifests, "ConfigMap", "-policy"):

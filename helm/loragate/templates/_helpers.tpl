@@ -81,3 +81,30 @@ runAsNonRoot: true
 capabilities:
   drop: ["ALL"]
 {{- end -}}
+
+{{/* A Kubernetes quantity in whole MiB, rounded down: an integer with an optional binary (Ki..Pi) or decimal
+(k..P) suffix, the forms values.schema.json lets through for sizes the chart computes with. */}}
+{{- define "loragate.quantityMiB" -}}
+{{- $digits := regexFind "^[0-9]+" (toString .) -}}
+{{- $suffix := trimPrefix $digits (toString .) -}}
+{{- $factor := get (dict "" 1 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "P" 1000000000000000) $suffix -}}
+{{- div (mul (int64 $digits) $factor) 1048576 -}}
+{{- end -}}
+
+{{/* The engine's --adapter-cache-mb: `engine.adapters.cache.mb`, or the emptyDir's sizeLimit less room for two
+downloads in flight (a download is not counted against the bound until it is published, and the kubelet
+evicts a pod whose emptyDir outgrows its sizeLimit). Either must hold the largest adapter and stay below the
+sizeLimit. */}}
+{{- define "loragate.adapterCacheMb" -}}
+{{- $a := .Values.engine.adapters -}}
+{{- $limit := include "loragate.quantityMiB" $a.cache.sizeLimit | int64 -}}
+{{- $max := int64 $a.maxMb -}}
+{{- $mb := ternary (int64 $a.cache.mb) (sub $limit (mul 2 $max)) (not (kindIs "invalid" $a.cache.mb)) -}}
+{{- if ge $mb $limit -}}
+{{- fail (printf "engine.adapters.cache.mb (%d) must be below engine.adapters.cache.sizeLimit (%s = %d MiB): the kubelet evicts a pod whose emptyDir outgrows it" $mb $a.cache.sizeLimit $limit) -}}
+{{- end -}}
+{{- if lt $mb $max -}}
+{{- fail (printf "the adapter cache (%d MiB) cannot hold an adapter of engine.adapters.maxMb (%d MiB): raise engine.adapters.cache.sizeLimit (room for two downloads is kept when cache.mb is null) or lower maxMb" $mb $max) -}}
+{{- end -}}
+{{- $mb -}}
+{{- end -}}
