@@ -17,6 +17,7 @@ and the settle step runs after the response is done, however it ended.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -124,6 +125,53 @@ class GenerateRoutes:
             raise
         return adapter, routed, None
 
+    def fallback_call(self, call: Call, exchange: Exchange, response: Response, active: ActivePolicy) -> Call | None:
+        """The same request for its rollout's first (stable) variant, when it was routed to another variant
+        and that variant's engine failed it (5xx: its adapter could not be fetched or computed, or is still
+        being fetched) before any byte reached the client; else None. A canary's failures are judged against
+        it (and roll it back) without failing the client's request."""
+        if call.rollout is None or exchange.delivered or not exchange.tried or response.status_code < 500:
+            return None
+        if isinstance(response, StreamingResponse):
+            return None
+        rollout = active.policy.rollout(call.rollout)
+        if rollout is None or not rollout.variants:
+            return None
+        stable = rollout.variants[0].adapter
+        if stable == call.variant:
+            return None
+        try:
+            pinned = self.adapters.resolve(stable)
+        except ApiError:
+            return None
+        adapter = pinned.ref if pinned is not None else stable
+        logger.info(
+            "rollout %s: variant %s failed (%d %s); answering from %s",
+            call.rollout,
+            call.variant,
+            response.status_code,
+            exchange.outcome,
+            stable,
+        )
+        return dataclasses.replace(
+            call,
+            body=upstream_body(call.body, adapter),
+            adapter=adapter,
+            served=adapter,
+            variant=stable,
+            adapter_headers=pinned.headers() if pinned is not None else {},
+            deprecated=pinned is not None and pinned.deprecated,
+            affinity=adapter if call.affinity is not None else None,
+        )
+
+    async def retarget(self, exchange: Exchange) -> Exchange:
+        """A fresh exchange for a second attempt, keeping the first's token reservation and budget hold (the
+        request is charged once); the first attempt's upstream and slot are given back."""
+        await exchange.close_upstream()
+        if exchange.slot is not None:
+            exchange.slot.release()
+        return Exchange(reservation=exchange.reservation, hold=exchange.hold, limit_headers=exchange.limit_headers)
+
     def observe_variant(
         self, active: ActivePolicy, rollout: str, adapter: str, error: bool, ttft_s: float | None
     ) -> None:
@@ -142,7 +190,11 @@ class GenerateRoutes:
     ) -> Response:
         if self.fleet.draining:
             raise unavailable("the gateway is draining and takes no new requests", "draining")
-        headers, exchange.reservation, exchange.hold = await self.gate.rate_limit(tenant, body.reserve_tokens, active)
+        if exchange.limit_headers is None:  # the first attempt (a canary's fallback is charged once)
+            exchange.limit_headers, exchange.reservation, exchange.hold = await self.gate.rate_limit(
+                tenant, body.reserve_tokens, active
+            )
+        headers = dict(exchange.limit_headers)
         try:
             exchange.slot = await unless_disconnected(
                 request.receive, self.fleet.admission.acquire(call.priority, call.tenant, affinity=call.affinity)
@@ -278,6 +330,12 @@ class Generate:
             try:
                 try:
                     response = await r.admit_and_forward(request, tenant, body, call, exchange, active)
+                    stable = r.fallback_call(call, exchange, response, active)
+                    if stable is not None:  # a canary that failed before answering: the stable variant answers
+                        self._judge_variant(active, call, exchange)
+                        span.set_attribute("loragate.rollout.fallback", call.served)
+                        call, exchange = stable, await r.retarget(exchange)
+                        response = await r.admit_and_forward(request, tenant, body, call, exchange, active)
                 except ApiError as exc:
                     exchange.status = exc.status
                     exchange.outcome = exc.headers.get("X-Loragate-Reason", exc.type)

@@ -88,6 +88,7 @@ class Exchange:
     judged: bool = False  # recorded against its rollout variant already
     upstream: httpx.Response | None = None  # an open upstream stream, closed on settle
     tried: set[str] = field(default_factory=set)
+    limit_headers: dict[str, str] | None = None  # RateLimit-* of the tenant's admission; None: not admitted yet
 
     def token_sent(self, started_at: float) -> None:
         """Content reached the client now: the first time, that is the request's time to first token."""
