@@ -43,7 +43,7 @@ from gateway.fleet import Fleet
 from gateway.policy import Tenant
 from gateway.redis_client import UNREACHABLE
 from gateway.reload import PolicyStore
-from loragate.adapter_sources import SourceError, parse_source
+from loragate.adapter_sources import AllowList, SourceError, parse_source
 from loragate.errors import ApiError, bad_request, shown, unauthorized, unavailable
 from loragate.http_io import read_json
 
@@ -212,6 +212,13 @@ class AdapterRoutes:
             source = parse_source(text.strip())
         except SourceError as exc:
             raise bad_request(f"source: {exc}") from None
+        if caller.tenant is not None and not AllowList(caller.tenant.publish_sources).allows(source):
+            allowed = ", ".join(caller.tenant.publish_sources)
+            raise ApiError(
+                403,
+                "permission_denied",
+                f"source: tenant {caller.tenant.id!r} may publish only from its publish_sources ({allowed})",
+            )
         if data.get("sha256") is None:
             what = "the archive's sha256" if source.kind in ARCHIVE_KINDS else "the adapter's content digest"
             raise bad_request(

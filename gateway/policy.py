@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from gateway.adapter_ids import id_problem
+from loragate.adapter_sources import AllowList, SourceError
 from loragate.priority import Priority
 
 __all__ = [
@@ -106,6 +107,14 @@ class Defaults(_Model):
     limits: Limits = Limits(requests_per_second=10, burst=20, tokens_per_minute=60000)
 
 
+def _source_prefix(value: str) -> str:
+    try:
+        AllowList([value])
+    except SourceError as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
 class PublishQuota(_Model):
     """What a publishing tenant may keep in the adapter catalog: versions of its ids, and their declared bytes."""
 
@@ -123,6 +132,9 @@ class Tenant(_Model):
     # May register, deprecate and delete catalog adapters `<id>/<name>` with its own API key (and always use them).
     publish: StrictBool = False
     publish_quota: PublishQuota = PublishQuota()
+    # The source prefixes its registrations must lie under (loragate/adapter_sources.py AllowList), e.g. its own
+    # bucket prefix: a tenant cannot point an adapter at another tenant's files. Required when it publishes.
+    publish_sources: tuple[Annotated[str, AfterValidator(_source_prefix)], ...] = ()
 
     def allows(self, adapter_id: str) -> bool:
         """Whether this tenant may use an adapter id or rollout name (case-sensitive globs; a publishing
@@ -266,6 +278,11 @@ class Policy(_Model):
                 raise ValueError(
                     f"tenants[{i}].publish: the tenant id {tenant.id!r} names its adapters' namespace "
                     "(`<id>/<name>`), so it must be letters, digits, '.', '_' and '-', not starting with '.'"
+                )
+            if tenant.publish and not tenant.publish_sources:
+                raise ValueError(
+                    f"tenants[{i}].publish_sources: a tenant that publishes needs the source prefixes it may "
+                    "publish from (e.g. [s3://bucket/<tenant>/]), so it cannot name another tenant's files"
                 )
             for j, ref in enumerate(tenant.api_keys):
                 if ref.startswith("sha256:") and owner.setdefault(ref, tenant.id) != tenant.id:

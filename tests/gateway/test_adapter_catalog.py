@@ -35,7 +35,10 @@ ACME, GLOBEX, INITECH = "acme-secret", "globex-secret", "initech-secret"
 COMPLETION = {"prompt": "hello", "max_tokens": 4}
 SHA_A, SHA_B, SHA_C = "a" * 64, "b" * 64, "c" * 64
 SOURCE = "s3://models/adapters/support"
-PUBLISH = "\n    publish: true\n    publish_quota: {max_adapters: 3, max_bytes: 1000}"
+PUBLISH = (
+    "\n    publish: true\n    publish_quota: {max_adapters: 3, max_bytes: 1000}"
+    '\n    publish_sources: ["s3://models/adapters/"]'
+)
 
 
 def catalog_yaml(breaker: str = "{failure_threshold: 1, open_seconds: 60}") -> str:
@@ -403,6 +406,7 @@ def test_a_tenant_publishes_in_its_own_namespace_within_its_quota(engine: Catalo
             out["no_ns"] = await register(gw, "bot", SHA_A, auth=acme, size=1)
             out["for_other"] = await register(gw, "acme/x", SHA_A, auth=acme, size=1, tenant="globex")
             out["no_size"] = await register(gw, "acme/bot", SHA_B, auth=acme)
+            out["foreign_source"] = await register(gw, "acme/bot", SHA_B, "s3://models/globex/bot", acme, size=4)
             out["v2"] = await register(gw, "acme/bot", SHA_B, auth=acme, size=400)
             out["over_bytes"] = await register(gw, "acme/faq", SHA_A, auth=acme, size=300)
             out["v3"] = await register(gw, "acme/faq", SHA_A, auth=acme, size=100)
@@ -431,6 +435,8 @@ def test_a_tenant_publishes_in_its_own_namespace_within_its_quota(engine: Catalo
         assert_error(out[key], 403, "permission_denied")
     assert_error(out["no_size"], 400, "invalid_request_error")
     assert out["no_size"].json()["error"]["message"].startswith("size: ")
+    assert_error(out["foreign_source"], 403, "permission_denied")  # outside its publish_sources
+    assert "publish_sources" in out["foreign_source"].json()["error"]["message"]
     assert out["v2"].status_code == 201
     assert_error(out["over_bytes"], 403, "quota_exceeded")  # 800 + 300 > max_bytes 1000
     assert "max_bytes" in out["over_bytes"].json()["error"]["message"]
@@ -495,6 +501,14 @@ def test_publish_settings_and_catalog_variants_in_the_policy() -> None:
     assert acme.allows("acme/anything") and acme.allows("support") and not acme.allows("globex/x")
     assert not policy.tenant("initech").allows("initech/x")  # type: ignore[union-attr]  # no publish: no namespace
 
+    no_sources = policies.policy_yaml(tenant_yaml("acme", ACME, "[]") + "\n    publish: true")
+    with pytest.raises(PolicyError, match=r"tenants\[0\]\.publish_sources: a tenant that publishes needs"):
+        parse_policy(no_sources)
+    bad_prefix = policies.policy_yaml(
+        tenant_yaml("acme", ACME, "[]") + '\n    publish: true\n    publish_sources: ["s3://../x"]'
+    )
+    with pytest.raises(PolicyError, match=r"tenants\[0\]\.publish_sources\[0\]"):
+        parse_policy(bad_prefix)
     bad_tenant = policies.policy_yaml(tenant_yaml("a/b", ACME, "[]") + "\n    publish: true")
     with pytest.raises(PolicyError, match=r"tenants\[0\]\.publish"):
         parse_policy(bad_tenant)

@@ -44,7 +44,8 @@ ARCHIVE = "https://models.example.com/support.tar.gz"
 
 
 def fleet_yaml() -> str:
-    return policies.policy_yaml(tenant_yaml("acme", ACME, '["support", "hf-bot"]') + "\n    publish: true")
+    publishing = '\n    publish: true\n    publish_sources: ["https://models.example.com/"]'
+    return policies.policy_yaml(tenant_yaml("acme", ACME, '["support", "hf-bot"]') + publishing)
 
 
 @pytest.fixture
