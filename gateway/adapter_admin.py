@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -70,11 +70,14 @@ class EngineCards:
     url: str
     cards: dict[str, dict[str, Any]] | None
     error: str | None
+    # An engine lists a download in progress, a failed one, and a cached one no id is registered from yet
+    # (after a restart) by digest, with no id: engine/entrypoints/fetched_adapters.py pending_cards.
+    pending: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def state(self, ref: str) -> dict[str, Any]:
+    def state(self, ref: str, sha256: str | None = None) -> dict[str, Any]:
         if self.cards is None:
             return {"state": "unknown", "error": self.error}
-        card = self.cards.get(ref)
+        card = self.cards.get(ref) or (self.pending.get(sha256) if sha256 is not None else None)
         if card is None:
             return {"state": "not loaded"}
         fields = ("error", "last_used", "loads", "evictions", "sha256")
@@ -161,7 +164,8 @@ class AdapterRoutes:
         return JSONResponse(body)
 
     def _describe(self, entry: CatalogEntry, engines: list[EngineCards]) -> dict[str, Any]:
-        return entry.describe(lambda ref: {e.url: e.state(ref) for e in engines})
+        digests = {f"{entry.id}@{v.version}": v.sha256 for v in entry.versions}
+        return entry.describe(lambda ref: {e.url: e.state(ref, digests.get(ref)) for e in engines})
 
     async def _engines(self, caller: Caller) -> list[EngineCards]:
         """Every engine's cards, read at once; a tenant sees the engines by position, not by URL."""
@@ -171,18 +175,33 @@ class AdapterRoutes:
             try:
                 resp = await client.get(f"{url}/v1/adapters", timeout=ENGINE_TIMEOUT_S)
                 resp.raise_for_status()
-                cards = {str(c["id"]): c for c in resp.json()["data"] if isinstance(c, dict) and "id" in c}
-            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                listed = [c for c in resp.json()["data"] if isinstance(c, dict)]
+                cards = {str(c["id"]): c for c in listed if c.get("id") is not None}
+                pending = {str(c["sha256"]): c for c in listed if c.get("id") is None and c.get("sha256")}
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 return EngineCards(url, None, f"GET /v1/adapters failed: {type(exc).__name__}")
-            return EngineCards(url, cards, None)
+            return EngineCards(url, cards, None, pending)
 
         urls = [u.url for u in self.fleet.admission.upstreams]
         found = await asyncio.gather(*(one(url) for url in urls))
         if caller.tenant is not None:
-            found = [EngineCards(f"engine-{i}", e.cards, e.error) for i, e in enumerate(found)]
+            found = [EngineCards(f"engine-{i}", e.cards, e.error, e.pending) for i, e in enumerate(found)]
         return list(found)
 
     # ---- acting ----
+
+    async def _unload(self, refs: list[str]) -> None:
+        """Best effort: the engines unregister deleted versions now (DELETE /v1/adapters/ID@N), rather than
+        serving them to a request that names one until their caches evict them. An engine that does not hold
+        one answers 404; one that does not answer keeps it until its cache evicts it."""
+        client = self.fleet.catalog.client
+        urls = [u.url for u in self.fleet.admission.upstreams]
+
+        async def one(url: str, ref: str) -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                await client.delete(f"{url}/v1/adapters/{ref}", timeout=ENGINE_TIMEOUT_S)
+
+        await asyncio.gather(*(one(url, ref) for url in urls for ref in refs))
 
     async def register(self, request: Request) -> Response:
         caller = self._caller(request)
@@ -276,10 +295,14 @@ class AdapterRoutes:
         caller = self._caller(request)
         adapter_id, number = check_ref(request.path_params["ref"])
         self._own(caller, adapter_id)
+        known = self.catalog.get(adapter_id)
+        before = known.versions if known is not None else ()
         async with _store_errors():
             entry = await self.catalog.delete(adapter_id, number)
         target = request.path_params["ref"]
         await self.record(caller.who, "adapter.delete", target, True)
+        gone = [f"{adapter_id}@{number}"] if number is not None else [f"{adapter_id}@{v.version}" for v in before]
+        await self._unload(gone)
         remaining = entry.describe() if entry.versions else None
         return JSONResponse({"action": "delete", "target": target, "changed": True, "adapter": remaining})
 

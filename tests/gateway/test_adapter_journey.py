@@ -104,8 +104,8 @@ def versions(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> 
 
 
 @pytest.fixture
-def stack(tmp_path: Path, moto: MotoServer) -> Iterator[tuple[str, Path]]:
-    """Two engines with empty caches behind one gateway; the gateway's URL and its policy file."""
+def stack(tmp_path: Path, moto: MotoServer) -> Iterator[tuple[str, Path, list[str]]]:
+    """Two engines with empty caches behind one gateway; the gateway's URL, its policy file, the engines."""
     procs = []
     with pytest.MonkeyPatch.context() as mp:
         for key, value in moto.env().items():
@@ -128,7 +128,7 @@ def stack(tmp_path: Path, moto: MotoServer) -> Iterator[tuple[str, Path]]:
     gateway_proc, gateway = start_gateway(tmp_path, "gateway", policy(single("support")), engines)
     procs.append(gateway_proc)
     try:
-        yield gateway, tmp_path / "gateway.yaml"
+        yield gateway, tmp_path / "gateway.yaml", engines
     finally:
         for proc in reversed(procs):
             stop_process(proc)
@@ -158,9 +158,12 @@ def rollout_state(gateway: str) -> dict[str, Any]:
 
 
 def test_publish_roll_out_promote_then_roll_back_a_broken_version_without_a_failed_request(
-    stack: tuple[str, Path], versions: dict[str, tuple[Path, str]], moto: MotoServer, monkeypatch: pytest.MonkeyPatch
+    stack: tuple[str, Path, list[str]],
+    versions: dict[str, tuple[Path, str]],
+    moto: MotoServer,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    gateway, policy_file = stack
+    gateway, policy_file, engines = stack
     (v1_dir, v1_text), (v2_dir, v2_text) = versions["v1"], versions["v2"]
     assert register(monkeypatch, moto, gateway, moto.put_adapter(BUCKET, "support/v1", v1_dir)) == "support@1"
     reload(gateway, policy_file, policy(single("support@1")))
@@ -195,3 +198,18 @@ def test_publish_roll_out_promote_then_roll_back_a_broken_version_without_a_fail
     assert state["rolled_back"]["reason"] == "error_rate", state
     canary = next(v for v in state["variants"] if v["adapter"] == "support@3")
     assert canary["window"]["errors"] >= 1
+
+    # Where each version is, as the operator sees it: v3 failed on the engine that tried it, with the reason.
+    shown = httpx.get(f"{gateway}/admin/adapters/support", headers=ADMIN, timeout=10).json()
+    by_version = {v["version"]: v["engines"] for v in shown["versions"]}
+    failed = [e for e in by_version[3].values() if e["state"] == "failed"]
+    assert failed and "no adapter_config.json" in failed[0]["error"], by_version
+    assert any(e["state"] in ("disk", "host", "device") for e in by_version[2].values())
+    # Deleting a version unloads it from the engines at once.
+    assert any("support@1" in {c["id"] for c in _cards(url)} for url in engines)
+    assert httpx.delete(f"{gateway}/admin/adapters/support@1", headers=ADMIN, timeout=10).status_code == 200
+    assert all("support@1" not in {c["id"] for c in _cards(url)} for url in engines)
+
+
+def _cards(engine: str) -> list[dict[str, Any]]:
+    return httpx.get(f"{engine}/v1/adapters", timeout=10).json()["data"]
