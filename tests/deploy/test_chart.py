@@ -176,6 +176,7 @@ def test_default_values_render_valid_manifests(default_manifests: list[dict[str,
     assert kinds == [
         "ConfigMap",
         "Deployment",
+        "PersistentVolumeClaim",  # Redis's append-only file: the adapter catalog and the usage ledger
         "Pod",
         "PodDisruptionBudget",
         "Secret",
@@ -204,7 +205,7 @@ def test_default_values_render_valid_manifests(default_manifests: list[dict[str,
     assert probes["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert probes["readinessProbe"]["httpGet"]["path"] == "/readyz"
     # No adapters volume, no fetching and no credentials unless asked for: the engine serves the base model.
-    assert not find(default_manifests, "PersistentVolumeClaim")
+    assert not find(default_manifests, "PersistentVolumeClaim", "-adapters")
     engine_pod = engine["spec"]["template"]["spec"]
     assert {v["name"] for v in engine_pod["volumes"]} == {"cache", "tmp", "dshm"}
     assert not [a for a in probes["args"] if a in ("--adapter-dir", "--adapter-cache-dir", "--adapter-source-allow")]
@@ -260,7 +261,8 @@ def test_value_sets_render_valid_manifests(helm: Path, tmp_path: Path, name: str
     elif name == "adapters fetched from an object store and the Hub":
         _check_fetching(manifests, containers)
     elif name == "adapters and a model on volumes":
-        assert one(manifests, "PersistentVolumeClaim")["spec"]["resources"]["requests"]["storage"] == "50Gi"
+        claim = one(manifests, "PersistentVolumeClaim", "-adapters")
+        assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
         args = containers["engine"]["args"]
         assert args[args.index("--model") + 1] == "/models/llama-3.2-1b"
         assert args[args.index("--adapter-dir") + 1] == "/adapters"
@@ -269,7 +271,7 @@ def test_value_sets_render_valid_manifests(helm: Path, tmp_path: Path, name: str
 def _check_fetching(manifests: list[dict[str, Any]], containers: dict[str, dict[str, Any]]) -> None:
     """The engine of "adapters fetched from an object store and the Hub": its fetch flags, the cache emptyDir
     they point into, and the store's environment (on the engine only)."""
-    assert not find(manifests, "PersistentVolumeClaim")
+    assert not find(manifests, "PersistentVolumeClaim", "-adapters")
     engine = containers["engine"]
     args = engine["args"]
     assert "--adapter-dir" not in args  # no adapters volume: the pod starts empty
@@ -415,3 +417,30 @@ def test_the_rendered_policy_equals_the_default_policy_file(default_manifests: l
     """The chart's default policy and policies/default.yaml (what `loragate up` runs) say the same."""
     rendered = yaml.safe_load(one(default_manifests, "ConfigMap", "-policy")["data"]["policy.yaml"])
     assert rendered == yaml.safe_load((REPO / "policies" / "default.yaml").read_text())
+
+
+def test_the_charts_redis_keeps_the_catalog_on_a_volume_unless_told_not_to(helm: Path) -> None:
+    """The adapter catalog and the usage ledger live in Redis: by default it appends every write to a file on a
+    PersistentVolumeClaim; without persistence it runs on an emptyDir with no file, as before."""
+    persisted = render(helm)
+    redis = one(persisted, "Deployment", "-redis")
+    container = redis["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert args[args.index("--appendonly") + 1] == "yes" and "--appendfsync" in args
+    claim = one(persisted, "PersistentVolumeClaim", "-redis-data")
+    [volume] = redis["spec"]["template"]["spec"]["volumes"]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and redis["spec"]["strategy"]["type"] == "Recreate"
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/data"}
+
+    ephemeral = render(helm, "--set", "redis.persistence.enabled=false")
+    redis = one(ephemeral, "Deployment", "-redis")
+    args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "no"
+    assert redis["spec"]["template"]["spec"]["volumes"][0]["emptyDir"] == {}
+    assert not find(ephemeral, "PersistentVolumeClaim", "-redis-data")
+
+    existing = render(helm, "--set", "redis.persistence.existingClaim=shared-redis")
+    redis = one(existing, "Deployment", "-redis")
+    assert redis["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "shared-redis"
+    assert not find(existing, "PersistentVolumeClaim", "-redis-data")
