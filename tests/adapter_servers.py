@@ -44,6 +44,8 @@ from urllib.parse import unquote
 import httpx
 import pytest
 
+from loragate.launch import stop
+
 from polling import poll
 from processes import free_port
 
@@ -358,15 +360,9 @@ class MotoServer:
             return False
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
-        self.proc = None
+        if self.proc is not None:
+            stop(self.proc, grace_s=5)
+            self.proc = None
 
     def s3(self) -> Any:
         import boto3
