@@ -181,6 +181,13 @@ class AsyncEngine:
         self._inbox.put(_RetireAdapter(adapter_id))
         return spec
 
+    async def register_cached(self, adapter_id: str, path: Path) -> AdapterSpec:
+        """`load_adapter` for an adapter a request waits for: its weights, read once, are checked and kept in
+        the host tier (LLMEngine.register_cached) rather than read to be checked and then again to be used."""
+        spec = await asyncio.wrap_future(self._adapter_io.submit(self.engine.register_cached, adapter_id, path))
+        self._inbox.put(_RetireAdapter(adapter_id))
+        return spec
+
     async def unload_adapter(self, adapter_id: str) -> None:
         """Unregister an adapter (KeyError if unknown); its pages are freed once no request uses it."""
         self.forget_adapter(adapter_id)

@@ -11,6 +11,7 @@ raises, the step is run again on halves of the batch until the request(s) that m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -192,6 +193,19 @@ class LLMEngine:
         """Read an adapter's weights as the device tier would (AdapterError if any is not finite in the
         engine's dtype): POST /v1/adapters refuses a broken adapter instead of failing its requests."""
         load_weights(spec, self.model.config, self.dtype)
+
+    def register_cached(self, adapter_id: str, path: Path) -> AdapterSpec:
+        """Register an adapter and read its weights straight into the host tier: one read that both checks
+        them (AdapterError if any is not finite in the engine's dtype; then it is not registered) and
+        serves its first request (a fetched adapter is registered because a request is waiting for it)."""
+        spec = self.adapters.register(adapter_id, path)
+        try:
+            self.host_adapters.prefetch(spec)
+        except AdapterError:
+            with contextlib.suppress(KeyError):
+                self.adapters.unregister(adapter_id)
+            raise
+        return spec
 
     def add_request(
         self,

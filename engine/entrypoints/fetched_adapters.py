@@ -164,7 +164,7 @@ class FetchedAdapters:
                 raise ApiError(403, "adapter_source_not_allowed", f"adapter {adapter_id!r}: {exc}") from None
             raise fetch_failed(f"adapter {adapter_id!r} ({exc.reason}): {exc}", 1.0) from None
         try:
-            await self.engine.load_adapter(adapter_id, path)
+            await self.engine.register_cached(adapter_id, path)
         except ValueError as exc:  # AdapterError: the files are no LoRA adapter for this base model
             raise fetch_failed(f"adapter {adapter_id!r} from {wanted.source} is unusable: {exc}", 60.0) from None
         with self._lock:
