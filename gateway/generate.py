@@ -33,7 +33,7 @@ from gateway.adapter_ids import base_id
 from gateway.admission import Shed
 from gateway.fleet import Fleet
 from gateway.policy import Tenant
-from gateway.proxy import Call, Exchange, Proxy
+from gateway.proxy import ADAPTER_REASONS, Call, Exchange, Proxy
 from gateway.reload import ActivePolicy, PolicyStore
 from gateway.request_context import GenerationBody, resolve_priority, upstream_body
 from gateway.rollout import Routed
@@ -126,11 +126,15 @@ class GenerateRoutes:
         return adapter, routed, None
 
     def fallback_call(self, call: Call, exchange: Exchange, response: Response, active: ActivePolicy) -> Call | None:
-        """The same request for its rollout's first (stable) variant, when it was routed to another variant
-        and that variant's engine failed it (5xx: its adapter could not be fetched or computed, or is still
-        being fetched) before any byte reached the client; else None. A canary's failures are judged against
-        it (and roll it back) without failing the client's request."""
-        if call.rollout is None or exchange.delivered or not exchange.tried or response.status_code < 500:
+        """The same request for its rollout's first (stable) variant, when the split sent it to another
+        variant and that variant failed it before any byte reached the client: the engine answered 500 (its
+        adapter could not be computed) or its adapter could not be fetched, or is still being fetched. Else
+        None. A canary's failures are judged against it (and roll it back) without failing the client's
+        request; a variant the client named itself (the override header) answers for itself, and an engine
+        that is merely busy (503) says nothing about the variant."""
+        if call.rollout is None or call.route != "split" or exchange.delivered or not exchange.tried:
+            return None
+        if exchange.outcome not in (*ADAPTER_REASONS, "upstream_500"):
             return None
         if isinstance(response, StreamingResponse):
             return None
@@ -314,6 +318,7 @@ class Generate:
             started_at=started,
             rollout=routed.rollout if routed is not None else None,
             variant=routed.adapter if routed is not None else None,
+            route=routed.how if routed is not None else None,
             adapter_headers=pinned.headers() if pinned is not None else {},
             deprecated=pinned is not None and pinned.deprecated,
             affinity=adapter if active.policy.admission.affinity else None,

@@ -63,6 +63,7 @@ class Call:
     started_at: float  # time.monotonic() when the gateway received it
     rollout: str | None = None  # the rollout name the client asked for, when `adapter` is one of its variants
     variant: str | None = None  # that variant as the rollout names it (`adapter` is its catalog version, if any)
+    route: str | None = None  # how the rollout chose it: "split", "override" (the client named it) or "rollback"
     adapter_headers: Mapping[str, str] = field(default_factory=dict)  # a catalog adapter's source headers
     deprecated: bool = False  # a deprecated catalog version: the answer says so (Deprecation: true)
     affinity: str | None = None  # the key admission places it by (the adapter, unless affinity is off)

@@ -202,8 +202,10 @@ def test_rollback_after_min_requests_of_canary_failures_only(mock: MockUpstream,
             return out
 
     out = run(scenario())
-    assert [r.status_code for r in out["before"]] == [500] * 9  # still routed to the canary: no rollback yet
-    assert {r.headers["X-Loragate-Adapter"] for r in out["before"]} == {"a2"}  # the failing variant, named
+    # Still routed to the canary (no rollback yet); each of its failures is answered by the first variant.
+    assert [r.status_code for r in out["before"]] == [200] * 9
+    assert {r.headers["X-Loragate-Adapter"] for r in out["before"]} == {"a1"}
+    assert [r.headers["x-adapter-id"] for r in mock.received[:18]] == ["a2", "a1"] * 9
     assert out["policy_before"]["rollouts"][0]["rolled_back"] is None
     assert out["policy_before"]["rollouts"][0]["variants"][1]["window"] == {
         "requests": 9,
@@ -211,10 +213,11 @@ def test_rollback_after_min_requests_of_canary_failures_only(mock: MockUpstream,
         "error_rate": 1.0,
         "ttft_p99_ms": None,
     }
-    assert out["tenth"].status_code == 500  # the 10th failure reaches min_requests and trips the rollback
+    assert out["tenth"].status_code == 200  # the 10th failure reaches min_requests and trips the rollback
     for resp in out["after"]:  # canary users now get the first variant
         assert resp.status_code == 200 and resp.headers["X-Loragate-Adapter"] == "a1"
-    assert out["override"].status_code == 500  # an explicit, permitted override still reaches the canary
+    # An explicit, permitted override still reaches the canary, and answers for itself (no fallback).
+    assert out["override"].status_code == 500 and out["override"].headers["X-Loragate-Adapter"] == "a2"
     rolled = out["policy"]["rollouts"][0]["rolled_back"]
     assert rolled["variant"] == "a2" and rolled["reason"] == "error_rate" and "10 requests" in rolled["detail"]
     assert 'loragate_gateway_rollout_rollbacks_total{reason="error_rate",rollout="support"} 1.0' in out["metrics"]
@@ -222,10 +225,12 @@ def test_rollback_after_min_requests_of_canary_failures_only(mock: MockUpstream,
     assert (
         'loragate_gateway_rollout_requests_total{result="error",rollout="support",variant="a2"} 11.0' in out["metrics"]
     )
-    assert 'loragate_gateway_rollout_requests_total{result="ok",rollout="support",variant="a1"} 2.0' in out["metrics"]
+    # a1 answered the 10 canary failures it stood in for and the 2 requests after the rollback
+    assert 'loragate_gateway_rollout_requests_total{result="ok",rollout="support",variant="a1"} 12.0' in out["metrics"]
     assert out["reload"].status_code == 200
     assert out["reload"].json()["rollouts"][0]["rolled_back"] is None
-    assert out["again"].status_code == 500  # reloaded: the split is back, the canary user gets the canary
+    # reloaded: the split is back, the canary user gets the canary (and a1 answers for it)
+    assert out["again"].status_code == 200 and [r.headers["x-adapter-id"] for r in mock.received[-2:]] == ["a2", "a1"]
 
 
 def test_first_variant_failures_never_roll_back(mock: MockUpstream) -> None:
@@ -350,8 +355,10 @@ def test_rollback_is_shared_through_redis_by_two_gateway_processes(
             def post(url: str, user: str) -> httpx.Response:
                 return http.post(f"{url}/v1/completions", json=COMPLETION, headers=support(user))
 
-            # 5 canary failures on each gateway: neither has min_requests (10) of its own, the fleet has
-            assert [post(url, u).status_code for url, u in zip([one, two] * 5, canary[:10], strict=True)] == [500] * 10
+            # 5 canary failures on each gateway: neither has min_requests (10) of its own, the fleet has. Each
+            # failure is answered by the first variant (gateway/generate.py, fallback_call): no client sees it.
+            answers = [post(url, u) for url, u in zip([one, two] * 5, canary[:10], strict=True)]
+            assert [(r.status_code, r.headers["X-Loragate-Adapter"]) for r in answers] == [(200, "a1")] * 10
             for url in (one, two):
                 state = wait_for_rollback(http, url, rolled_back=True)
                 assert state["variant"] == "a2"
@@ -359,7 +366,10 @@ def test_rollback_is_shared_through_redis_by_two_gateway_processes(
             assert resp.status_code == 200 and resp.headers["X-Loragate-Adapter"] == "a1"
             assert http.post(f"{one}/admin/reload", headers=ADMIN).status_code == 200  # clears it everywhere
             wait_for_rollback(http, two, rolled_back=False)
-            assert post(two, canary[12]).status_code == 500  # the canary is back in the split
+            seen = len(mock.received)
+            assert post(two, canary[12]).status_code == 200
+            tried = [r.headers["x-adapter-id"] for r in mock.received[seen:]]
+            assert tried == ["a2", "a1"]  # the canary is back in the split (and still answered by a1)
     finally:
         for proc, _ in gateways:
             stop_process(proc)
