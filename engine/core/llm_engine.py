@@ -5,8 +5,9 @@ detokenize (stop strings) -> RequestOutput deltas. Only the scheduler changes re
 
 A request that cannot be computed fails alone (finish reason "error", with a `RequestError`), never the
 batch: an adapter whose weights cannot be loaded fails the requests that need it (and that version is
-remembered as broken); a row with non-finite logits fails its request; and when the forward pass itself
-raises, the step is run again on halves of the batch until the request(s) that make it raise are found.
+remembered as broken); a row with non-finite logits, or whose output constraint fails or allows no token,
+fails its request; and when the forward pass itself raises, the step is run again on halves of the batch until
+the request(s) that make it raise are found.
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ class LLMEngine:
             raise ValueError("prompt: must not be empty")
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size})")
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -223,14 +226,17 @@ class LLMEngine:
         self.check_request(prompt_token_ids, params, adapter)
         if adapter is not None:
             self.check_adapter(adapter)
-        request = Request(
-            request_id,
-            list(prompt_token_ids),
-            params,
-            priority,
-            adapter,
-            time.monotonic() if arrival_time is None else arrival_time,
-        )
+        try:
+            request = Request(
+                request_id,
+                list(prompt_token_ids),
+                params,
+                priority,
+                adapter,
+                time.monotonic() if arrival_time is None else arrival_time,
+            )
+        except Exception as exc:  # its constraint could not be made: this request fails, not the engine thread
+            raise ValueError(f"constraint: the request's output constraint could not be started: {exc!r}") from exc
         self.scheduler.add_request(request)
         if adapter is not None:
             self._prefetch(adapter)
@@ -436,6 +442,7 @@ class LLMEngine:
         sampled: list[int | None] = [None] * n
         logprobs: list[TokenLogprob | None] = [None] * n
         errors: dict[int, str] = {}
+        scored: dict[int, tuple[int, list[TokenLogprob]]] = {}
         for half in (list(range(n // 2)), list(range(n // 2, n))):
             sub = batch.subset(half)
             for request in sub.requests:
@@ -446,7 +453,9 @@ class LLMEngine:
                 sampled[i], logprobs[i] = part.sampled[j], part.logprobs[j]
                 if j in part.errors:
                     errors[i] = part.errors[j]
-        return RunnerOutput(sampled, logprobs, errors)
+                if j in part.prompt_logprobs:
+                    scored[i] = part.prompt_logprobs[j]
+        return RunnerOutput(sampled, logprobs, errors, scored)
 
     def _adapter_failure(self, request: Request, exc: Exception) -> RequestOutput:
         """A request whose adapter could not be brought onto the device (already finished)."""
@@ -483,11 +492,19 @@ class LLMEngine:
         outputs = []
         for request, token, logprob in zip(batch.requests, result.sampled, result.logprobs, strict=True):
             if token is None:
+                if request.status is RequestStatus.FINISHED_LENGTH:  # it only scored its prompt (max_tokens 0)
+                    outputs.append(self._scored_output(request))
+                continue
+            status = request.status
+            if status is RequestStatus.FINISHED_ERROR:  # its output constraint failed (Request.error)
+                logger.warning("request %s failed: %s", request.request_id, request.error)
+                outputs.append(self._failed_output(request, RequestError("engine_error", request.error or "")))
                 continue
             detok = self._detokenizers[request.request_id]
-            status = request.status
-            # A stop token (EOS, a stop id) ends the request without being shown.
-            text, stop_hit = detok.update([] if status is RequestStatus.FINISHED_STOPPED else [token])
+            # A stop token (EOS, a stop id) ends the request without being shown; a token that completes the
+            # request's grammar is shown.
+            hidden = status is RequestStatus.FINISHED_STOPPED and self._is_stop_token(request, token)
+            text, stop_hit = detok.update([] if hidden else [token])
             if stop_hit and not status.finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 status = request.status
@@ -497,29 +514,57 @@ class LLMEngine:
                     text += detok.flush()
                 del self._detokenizers[request.request_id]
             num_output_tokens = len(request.output_token_ids)
-            outputs.append(
-                RequestOutput(  # positional (one per request per step): request_id, new_token_ids, new_text,
-                    # finished, finish_reason, num_prompt_tokens, num_output_tokens, new_logprobs, queue_time_s
-                    request.request_id,
-                    [token],
-                    text,
-                    finished,
-                    ("stop" if stop_hit else status.value) if finished else None,
-                    len(request.prompt_token_ids),
-                    num_output_tokens,
-                    [logprob] if logprob is not None else [],
-                    request.first_scheduled_time - request.arrival_time
-                    if num_output_tokens == 1 and request.first_scheduled_time is not None  # (it was scheduled)
-                    else None,
-                )
+            output = RequestOutput(  # positional (one per request per step): request_id, new_token_ids, new_text,
+                # finished, finish_reason, num_prompt_tokens, num_output_tokens, new_logprobs, queue_time_s
+                request.request_id,
+                [token],
+                text,
+                finished,
+                ("stop" if stop_hit else status.value) if finished else None,
+                len(request.prompt_token_ids),
+                num_output_tokens,
+                [logprob] if logprob is not None else [],
+                request.first_scheduled_time - request.arrival_time
+                if num_output_tokens == 1 and request.first_scheduled_time is not None  # (it was scheduled)
+                else None,
             )
+            if num_output_tokens == 1 and request.prompt_logprobs:  # the first output after the prompt
+                output.prompt_logprobs = list(request.prompt_logprobs)
+            outputs.append(output)
         return outputs
+
+    def _is_stop_token(self, request: Request, token: int) -> bool:
+        """Whether `token`, which ended `request` with "stop", is a stop token (hidden from the text): always,
+        unless the request's constraint ended it by completing its grammar with an ordinary token."""
+        params = request.sampling_params
+        return request.constraint is None or token in self.eos_token_ids or token in params.stop_token_ids
+
+    def _scored_output(self, request: Request) -> RequestOutput:
+        """The only output of a request that scored its prompt (max_tokens 0): no token, its prompt logprobs."""
+        self._detokenizers.pop(request.request_id, None)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason=request.status.value,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=0,
+            queue_time_s=None
+            if request.first_scheduled_time is None
+            else request.first_scheduled_time - request.arrival_time,
+            prompt_logprobs=list(request.prompt_logprobs),
+        )
 
 
 def _without(batch: SchedulerOutput, result: RunnerOutput, dropped: set[int]) -> tuple[SchedulerOutput, RunnerOutput]:
     """The step and its results without the requests at `dropped` (batch indices)."""
     keep = [i for i in range(len(batch.requests)) if i not in dropped]
-    return (batch.subset(keep), RunnerOutput([result.sampled[i] for i in keep], [result.logprobs[i] for i in keep]))
+    scored = {j: result.prompt_logprobs[i] for j, i in enumerate(keep) if i in result.prompt_logprobs}
+    return (
+        batch.subset(keep),
+        RunnerOutput([result.sampled[i] for i in keep], [result.logprobs[i] for i in keep], {}, scored),
+    )
 
 
 def _count_by_priority(requests: Iterable[Request]) -> tuple[tuple[str, int], ...]:

@@ -31,6 +31,9 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # aligned with new_token_ids
     queue_time_s: float | None = None  # on a request's first output: arrival to first scheduled
     error: RequestError | None = None  # set when finish_reason is "error"
+    # With prompt logprobs: the whole list (entry 0 None), once, on the first output after the prompt is computed
+    # (the one with the first token; or the only one, finish_reason "length", for max_tokens 0).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +43,10 @@ class RunnerOutput:
     sampled: Sequence[int | None]  # None: the request only computed part of its prompt, or failed
     logprobs: Sequence[TokenLogprob | None]  # None: not asked for, or nothing sampled
     errors: dict[int, str] = field(default_factory=dict)  # batch index -> why that request failed
+    # batch index -> (p, entries): the prompt logprobs computed this step for prompt positions p, p + 1, ...
+    # (entries[j] is position p + j's: its token's logprob given the tokens before it). Only for requests with
+    # prompt logprobs; a position already recorded may come again (a recomputed chunk): it is recorded once.
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

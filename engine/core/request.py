@@ -9,9 +9,11 @@ sampling parameters and status. The scheduler decides, the runner computes, and 
 from __future__ import annotations
 
 import enum
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -26,6 +28,26 @@ if TYPE_CHECKING:
 # row into NaN probabilities. NaN compares false, so the checks below also refuse it.
 MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token in practice, +100 makes it the only choice
+MAX_LOGPROBS = 20  # top alternatives per token, for sampled and prompt tokens alike
+
+
+class TokenConstraint(Protocol):
+    """Which tokens one request may produce next; one object per request, advanced on each accepted token.
+
+    The engine calls `fill_bitmask` for the request's row each time it samples for it, `advance` once for each
+    token it appends to the request's output (never again for the same token: preemption keeps the output and
+    the state), and ends the request ("stop") as soon as `is_finished`."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor) -> None:
+        """bitmask: int32 CPU tensor [ceil(vocab / 32)] (one row, zeros on entry); bit j of word i set = token
+        32*i + j allowed (the llguidance / xgrammar layout)."""
+
+    def advance(self, token_id: int) -> None:
+        """The token sampled for the request (always one `fill_bitmask` allowed)."""
+
+    def is_finished(self) -> bool:
+        """The grammar is complete: the request finishes with "stop"."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +68,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/vLLM style, applied over prompt and output tokens
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus the top k
     skip_special_tokens: bool = True
-    # Derived: greedy, no logprobs, no penalties: the token is the argmax of the raw logits, with EOS and the stop
-    # ids masked below min_tokens (the sampler's fast paths test this per row every step).
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
+    # None: off; k >= 0: each prompt token's logprob (the first has none) plus the top k, from the raw logits
+    prompt_logprobs: int | None = None
+    # Makes the request's TokenConstraint (one per request: it holds the grammar's state); None: unconstrained.
+    constraint: Callable[[], TokenConstraint] | None = field(default=None, compare=False)
+    # Derived: greedy, no logprobs, no penalties, no bias, no constraint: the token is the argmax of the raw logits,
+    # with EOS and the stop ids masked below min_tokens (the sampler's fast paths test this per row every step).
     plain_greedy: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +87,8 @@ class SamplingParams:
                 and self.repetition_penalty == 1.0
                 and self.presence_penalty == 0.0
                 and self.frequency_penalty == 0.0
+                and not self.logit_bias
+                and self.constraint is None
             ),
         )
 
@@ -69,8 +98,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the field if a value is out of range."""
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+            raise ValueError("max_tokens must be at least 1 (0 only to score the prompt, with prompt logprobs)")
         if not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}]")
         if not 0.0 < self.top_p <= 1.0:
@@ -85,10 +114,25 @@ class SamplingParams:
             raise ValueError("frequency_penalty must be in [-2, 2]")
         if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError("logprobs must be in [0, 20]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        """Token ids non-negative and given once, biases finite in [-100, 100] (the engine checks ids < vocab)."""
+        seen: set[int] = set()
+        for token_id, bias in self.logit_bias:
+            if token_id < 0:
+                raise ValueError(f"logit_bias: token id {token_id} must be >= 0")
+            if token_id in seen:
+                raise ValueError(f"logit_bias: token id {token_id} is given twice")
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias: the bias of token {token_id} must be in [-100, 100]")
+            seen.add(token_id)
 
 
 class RequestStatus(enum.Enum):
@@ -137,12 +181,25 @@ class Request:
     first_scheduled_time: float | None = None  # when it first got tokens computed (queue time)
     # The class it runs at, for preemption: its own, or the one aging lifted it to by its admission.
     run_class: int = -1
+    # Which tokens it may produce next (made from sampling_params.constraint); advanced by the scheduler on each
+    # token it appends, so preemption (which keeps the output) keeps its state.
+    constraint: TokenConstraint | None = None
+    # With sampling_params.prompt_logprobs: entry p is prompt token p's logprob given the tokens before it (entry 0,
+    # with nothing before it, is None), filled as the prompt is computed; each position is recorded once. Empty
+    # for requests that did not ask.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    error: str | None = None  # why the scheduler finished it with FINISHED_ERROR (its constraint failed)
 
     def __post_init__(self) -> None:
+        params = self.sampling_params
         if self.run_class < 0:
             self.run_class = int(self.priority)
-        if self.sampling_params.seed is not None and not self.sampling_params.greedy:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+        if params.seed is not None and not params.greedy:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        if self.constraint is None and params.constraint is not None:
+            self.constraint = params.constraint()
+        if params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs.append(None)
 
     @property
     def adapter_id(self) -> str | None:
@@ -172,6 +229,12 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some prompt positions are not recorded yet: it must compute them
+        itself (no cached prefix blocks)."""
+        return 0 < len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from engine.core.memory import KVCacheManager
 from engine.core.outputs import RunnerOutput
 from engine.core.preemption import KVSwapper, PreemptionPolicy, pick_victim
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus, TokenLogprob
 from engine.core.waiting_queue import WaitingQueue
 from engine.lora.device_tier import DeviceAdapterTier
 from engine.lora.peft_config import AdapterKey, AdapterSpec
@@ -321,7 +321,8 @@ class Scheduler:
         """Give a waiting request its blocks (cached prefix, swapped-in copy, new ones) for its next
         chunk; the chunk's token count, or None (nothing held) if the pool is short."""
         counters = (self.kv.prefix_queries, self.kv.prefix_hits)
-        if request.swapped_kv is None and request.num_computed_tokens == 0:
+        if request.swapped_kv is None and request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
+            # (A request still recording prompt logprobs computes its whole prompt: cached blocks give no logits.)
             self.kv.attach_cached_prefix(request)
         n = budget.chunk(request)  # >= 1: the prefill cap was checked before the prefix made the prompt shorter
         if not self.kv.allocate_slots(request, n):
@@ -375,11 +376,15 @@ class Scheduler:
     # ---- applying results --------------------------------------------------------------------------
 
     def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Apply one step: advance computed tokens, append sampled tokens, finish by token rules.
+        """Apply one step: record prompt logprobs, advance computed tokens, append sampled tokens (advancing the
+        request's constraint by each: the only place it advances), finish by token rules (a request scoring its
+        prompt, max_tokens 0, once the prompt is computed).
 
         Returns the requests that finished this step (their blocks are already freed).
         """
         finished: list[Request] = []
+        for index, (start, entries) in result.prompt_logprobs.items():
+            _record_prompt_logprobs(out.requests[index], start, entries)
         for request, n, token, logprob in zip(
             out.requests, out.num_tokens, result.sampled, result.logprobs, strict=True
         ):
@@ -388,11 +393,23 @@ class Scheduler:
             if in_prompt:  # prompt blocks may have filled up
                 self.kv.cache_full_blocks(request)
             if token is None:
+                if (
+                    in_prompt
+                    and request.sampling_params.max_tokens == 0
+                    and request.num_computed_tokens == request.num_tokens
+                ):
+                    # Scoring a prompt: it ends once the prompt is computed (its logprobs recorded), with no token.
+                    self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+                    finished.append(request)
                 continue
             request.output_token_ids.append(token)
             if logprob is not None:
                 request.output_logprobs.append(logprob)
-            status = self._check_stop(request, token)
+            status = None
+            if request.constraint is not None:  # the token is accepted: the grammar moves on
+                status = _advance_constraint(request, token, token in self.eos_token_ids)
+            if status is None:
+                status = self._check_stop(request, token)
             if status is not None:
                 self.finish_request(request.request_id, status)
                 finished.append(request)
@@ -411,3 +428,27 @@ class Scheduler:
         if len(request.prompt_token_ids) + num_output >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _record_prompt_logprobs(request: Request, start: int, entries: list[TokenLogprob]) -> None:
+    """Append the entries of prompt positions start, start + 1, ... that `request` has not recorded yet (a chunk
+    computed again after a preemption by recompute records nothing twice)."""
+    recorded = len(request.prompt_logprobs)
+    assert start <= recorded, f"{request.request_id}: prompt logprobs from position {start}, {recorded} recorded"
+    request.prompt_logprobs.extend(entries[recorded - start :])
+
+
+def _advance_constraint(request: Request, token: int, is_eos: bool) -> RequestStatus | None:
+    """Advance the request's constraint by its new token (the only place it advances: once per token appended to
+    the output, which preemption keeps). FINISHED_STOPPED when its grammar is complete, whatever min_tokens says:
+    a constraint allows EOS only once the grammar is complete, and nothing may follow then. FINISHED_ERROR (with
+    `request.error`) if the constraint fails: the request fails alone."""
+    constraint = request.constraint
+    assert constraint is not None
+    try:
+        constraint.advance(token)
+        done = is_eos or constraint.is_finished()
+    except Exception as exc:  # a grammar library's failure is this request's, not the engine's
+        request.error = f"the request's output constraint failed on token {token}: {exc!r}"
+        return RequestStatus.FINISHED_ERROR
+    return RequestStatus.FINISHED_STOPPED if done else None

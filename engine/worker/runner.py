@@ -25,6 +25,7 @@ from engine.lora.device_tier import DeviceAdapterTier
 from engine.model.attention import AttentionMetadata, PrefillSeq
 from engine.model.llama import LlamaForCausalLM
 from engine.worker.input_batch import InputBatch
+from engine.worker.prompt_logprobs import PromptChunk, plan_chunk, score_prompt_chunks
 from engine.worker.sampler import NON_FINITE, RowTables, Sampler
 from kernels import lora_backend
 
@@ -32,7 +33,8 @@ NON_FINITE_LOGITS = (
     "the model computed non-finite logits (NaN or inf) for this request; its adapter's weights are the usual cause"
 )
 NO_TOKEN_LEFT = (
-    "no token had a finite, non-zero probability after min_tokens, stop_token_ids and the penalties were applied"
+    "no token had a finite, non-zero probability after min_tokens, stop_token_ids, logit_bias, the penalties and "
+    "the output constraint were applied"
 )
 
 
@@ -43,6 +45,7 @@ class StepInputs:
     attn: AttentionMetadata
     sample_rows: torch.Tensor | None  # [S] int64: the rows whose logits are sampled; None: every row, in order
     sample_idx: list[int]  # [S]: the requests (in batch order) that sample this step
+    prompt_chunks: list[PromptChunk] | None = None  # the prompt positions scored for prompt logprobs, if any
 
 
 class ModelRunner:
@@ -104,8 +107,13 @@ class ModelRunner:
         sampled: list[int | None] = [None] * n
         logprobs: list[TokenLogprob | None] = [None] * n
         errors: dict[int, str] = {}
+        scored: dict[int, tuple[int, list[TokenLogprob]]] = {}
+        if step.prompt_chunks:  # only requests that asked for prompt logprobs
+            by_order, failed = score_prompt_chunks(hidden, self.model.compute_logits, requests, step.prompt_chunks)
+            scored = {i if order is None else order[i]: entries for i, entries in by_order.items()}
+            errors.update((i if order is None else order[i], NON_FINITE_LOGITS) for i in failed)
         if not step.sample_idx:
-            return RunnerOutput(sampled, logprobs, errors)
+            return RunnerOutput(sampled, logprobs, errors, scored)
         if step.sample_rows is None:  # every request samples, in order
             sampling, sampling_rows = requests, rows
         else:
@@ -115,14 +123,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # [S, vocab]
         out = self.sampler(logits, sampling, RowTables(self.batch, sampling_rows))
         if order is None and step.sample_rows is None and min(out.token_ids) >= 0:  # all sampled, in batch order
-            return RunnerOutput(out.token_ids, out.logprobs, errors)
+            return RunnerOutput(out.token_ids, out.logprobs, errors, scored)
         for i, token, logprob in zip(step.sample_idx, out.token_ids, out.logprobs, strict=True):
             j = i if order is None else order[i]  # its index in the scheduler's batch
             if token >= 0:
                 sampled[j], logprobs[j] = token, logprob
             else:
                 errors[j] = NON_FINITE_LOGITS if token == NON_FINITE else NO_TOKEN_LEFT
-        return RunnerOutput(sampled, logprobs, errors)
+        return RunnerOutput(sampled, logprobs, errors, scored)
 
     def _slot(self, request: Request) -> int | None:
         if request.adapter is None:
@@ -184,18 +192,22 @@ class ModelRunner:
         decode_rows: list[int] = []  # persistent-batch rows of the decodes
         decode_lens: list[int] = []
         prefills: list[tuple[int, int, int, list[int]]] = []  # token_start, query_len, context_len, blocks
+        prompt_chunks: list[PromptChunk] = []  # of requests that asked for prompt logprobs
         for i, (request, n) in enumerate(zip(requests, num_tokens, strict=True)):
             start = request.num_computed_tokens
             end = start + n
             blocks = request.block_ids
             if n == 1:  # a decode (batch order puts them first): one token, one slot
-                if end == request.num_tokens:  # it samples; its token is the last one known
+                # It samples (its token is the last one known), unless it only scores its prompt (max_tokens 0).
+                if end == request.num_tokens and (request.output_token_ids or request.sampling_params.max_tokens):
                     last_rows.append(len(token_ids))
                     sample_idx.append(i)
                     token_ids.append(
                         request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
                     )
-                else:  # the last one-token chunk of a prompt
+                else:  # a one-token chunk of a prompt (or of outputs computed again after a preemption)
+                    if request.prompt_logprobs:
+                        _add_chunk(prompt_chunks, plan_chunk(request, i, len(token_ids), start, end))
                     token_ids.append(_token_at(request, start))
                 pos_list.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
@@ -206,9 +218,11 @@ class ModelRunner:
             token_ids.extend(request.token_ids(start, end))
             pos_list.extend(range(start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            if end == request.num_tokens:
+            if end == request.num_tokens and (request.output_token_ids or request.sampling_params.max_tokens):
                 last_rows.append(row + n - 1)
                 sample_idx.append(i)
+            if request.prompt_logprobs:
+                _add_chunk(prompt_chunks, plan_chunk(request, i, row, start, end))
             prefills.append((row, n, end, blocks[: -(-end // bs)]))
         num = len(token_ids)
         num_decodes = len(decode_lens)
@@ -244,7 +258,12 @@ class ModelRunner:
             else (),
         )
         return StepInputs(
-            flat[:num], flat[num : 2 * num], attn, flat[ends[3] : ends[4]] if gather else None, sample_idx
+            flat[:num],
+            flat[num : 2 * num],
+            attn,
+            flat[ends[3] : ends[4]] if gather else None,
+            sample_idx,
+            prompt_chunks,
         )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
@@ -253,6 +272,11 @@ class ModelRunner:
         if self.device.type == "cpu":  # NumPy builds it from the list in a third of torch.tensor's time
             return torch.from_numpy(np.array(values, dtype=np.int64))
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _add_chunk(chunks: list[PromptChunk], chunk: PromptChunk | None) -> None:
+    if chunk is not None:
+        chunks.append(chunk)
 
 
 def _token_at(request: Request, position: int) -> int:

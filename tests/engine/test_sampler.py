@@ -16,6 +16,7 @@ from transformers.generation.logits_process import (
 
 from engine.core.request import Request, SamplingParams
 from engine.worker.sampler import NO_TOKEN, NON_FINITE, Sampler, argmax, argmax_list
+from engine.worker.token_masks import unpack_bitmask
 
 EOS = 3
 
@@ -312,3 +313,115 @@ def test_sampled_frequencies_fit_the_distribution(seeded: bool) -> None:
         # 2-point shift in one probability gives a statistic in the hundreds.
         assert _chi_square(counts, expected, draws) < 35, (kw, counts, dof)
         assert math.isclose(sum(counts.values()), draws)
+
+
+def _bitmask_of(allowed: set[int], vocab: int) -> torch.Tensor:
+    """The int32 bitmask row [ceil(vocab / 32)] allowing `allowed`, written bit by bit (bit 31 is the sign bit)."""
+    words = [0] * -(-vocab // 32)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+class _Allowed:
+    """A TokenConstraint allowing a fixed set of tokens (never finished)."""
+
+    def __init__(self, allowed: set[int], vocab: int) -> None:
+        self.row = _bitmask_of(allowed, vocab)
+
+    def fill_bitmask(self, bitmask: torch.Tensor) -> None:
+        bitmask.copy_(self.row)
+
+    def advance(self, token_id: int) -> None:
+        pass
+
+    def is_finished(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("vocab", [31, 32, 100, 4097])
+def test_unpack_bitmask_reads_each_token_bit(vocab: int) -> None:
+    rng = torch.Generator().manual_seed(vocab)
+    sets = [set(torch.randperm(vocab, generator=rng)[: vocab // 3].tolist()), {vocab - 1, 0}, set(range(31, vocab, 32))]
+    bitmask = torch.stack([_bitmask_of(s, vocab) for s in sets])
+    unpacked = unpack_bitmask(bitmask, vocab)
+    assert unpacked.shape == (3, vocab) and unpacked.dtype == torch.bool
+    for row, allowed in zip(unpacked, sets, strict=True):
+        assert set(row.nonzero().squeeze(1).tolist()) == allowed
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constrained_rows_sample_allowed_tokens_and_leave_the_others_alone(temperature: float) -> None:
+    vocab = 200
+    raw = torch.randn(5, vocab, generator=torch.Generator().manual_seed(8))
+    allowed = {3 + 7 * i for i in range(20)}  # EOS among them
+    reqs = [
+        _request(SamplingParams(temperature=0.0)),
+        _request(SamplingParams(temperature=temperature, seed=1, constraint=lambda: _Allowed(allowed, vocab))),
+        _request(SamplingParams(temperature=0.0, logprobs=2)),
+        _request(SamplingParams(temperature=temperature, seed=2, constraint=lambda: _Allowed(set(), vocab))),
+        _request(SamplingParams(temperature=0.0, min_tokens=4, constraint=lambda: _Allowed({EOS}, vocab))),
+    ]
+    assert not any(r.sampling_params.plain_greedy for r in reqs[1::2])
+    before = raw.clone()
+    out = Sampler((EOS,), seed=0)(raw, reqs)
+    assert torch.equal(raw, before)
+    assert out.token_ids[0] == int(raw[0].argmax()) and out.token_ids[2] == int(raw[2].argmax())
+    assert out.token_ids[1] in allowed
+    if temperature == 0.0:
+        assert out.token_ids[1] == max(allowed, key=lambda t: raw[1, t].item())
+    assert out.token_ids[3] == NO_TOKEN  # the mask leaves nothing
+    # Below min_tokens, a constraint that allows only EOS (its grammar is complete) still gets EOS: min_tokens masks
+    # EOS only in rows without a constraint.
+    assert out.token_ids[4] == EOS
+    assert out.logprobs[2] is not None and out.logprobs[2].token_id == out.token_ids[2]
+
+
+def test_logit_bias_is_added_before_penalties_and_temperature() -> None:
+    vocab = 300
+    raw = torch.randn(4, vocab, generator=torch.Generator().manual_seed(9))
+    bias = ((5, 100.0), (17, -100.0), (int(raw[1].argmax()), -3.5), (299, 0.25))
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=bias),
+        SamplingParams(temperature=0.7, top_k=40, repetition_penalty=1.3, logit_bias=bias),
+        SamplingParams(temperature=0.0),  # no bias: untouched in the same batch
+        SamplingParams(temperature=0.0, logit_bias=((int(raw[3].argmax()), -100.0),)),
+    ]
+    reqs = [_request(p, prompt=[5, 6, 7], output=[17, 299]) for p in params]
+    biased = raw.clone()
+    for row in (0, 1):
+        for token_id, value in bias:
+            biased[row, token_id] += value
+    biased[3, int(raw[3].argmax())] -= 100.0
+    processed = Sampler((EOS,), seed=0).process(raw, reqs)
+    assert torch.equal(processed[0], biased[0]) and torch.equal(processed[2], raw[2])
+    expected = _hf_reference(biased[1], reqs[1])  # HF's processors on the biased logits
+    assert torch.equal(torch.isfinite(processed[1]), torch.isfinite(expected))
+    torch.testing.assert_close(processed[1].softmax(-1), expected.softmax(-1), rtol=1e-5, atol=1e-7)
+    out = Sampler((EOS,), seed=0)(raw, reqs)
+    assert out.token_ids[0] == 5 and out.token_ids[2] == int(raw[2].argmax())
+    assert out.token_ids[3] == int(biased[3].argmax()) != int(raw[3].argmax())
+
+
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        (dict(logit_bias=((5, 100.5),)), "logit_bias"),
+        (dict(logit_bias=((5, float("nan")),)), "logit_bias"),
+        (dict(logit_bias=((-1, 1.0),)), "logit_bias"),
+        (dict(logit_bias=((5, 1.0), (5, 2.0))), "logit_bias"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=0, prompt_logprobs=21), "prompt_logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    ],
+)
+def test_new_fields_are_validated_naming_the_field(params: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**params).validate()
+
+
+def test_scoring_a_prompt_is_valid_and_a_bias_leaves_the_plain_greedy_path() -> None:
+    SamplingParams(max_tokens=0, prompt_logprobs=0).validate()
+    SamplingParams(logit_bias=((5, -100.0), (6, 100.0)), prompt_logprobs=20).validate()
+    assert SamplingParams(temperature=0.0, prompt_logprobs=3).plain_greedy  # prompt logprobs do not sample
+    assert not SamplingParams(temperature=0.0, logit_bias=((5, 1.0),)).plain_greedy

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
 from engine.core.memory import KVCacheManager, PagePool
 from engine.core.outputs import RunnerOutput
-from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.core.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.worker.prompt_logprobs import plan_chunk
 from loragate.priority import Priority
 
 EOS = 0
@@ -237,3 +239,150 @@ def test_page_pool_runs_and_single_pages_share_pages() -> None:
     pool.free([0, 1, 5, 6, 7, 8, 9])
     assert pool.num_free == 16 and not pool.owners() and pool.num_run_pages == 0
     assert sorted(pool.allocate(16, "all")) == list(range(16))  # stale heap entries were skipped
+
+
+def fake_run_scoring(batch: SchedulerOutput) -> RunnerOutput:
+    """fake_run, plus prompt logprobs as the runner plans them (engine/worker/prompt_logprobs.py), each entry's
+    logprob minus its position (so a misplaced entry shows), and no token for a request that only scores its
+    prompt (max_tokens 0)."""
+    sampled: list[int | None] = []
+    scored: dict[int, tuple[int, list[TokenLogprob]]] = {}
+    for i, (r, n) in enumerate(zip(batch.requests, batch.num_tokens, strict=True)):
+        end = r.num_computed_tokens + n
+        samples = end == r.num_tokens and (r.output_token_ids or r.sampling_params.max_tokens)
+        sampled.append(fake_token(r) if samples else None)
+        chunk = plan_chunk(r, i, 0, r.num_computed_tokens, end) if r.prompt_logprobs else None
+        if chunk is not None:
+            entries = [
+                TokenLogprob(r.prompt_token_ids[q + 1], -float(q + 1), ()) for q in range(chunk.start, chunk.end)
+            ]
+            scored[i] = (chunk.start + 1, entries)
+            SCORED_POSITIONS.update((r.request_id, q + 1) for q in range(chunk.start, chunk.end))
+    return RunnerOutput(sampled, [None] * len(sampled), {}, scored)
+
+
+SCORED_POSITIONS: Counter[tuple[str, int]] = Counter()  # (request id, prompt position) -> times scored
+
+
+def expected_prompt_logprobs(r: Request) -> list[TokenLogprob | None]:
+    return [None] + [TokenLogprob(t, -float(p), ()) for p, t in enumerate(r.prompt_token_ids) if p > 0]
+
+
+def step_scoring(s: Scheduler) -> SchedulerOutput:
+    batch = s.schedule()
+    s.update_from_output(batch, fake_run_scoring(batch))
+    s.kv.check_invariants(s.requests.values())
+    return batch
+
+
+@pytest.mark.parametrize("when", ["mid-prompt", "after the prompt"])
+def test_prompt_logprobs_are_recorded_once_through_chunks_and_recompute(when: str) -> None:
+    SCORED_POSITIONS.clear()
+    s = make_scheduler(max_batch_tokens=8)
+    r = make_request("r", 30, max_tokens=3, prompt_logprobs=2)
+    s.add_request(r)
+    step_scoring(s)
+    if when == "after the prompt":
+        while r.num_output_tokens == 0:
+            step_scoring(s)
+    assert r.prompt_logprobs == expected_prompt_logprobs(r)[: min(r.num_computed_tokens + 1, 30)]
+    s._preempt(r, SchedulerOutput())  # recompute: the prompt (and output) is computed again from position 0
+    assert r.num_computed_tokens == 0 and r.status is RequestStatus.WAITING
+    while s.has_unfinished():
+        step_scoring(s)
+    assert r.prompt_logprobs == expected_prompt_logprobs(r)
+    assert r.num_output_tokens == 3
+    # Each position was scored once: the chunks computed again score only positions not recorded yet.
+    assert all(SCORED_POSITIONS[("r", p)] == 1 for p in range(1, 30))
+
+
+def test_scoring_a_prompt_finishes_once_it_is_computed_without_a_token() -> None:
+    s = make_scheduler(max_batch_tokens=8)
+    scored = make_request("scored", 30, max_tokens=0, prompt_logprobs=0)
+    one = make_request("one-token", 1, max_tokens=0, prompt_logprobs=0)
+    s.add_request(scored)
+    s.add_request(one)
+    finished: list[Request] = []
+    steps = 0
+    while s.has_unfinished():
+        batch = s.schedule()
+        finished += s.update_from_output(batch, fake_run_scoring(batch))
+        steps += 1
+    assert finished == [scored, one]
+    assert scored.status is RequestStatus.FINISHED_LENGTH and scored.output_token_ids == []
+    assert scored.prompt_logprobs == expected_prompt_logprobs(scored) and one.prompt_logprobs == [None]
+    assert steps == 4 and s.kv.pool.num_free == s.kv.pool.num_pages  # 31 prompt tokens, 8 a step
+
+
+def test_a_request_with_prompt_logprobs_computes_its_whole_prompt_despite_the_prefix_cache() -> None:
+    kv = KVCacheManager(PagePool(64), 4, enable_prefix_cache=True)
+    s = Scheduler(SchedulerConfig(64, 16, 256, aging_s=None), kv, (EOS,))
+    first = make_request("first", 21, max_tokens=2)
+    s.add_request(first)
+    while s.has_unfinished():
+        step_scoring(s)
+    scored = make_request("scored", 21, max_tokens=2, prompt_logprobs=1)
+    s.add_request(scored)
+    batch = step_scoring(s)
+    assert batch.num_tokens == [21] and kv.prefix_hits == 0  # no cached block: every position gives its logits
+    while s.has_unfinished():
+        step_scoring(s)
+    assert scored.prompt_logprobs == expected_prompt_logprobs(scored)
+    again = make_request("again", 21, max_tokens=2)  # the same prompt without prompt logprobs: cached blocks
+    s.add_request(again)
+    assert step_scoring(s).num_tokens == [1] and kv.prefix_hits == 20
+
+
+class RecordingConstraint:
+    """A TokenConstraint that allows everything, records what it was advanced with, and is finished after
+    `length` tokens (never, for None); `fail_at` makes advance raise at that many tokens."""
+
+    def __init__(self, length: int | None = None, fail_at: int | None = None) -> None:
+        self.length, self.fail_at = length, fail_at
+        self.advanced: list[int] = []
+
+    def fill_bitmask(self, bitmask: object) -> None:
+        raise AssertionError("the scheduler never fills masks")
+
+    def advance(self, token_id: int) -> None:
+        if self.fail_at is not None and len(self.advanced) == self.fail_at:
+            raise RuntimeError("grammar broke")
+        self.advanced.append(token_id)
+
+    def is_finished(self) -> bool:
+        return self.length is not None and len(self.advanced) >= self.length
+
+
+def test_constraints_advance_once_per_token_through_preemption_and_finish_the_request() -> None:
+    reference = make_scheduler(num_blocks=256)
+    tight = make_scheduler(num_blocks=12)
+    for s in (reference, tight):
+        for i in range(6):
+            # r1 and r4's grammars complete after 3 tokens, before min_tokens; r5's constraint breaks on its 2nd token.
+            length = 3 if i in (1, 4) else None
+            s.add_request(
+                make_request(
+                    f"r{i}",
+                    6 + i,
+                    max_tokens=8,
+                    arrival=float(i),
+                    min_tokens=5,
+                    constraint=lambda length=length, i=i: RecordingConstraint(length, 1 if i == 5 else None),
+                )
+            )
+    ref_requests, tight_requests = dict(reference.requests), dict(tight.requests)
+    run_to_completion(reference)
+    steps = run_to_completion(tight)
+    assert sum(len(b.preempted) for b in steps) > 0, "the pool was meant to run out"
+    for rid, r in tight_requests.items():
+        assert r.output_token_ids == ref_requests[rid].output_token_ids
+        assert isinstance(r.constraint, RecordingConstraint)
+        if rid == "r5":
+            assert r.status is RequestStatus.FINISHED_ERROR and r.error is not None and "grammar broke" in r.error
+            assert r.constraint.advanced == r.output_token_ids[:1]
+            continue
+        assert r.constraint.advanced == r.output_token_ids  # once per token, never again after a recompute
+        if rid in ("r1", "r4"):
+            assert r.status is RequestStatus.FINISHED_STOPPED and r.num_output_tokens == 3
+        else:
+            assert r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 8
