@@ -1,7 +1,7 @@
 """What the gateway learns from one generation request before it spends anything on it.
 
 `loragate.http_io.read_json` enforces the size limit and the JSON-object shape; `GenerationBody.parse`
-checks the few fields the gateway itself acts on (`model`, `stream`, `stream_options`, `max_tokens`);
+checks the few fields the gateway itself acts on (`model`, `stream`, `stream_options`, `max_tokens`, `n`);
 everything else in the body is the engine's to validate, and is forwarded untouched but for `model`
 (`upstream_body`). `resolve_priority` and `estimate_tokens` turn
 headers and body into the admission priority and the rate-limit reservation.
@@ -61,8 +61,9 @@ class GenerationBody:
     model: str | None
     stream: bool
     include_usage: bool  # the client asked for the final usage chunk
-    max_tokens: int | None
+    max_tokens: int | None  # per choice; 0 (completions): scoring the prompt, nothing generated
     prompt_tokens: int  # the estimate, see estimate_tokens
+    n: int = 1  # choices: each may generate max_tokens
 
     @classmethod
     def parse(cls, data: dict[str, Any], chat: bool) -> GenerationBody:
@@ -73,23 +74,33 @@ class GenerationBody:
         max_tokens = _optional(data, "max_tokens", (int,), "an integer")
         if chat and max_tokens is None:
             max_tokens = _optional(data, "max_completion_tokens", (int,), "an integer")
-        if max_tokens is not None and max_tokens < 1:
-            raise bad_request("max_tokens: must be at least 1")
+        if max_tokens is not None and max_tokens < 1 and not (max_tokens == 0 and _scores_prompt(data, chat)):
+            raise bad_request("max_tokens: must be at least 1 (0 only with echo and logprobs, to score a prompt)")
+        n = _optional(data, "n", (int,), "an integer")
+        if n is not None and n < 1:
+            raise bad_request("n: must be at least 1")
         if chat:
             messages = data.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise bad_request("messages: must be a non-empty list")
-            prompt_tokens = _text_tokens(messages)
+            prompt_tokens = _text_tokens(messages) + _text_tokens(data.get("tools"))  # a template may render tools
         else:
             if "prompt" not in data:
                 raise bad_request("prompt: field required")
             prompt_tokens = _prompt_tokens(data["prompt"])
-        return cls(model, stream, stream and include_usage, max_tokens, prompt_tokens)
+        return cls(model, stream, stream and include_usage, max_tokens, prompt_tokens, 1 if n is None else n)
 
     @property
     def reserve_tokens(self) -> int:
-        """Tokens to reserve against the tenant's budget: the prompt estimate + max_tokens (or 256)."""
-        return self.prompt_tokens + (self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS)
+        """Tokens to reserve against the tenant's budget: the prompt estimate (computed once, whatever n) + n x
+        max_tokens (or 256)."""
+        max_tokens = self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS
+        return self.prompt_tokens + self.n * max_tokens
+
+
+def _scores_prompt(data: dict[str, Any], chat: bool) -> bool:
+    """A completions request that scores its prompt (echo + logprobs): it may generate nothing (max_tokens 0)."""
+    return not chat and data.get("echo") is True and data.get("logprobs") is not None
 
 
 def estimate_tokens(text: str) -> int:
@@ -97,7 +108,8 @@ def estimate_tokens(text: str) -> int:
 
 
 def _text_tokens(value: Any) -> int:
-    """Estimated tokens of every string inside `value` (chat messages: contents, names, text parts)."""
+    """Estimated tokens of every string inside `value` (chat messages: contents, names, text parts; tools:
+    names, descriptions, the strings of their schemas)."""
     if isinstance(value, str):
         return estimate_tokens(value)
     if isinstance(value, list):

@@ -4,25 +4,48 @@ Also the body of POST /v1/adapters (`LoadAdapterRequest`), whose `path` is hosti
 resolve, symlinks included, to a directory inside the engine's --adapter-dir.
 
 Requests are parsed strictly (a string is never coerced to a number) and unknown fields are ignored,
-since OpenAI clients send extras. Fields we cannot honour without changing the answer (echo, best_of,
-tools, a JSON response_format, ...) are rejected with an error that names them. `describe()` turns a
-pydantic ValidationError into one "field: problem" line for the 400 body.
+since OpenAI clients send extras. Fields we cannot honour without changing the answer (`suffix`, a `best_of`
+other than `n`, the legacy `functions`) are rejected with an error that names them. `response_format`,
+`tools` and `tool_choice` are checked by engine/entrypoints/guided.py, which also compiles them into a
+grammar. `describe()` turns a pydantic ValidationError into one "field: problem" line for the 400 body.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from engine.core.request import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_REPETITION_PENALTY, SamplingParams
+from engine.core.request import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
+from engine.entrypoints.chat_messages import ChatMessage, ContentPart, MessageToolCall, ToolCallFunction
+from engine.entrypoints.guided import (
+    ConstraintFactory,
+    FieldError,
+    ResponseFormat,
+    Tool,
+    ToolChoice,
+    ToolPlan,
+    parse_response_format,
+    parse_tool_choice,
+    parse_tools,
+    plan_tools,
+)
 from engine.lora.files import resolve_inside
 from engine.lora.peft_config import AdapterError, validate_adapter_id
-from loragate.errors import bad_request
+from loragate.errors import bad_request, shown
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_N = 16  # choices per request; each is a sequence in the engine
 _TEMPERATURE_EPS = 1e-5  # below this sampling is greedy (as in vLLM): logits / ~0 overflow
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 _MAX_PATH_CHARS = 4096
@@ -31,6 +54,14 @@ M = TypeVar("M", bound=BaseModel)
 
 def _unsupported(message: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported", message)
+
+
+def _parsed(parse: Callable[[object], Any], value: object) -> Any:
+    """`parse(value)`, its FieldError as a pydantic error that `describe` writes as "field.sub.path: reason"."""
+    try:
+        return parse(value)
+    except FieldError as exc:
+        raise PydanticCustomError("at_path", "{reason}", {"reason": exc.reason, "path": exc.path}) from None
 
 
 class StreamOptions(BaseModel):
@@ -44,10 +75,10 @@ class _GenerationRequest(BaseModel):
     model_config = _STRICT
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: only to score a prompt (completions, echo + logprobs)
     temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # torch.Generator's range
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -55,8 +86,9 @@ class _GenerationRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1)
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM extras
     top_k: int | None = None
     min_tokens: int = Field(default=0, ge=0)
@@ -65,26 +97,27 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
 
-    @field_validator("n")
+    @field_validator("n", mode="before")
     @classmethod
-    def _one_choice(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise _unsupported("only n=1 is supported")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise _unsupported("best_of > 1 is not supported")
-        return v
+    def _n_given(cls, v: object) -> object:
+        return 1 if v is None else v  # null: the default
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise _unsupported("not supported")
+    def _biases(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise PydanticCustomError(
+                    "value_error", "keys must be token ids (digits), not {key}", {"key": shown(key)}
+                )
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise PydanticCustomError("value_error", "the bias of token {key} must be in [-100, 100]", {"key": key})
         return v
+
+    @field_validator("response_format", mode="plain")
+    @classmethod
+    def _response_format(cls, v: object) -> ResponseFormat | None:
+        return _parsed(parse_response_format, v)
 
     @field_validator("top_k")
     @classmethod
@@ -97,7 +130,21 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _check_best_of(self) -> None:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"best_of: must equal n ({self.n}): generating best_of candidates and returning the n most likely "
+                "is not supported; ask for n choices instead"
+            )
+
+    def _sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        constraint: ConstraintFactory | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        self._check_best_of()
         temperature = 1.0 if self.temperature is None else self.temperature
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         params = SamplingParams(
@@ -115,6 +162,10 @@ class _GenerationRequest(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            # token ids below the vocabulary's size are checked by the engine (LLMEngine.check_request)
+            logit_bias=tuple(sorted((int(key), bias) for key, bias in (self.logit_bias or {}).items())),
+            prompt_logprobs=prompt_logprobs,
+            constraint=constraint,
         )
         params.validate()  # ValueError naming the field (e.g. min_tokens > max_tokens)
         return params
@@ -134,7 +185,7 @@ def _single_prompt(value: object) -> str | list[int] | None:
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
 
@@ -155,13 +206,6 @@ class CompletionRequest(_GenerationRequest):
             raise PydanticCustomError("value_error", "must not be empty")
         return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool | None) -> bool | None:
-        if v:
-            raise _unsupported("not supported")
-        return v
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v: str | None) -> str | None:
@@ -169,75 +213,66 @@ class CompletionRequest(_GenerationRequest):
             raise _unsupported("not supported")
         return v
 
-    def to_sampling_params(self, context_left: int) -> SamplingParams:
-        """max_tokens defaults to 16 (OpenAI); `context_left` is unused here (see the chat request)."""
+    @property
+    def scores_prompt(self) -> bool:
+        """echo with logprobs: each prompt token's logprob is part of the answer."""
+        return bool(self.echo) and self.logprobs is not None
+
+    def to_sampling_params(self, context_left: int, constraint: ConstraintFactory | None = None) -> SamplingParams:
+        """max_tokens defaults to 16 (OpenAI); 0 scores the prompt (echo + logprobs) without generating.
+        `context_left` is unused here (see the chat request)."""
         del context_left
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs)
-
-
-class ContentPart(BaseModel):
-    model_config = _STRICT
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-    def for_template(self) -> dict[str, str]:
-        """The {role, content} dict chat templates expect ("developer" is OpenAI's new "system")."""
-        if isinstance(self.content, list):
-            text = "".join(part.text for part in self.content)
-        else:
-            text = self.content or ""
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if max_tokens == 0 and not self.scores_prompt:
+            raise ValueError("max_tokens: 0 is only allowed with echo and logprobs (to score the prompt)")
+        prompt_logprobs = self.logprobs if self.scores_prompt else None
+        return self._sampling_params(max_tokens, self.logprobs, constraint, prompt_logprobs)
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
-    tool_choice: Any = None
 
-    @field_validator("response_format")
+    @field_validator("tools", mode="plain")
     @classmethod
-    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type", "text") != "text":
-            raise _unsupported('only type "text" is supported')
-        return v
+    def _tools(cls, v: object) -> tuple[Tool, ...]:
+        return _parsed(parse_tools, v)
 
-    @field_validator("tools", "functions")
+    @field_validator("tool_choice", mode="plain")
     @classmethod
-    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
+    def _tool_choice(cls, v: object) -> ToolChoice | None:
+        return _parsed(parse_tool_choice, v)
+
+    @field_validator("functions")
+    @classmethod
+    def _no_functions(cls, v: list[Any] | None) -> list[Any] | None:
         if v:
-            raise _unsupported("tool calling is not supported")
+            raise _unsupported("the legacy functions field is not supported; use tools")
         return v
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, v: Any) -> Any:
-        if v not in (None, "none", "auto"):
-            raise _unsupported("tool calling is not supported")
-        return v
-
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
 
-    def to_sampling_params(self, context_left: int) -> SamplingParams:
+    def tool_plan(self) -> ToolPlan | None:
+        """The tools this request uses (None: none), or ValueError naming the field."""
+        parallel = self.parallel_tool_calls is not False
+        return plan_tools(self.tools, self.tool_choice, parallel, self.response_format)
+
+    def to_sampling_params(self, context_left: int, constraint: ConstraintFactory | None = None) -> SamplingParams:
         """max_tokens defaults to what is left of the context after the prompt (at least 1)."""
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens: must be at least 1")
         max_tokens = self.max_completion_tokens or self.max_tokens or max(1, context_left)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, constraint)
 
 
 class LoadAdapterRequest(BaseModel):
@@ -282,12 +317,23 @@ def describe(exc: ValidationError) -> str:
             parts.append(f"[{item}]")
         elif item in _FIELD_NAMES:
             parts.append(f".{item}" if parts else item)
+    if err["type"] == "at_path":  # a FieldError inside the field (guided.py): its path continues the field's
+        parts.append(err["ctx"]["path"])
     return f"{''.join(parts) or 'body'}: {err['msg']}"
 
 
 _FIELD_NAMES = frozenset().union(
     *(
         m.model_fields
-        for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions, LoadAdapterRequest)
+        for m in (
+            CompletionRequest,
+            ChatCompletionRequest,
+            ChatMessage,
+            ContentPart,
+            MessageToolCall,
+            ToolCallFunction,
+            StreamOptions,
+            LoadAdapterRequest,
+        )
     )
 )

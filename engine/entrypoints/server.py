@@ -1,9 +1,12 @@
 """The engine's OpenAI-compatible HTTP API (Starlette); `engine.entrypoints.serving.serve()` runs it under uvicorn.
 
 One request's path: read and validate the JSON body (400 naming the field) -> adapter and priority from
-the headers / `model` -> tokenize -> `AsyncEngine.generate` -> one JSON response, or Server-Sent Events
-that carry each engine step's text as soon as it exists. A client that goes away aborts its request,
-which frees its KV blocks. Every error is JSON: {"error": {"type": ..., "message": ...}}.
+the headers / `model` -> tokenize (a chat through its template, with the tools when the template renders them)
+-> sampling parameters, with the grammar of a `response_format` or a constrained tool call compiled off the
+event loop (engine/entrypoints/guided.py) -> its `n` choices as engine requests (engine/entrypoints/choices.py,
+`AsyncEngine.generate`) -> one JSON response, or Server-Sent Events that carry each engine step's text as soon
+as it exists (engine/entrypoints/responses.py). A client that goes away aborts its request, every choice of
+it, which frees their KV blocks. Every error is JSON: {"error": {"type": ..., "message": ...}}.
 
 Adapters: a request names one with `X-Adapter-ID` or `model`; any id that is not registered (hostile
 ones included: they can never be registered) is a 404, never the base model. The /v1/adapters admin
@@ -18,13 +21,13 @@ one attribute read, no round trip to the engine thread.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
-import anyio
 from jinja2 import TemplateError
 from opentelemetry.trace import Span
 from starlette.applications import Starlette
@@ -35,14 +38,17 @@ from starlette.routing import Route
 
 from engine.core.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from engine.core.outputs import LoadReport, RequestOutput
-from engine.core.request import TokenLogprob
+from engine.core.request import SamplingParams
 from engine.entrypoints.adapter_routes import AdapterRoutes
+from engine.entrypoints.choices import Choices
 from engine.entrypoints.fetched_adapters import FetchedAdapters, wanted_from_headers
+from engine.entrypoints.guided import ToolPlan, compile_constraint
 from engine.entrypoints.metrics import EngineMetrics, RequestTracker
 from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-from engine.entrypoints.responses import ChatFormatter, CompletionFormatter, Formatter, model_card
+from engine.entrypoints.responses import ChatFormatter, CompletionFormatter, Echo, Formatter, model_card
 from engine.entrypoints.tracing import engine_span, record_error, record_output
 from engine.lora.peft_config import AdapterError, validate_adapter_id
+from engine.structured import template_supports_tools
 from loragate.errors import ApiError, adapter_not_found, bad_request, error_body, error_response, unavailable
 from loragate.http_io import SSE_DONE, ClientGone, list_body, read_json, sse, unless_disconnected
 from loragate.priority import Priority
@@ -91,32 +97,41 @@ def _priority(request: Request) -> Priority:
         raise bad_request(str(exc)) from None
 
 
-async def close_outputs(it: AsyncIterator[RequestOutput]) -> None:
-    """Close the engine's output iterator: if the request is still running, this aborts it."""
-    aclose = getattr(it, "aclose", None)
-    if aclose is not None:
-        with anyio.CancelScope(shield=True):  # runs even while the stream's task is being cancelled
-            await aclose()
-
-
-async def _next(it: AsyncIterator[RequestOutput], adapter_id: str | None) -> RequestOutput:
+async def _first(choices: Choices, adapter_id: str | None) -> RequestOutput:
     with _engine_errors(adapter_id):
-        return await anext(it)
+        return await choices.first()
 
 
-async def _collect(
-    it: AsyncIterator[RequestOutput], first: RequestOutput, tracker: RequestTracker
-) -> tuple[str, list[TokenLogprob], RequestOutput]:
-    texts: list[str] = []
-    logprobs: list[TokenLogprob] = []
-    out = first
-    while True:
+async def _next_choice(choices: Choices) -> tuple[int, RequestOutput] | None:
+    with _engine_errors(None):
+        return await choices.next()
+
+
+def _track(tracker: RequestTracker, index: int, out: RequestOutput) -> None:
+    """Time the first choice (TTFT, TPOT): every choice of a request shares its prompt and runs beside it."""
+    if index == 0:
         tracker.on_output(out)
-        texts.append(out.new_text)
-        logprobs.extend(out.new_logprobs)
-        if out.finished:
-            return "".join(texts), logprobs, out
-        out = await _next(it, None)
+
+
+def _finish(tracker: RequestTracker, lasts: list[RequestOutput]) -> RequestOutput:
+    """The request's totals as one output (the prompt once, every choice's tokens), given to the tracker, which
+    records the request with them when it finishes."""
+    last = lasts[0]
+    if len(lasts) > 1:
+        last = dataclasses.replace(last, num_output_tokens=sum(out.num_output_tokens for out in lasts))
+        tracker.on_output(last)
+    return last
+
+
+async def _collect(choices: Choices, first: RequestOutput, fmt: Formatter, tracker: RequestTracker) -> None:
+    index, out = 0, first
+    while True:
+        _track(tracker, index, out)
+        fmt.add(index, out)
+        step = await _next_choice(choices)
+        if step is None:
+            return
+        index, out = step
 
 
 class EngineRoutes:
@@ -131,6 +146,8 @@ class EngineRoutes:
         self.tokenizer = engine.engine.tokenizer
         self.base_model = engine.engine.model_name
         self.max_model_len = engine.engine.max_model_len
+        self.vocab_size = engine.engine.vocab_size
+        self.template_tools = template_supports_tools(self.tokenizer)  # `auto` tool choice works with this model
         self.max_num_seqs = engine.engine.config.max_num_seqs
         self.created = int(time.time())
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(self._token_text)
@@ -146,15 +163,36 @@ class EngineRoutes:
         adapter_id = self._adapter_id(request, req.model)
         prompt = req.prompt
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        fmt = CompletionFormatter(adapter_id or self.base_model, self.token_text, req.logprobs is not None)
-        return await self._generate(request, req, prompt_ids, fmt, adapter_id)
+        echo = None
+        if req.echo:
+            echo = Echo(prompt if isinstance(prompt, str) else self._decode(prompt_ids), list(prompt_ids))
+        model = adapter_id or self.base_model
+        fmt = CompletionFormatter(model, self.token_text, req.logprobs is not None, req.n, echo)
+        return await self._generate(request, req, prompt_ids, fmt, adapter_id, None)
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await read_json(request))
         adapter_id = self._adapter_id(request, req.model)
-        prompt_ids = self._chat_prompt(req)
-        fmt = ChatFormatter(adapter_id or self.base_model, self.token_text, bool(req.logprobs))
-        return await self._generate(request, req, prompt_ids, fmt, adapter_id)
+        try:
+            tools = req.tool_plan()
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        if tools is not None and not tools.constrained and not self.template_tools:
+            raise bad_request(
+                'tool_choice: "auto" (the default with tools) needs a chat template that renders tools, and this '
+                'model\'s does not; use "required" or a named function (constrained to the tools\' schemas), or "none"'
+            )
+        prompt_ids = self._chat_prompt(req, tools)
+        fmt = ChatFormatter(adapter_id or self.base_model, self.token_text, bool(req.logprobs), req.n, tools)
+        return await self._generate(request, req, prompt_ids, fmt, adapter_id, tools)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise bad_request(f"prompt: token ids must be in [0, {self.vocab_size})")
+        text = self.tokenizer.decode(token_ids)
+        if not isinstance(text, str):  # never: decode gives a list only for a batch of sequences
+            raise TypeError(f"the tokenizer decoded a prompt to {type(text).__name__}, not str")
+        return text
 
     def _adapter_id(self, request: Request, model: str | None) -> str | None:
         """X-Adapter-ID wins over `model`; neither, or the base model's name, means the base model.
@@ -172,12 +210,17 @@ class EngineRoutes:
         except AdapterError:
             raise adapter_not_found(name) from None
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
+        """The conversation through the chat template; with tools, and a template that renders them, the
+        tools too (they tell the model what it may call, constrained or not)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("messages: the served model has no chat template; use /v1/completions")
+        extra: dict[str, Any] = {}
+        if tools is not None and self.template_tools:
+            extra["tools"] = tools.template_tools()
         try:
             encoded = self.tokenizer.apply_chat_template(
-                req.template_messages(), add_generation_prompt=True, tokenize=True
+                req.template_messages(), add_generation_prompt=True, tokenize=True, **extra
             )
         except TemplateError as exc:  # the template rejects the conversation (e.g. role order)
             raise bad_request(f"messages: {exc}") from None
@@ -188,7 +231,13 @@ class EngineRoutes:
         return [int(t) for t in ids]
 
     async def _generate(
-        self, request: Request, req: GenerationRequest, prompt_ids: list[int], fmt: Formatter, adapter_id: str | None
+        self,
+        request: Request,
+        req: GenerationRequest,
+        prompt_ids: list[int],
+        fmt: Formatter,
+        adapter_id: str | None,
+        tools: ToolPlan | None,
     ) -> Response:
         """Run the request inside its trace span; a streamed response takes the span over and ends it."""
         operation = "chat" if isinstance(req, ChatCompletionRequest) else "text_completion"
@@ -196,25 +245,33 @@ class EngineRoutes:
             span = scope.enter_context(
                 engine_span(request.headers, operation, req.model or self.base_model, adapter_id)
             )
-            response = await self._run(request, req, prompt_ids, fmt, adapter_id, span, scope)
+            params = await self._params(req, prompt_ids, tools)
+            response = await self._run(request, req, prompt_ids, params, fmt, adapter_id, span, scope)
             span.set_attribute("http.response.status_code", response.status_code)
             return response
+
+    async def _params(self, req: GenerationRequest, prompt_ids: list[int], tools: ToolPlan | None) -> SamplingParams:
+        """The request's sampling parameters, its grammar (if any) compiled off the event loop; 400s name the
+        field."""
+        try:
+            params = req.to_sampling_params(self.max_model_len - len(prompt_ids))
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        constraint = await compile_constraint(self.tokenizer, req.response_format, tools)
+        return params if constraint is None else dataclasses.replace(params, constraint=constraint)
 
     async def _run(
         self,
         request: Request,
         req: GenerationRequest,
         prompt_ids: list[int],
+        params: SamplingParams,
         fmt: Formatter,
         adapter_id: str | None,
         span: Span,
         scope: contextlib.ExitStack,
     ) -> Response:
         priority = _priority(request)
-        try:
-            params = req.to_sampling_params(context_left=self.max_model_len - len(prompt_ids))
-        except ValueError as exc:
-            raise bad_request(str(exc)) from None
         if self.draining:
             raise _unavailable("the engine is draining; retry on another replica", "draining")
         if not self.engine.running:
@@ -226,34 +283,34 @@ class EngineRoutes:
         self.fetched.touch(adapter_id)
         tracker = self.metrics.start_request(priority.name.lower())
         with _engine_errors(adapter_id):
-            it = self.engine.generate(fmt.request_id, prompt_ids, params, priority, adapter_id)
+            choices = Choices(self.engine, fmt.request_id, prompt_ids, params, req.n, priority, adapter_id)
         # Only now, the adapter known to be registered, may its id take a metrics label: ids that 404 take none.
         tracker.adapter = self.metrics.adapters.assign(adapter_id)
-        streaming = False  # once True, the SSE generator owns `it` and closes it
+        streaming = False  # once True, the SSE generator owns `choices` and closes them
         try:
-            first = await unless_disconnected(request.receive, _next(it, adapter_id))
+            first = await unless_disconnected(request.receive, _first(choices, adapter_id))
             if req.stream:
                 streaming = True
-                events = self._events(it, first, fmt, tracker, req.include_usage, span, scope.pop_all())
+                events = self._events(choices, first, fmt, tracker, req.include_usage, span, scope.pop_all())
                 headers = {**_SSE_HEADERS, **self.load_headers()}
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-            result = await unless_disconnected(request.receive, _collect(it, first, tracker))
+            await unless_disconnected(request.receive, _collect(choices, first, fmt, tracker))
         except ClientGone:
             tracker.finish("abort")
             return Response(status_code=499)  # nobody reads it; uvicorn drops it
         finally:
             if not streaming:
-                await close_outputs(it)
+                await choices.aclose()
+        last = _finish(tracker, fmt.lasts)
         tracker.finish()
-        text, logprobs, last = result
         record_output(span, last)
-        if last.finish_reason == "abort":
+        if any(out.finish_reason == "abort" for out in fmt.lasts):
             raise _unavailable("the request was aborted: the engine is shutting down", "draining")
-        return JSONResponse(fmt.response(text, logprobs, last), headers=self.load_headers())
+        return JSONResponse(fmt.response(), headers=self.load_headers())
 
     async def _events(
         self,
-        it: AsyncIterator[RequestOutput],
+        choices: Choices,
         first: RequestOutput,
         fmt: Formatter,
         tracker: RequestTracker,
@@ -261,22 +318,29 @@ class EngineRoutes:
         span: Span,
         scope: contextlib.ExitStack,
     ) -> AsyncIterator[bytes]:
-        """SSE chunks as the engine produces them. Starlette cancels this when the client leaves.
+        """SSE chunks as the engine produces them, each choice's tagged with its index. Starlette cancels this
+        when the client leaves.
 
         `scope` holds the request's span: the stream ends it.
         """
-        out = first
+        last = first
         try:
+            if isinstance(fmt, ChatFormatter):
+                for start in fmt.start_chunks(include_usage):
+                    yield sse(start)
+            index, out = 0, first
             while True:
-                tracker.on_output(out)
-                chunk = fmt.chunk(out, include_usage)
+                _track(tracker, index, out)
+                chunk = fmt.chunk(index, out, include_usage)
                 if chunk is not None:
                     yield sse(chunk)
-                if out.finished:
+                step = await _next_choice(choices)
+                if step is None:
                     break
-                out = await _next(it, None)
+                index, out = step
+            last = _finish(tracker, fmt.lasts)
             if include_usage:
-                yield sse(fmt.usage_chunk(out))
+                yield sse(fmt.usage_chunk())
         except ApiError as exc:
             tracker.finish("error")
             record_error(span, exc)
@@ -286,9 +350,9 @@ class EngineRoutes:
             record_error(span, exc)
             yield sse(error_body("internal_error", "internal server error"))
         finally:
-            await close_outputs(it)
+            await choices.aclose()
             tracker.finish()
-            record_output(span, out)
+            record_output(span, last)
             scope.close()
         yield SSE_DONE
 
