@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -476,16 +477,20 @@ class LLMEngine:
         return self._failed_output(request, RequestError("engine_error", message))
 
     def _failed_output(self, request: Request, error: RequestError) -> RequestOutput:
+        return self._last_output(request, "error", error=error)
+
+    def _last_output(self, request: Request, finish_reason: str, **fields: Any) -> RequestOutput:
+        """A finished request's last output that carries no token (a failure, a scored prompt)."""
         self._detokenizers.pop(request.request_id, None)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=[],
             new_text="",
             finished=True,
-            finish_reason="error",
+            finish_reason=finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            error=error,
+            **fields,
         )
 
     def _make_outputs(self, batch: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
@@ -541,18 +546,11 @@ class LLMEngine:
 
     def _scored_output(self, request: Request) -> RequestOutput:
         """The only output of a request that scored its prompt (max_tokens 0): no token, its prompt logprobs."""
-        self._detokenizers.pop(request.request_id, None)
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=[],
-            new_text="",
-            finished=True,
-            finish_reason=request.status.value,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=0,
-            queue_time_s=None
-            if request.first_scheduled_time is None
-            else request.first_scheduled_time - request.arrival_time,
+        scheduled = request.first_scheduled_time
+        return self._last_output(
+            request,
+            request.status.value,
+            queue_time_s=None if scheduled is None else scheduled - request.arrival_time,
             prompt_logprobs=list(request.prompt_logprobs),
         )
 
