@@ -49,6 +49,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 logger = logging.getLogger(__name__)
 
 SOCKET_TIMEOUT_S = 0.5
+# Opening a connection may take longer than a command: a burst of requests at start (50 at once in
+# tests/gateway/test_gateway_ratelimit.py) opens that many connections at once, and their handshakes queue on
+# the event loop. A frozen Redis still completes the TCP handshake (the kernel does), so a stall is caught by
+# SOCKET_TIMEOUT_S on the first read either way; this bound only matters for an unreachable host.
+CONNECT_TIMEOUT_S = 2.0
 BASE_INTERVAL_S = 0.25  # how long Redis is skipped after a first failure
 MAX_INTERVAL_S = 5.0  # the cap of the doubling interval
 PROBE_LOST_S = 4 * SOCKET_TIMEOUT_S  # a probe not reported by then (its event loop died) gives its place back
@@ -340,7 +345,7 @@ def redis_client(url: str, breaker: RedisBreaker | None = None) -> BreakerRedis:
     client = BreakerRedis.from_url(
         url,
         socket_timeout=SOCKET_TIMEOUT_S,
-        socket_connect_timeout=SOCKET_TIMEOUT_S,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
         retry=Retry(NoBackoff(), 0),
         decode_responses=True,
     )
