@@ -64,17 +64,19 @@ class AdapterRoutes:
     def cards(self) -> list[dict[str, Any]]:
         statuses = self.engine.list_adapters()
         counts, _, _ = self.engine.engine.device_adapters.counters.by_adapter([a.adapter_id for a in statuses])
+        sources = self.fetched.sources()
         cards = []
         for status in statuses:
             loads, evictions = counts.get(status.adapter_id, (0, 0))
+            error = self.engine.engine.adapter_error(status.adapter_id)
             cards.append(
                 {
                     **adapter_card(status, self.base_model),
-                    "state": status.residence,
+                    "state": "failed" if error is not None else status.residence,
                     "loads": loads,
                     "evictions": evictions,
-                    "error": self.engine.engine.adapter_error(status.adapter_id),
-                    **self.fetched.card_fields(status.adapter_id),
+                    "error": error,
+                    **self.fetched.card_fields(status.adapter_id, sources),
                 }
             )
         return cards + self.fetched.pending_cards(self.base_model)

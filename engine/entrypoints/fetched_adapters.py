@@ -183,12 +183,15 @@ class FetchedAdapters:
                 self.engine.forget_adapter(adapter_id)
             logger.info("adapter %s unregistered: its files left the disk cache", adapter_id)
 
-    def card_fields(self, adapter_id: str) -> dict[str, Any]:
-        """What GET /v1/adapters adds to a registered adapter's card."""
+    def sources(self) -> dict[str, str]:
+        """{sha256: source} of the disk cache's entries, read once for a whole GET /v1/adapters."""
+        return {e["sha256"]: e["source"] for e in self.store.status()} if self.store is not None else {}
+
+    def card_fields(self, adapter_id: str, sources: dict[str, str]) -> dict[str, Any]:
+        """What GET /v1/adapters adds to a registered adapter's card (`sources`: from `sources()`)."""
         sha256 = self._digest(adapter_id)
-        entries = self.store.status() if self.store is not None and sha256 is not None else []
-        entry = next((e for e in entries if e["sha256"] == sha256), {})
-        return {"source": entry.get("source"), "sha256": sha256, "last_used": self.last_used.get(adapter_id)}
+        source = sources.get(sha256) if sha256 is not None else None
+        return {"source": source, "sha256": sha256, "last_used": self.last_used.get(adapter_id)}
 
     def pending_cards(self, base_model: str) -> list[dict[str, Any]]:
         """GET /v1/adapters' cards for cache entries no id is registered from: downloading, failed, or on disk

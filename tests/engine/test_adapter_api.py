@@ -417,6 +417,9 @@ def test_startup_confines_the_scan_and_a_poisoned_adapter_fails_alone(
             _assert_error(resp, 500, "adapter_error", "'poisoned'", "non-finite")
         # Remembered: the next request is refused at once, and the engine still serves everyone else.
         _assert_error(_complete(base, "poisoned", max_tokens=2), 500, "adapter_error", "non-finite")
+        card = _adapters(base)["poisoned"]  # GET /v1/adapters says so, with the reason
+        assert card["state"] == "failed" and "non-finite" in card["error"]
+        assert _adapters(base)["alpha"]["state"] in ("disk", "host", "device")
         _assert_still_serving(base)
         assert httpx.get(f"{base}/readyz").status_code == 200
     finally:
