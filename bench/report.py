@@ -112,9 +112,15 @@ def part_commands(part: str, sizes: Sizes, out: Path, work: Path, vllm_python: s
     if part == "vllm":
         assert vllm_python
         spec = work / "vllm-w1-spec.json"
+        rows = [work / "vllm-w1-base.json", work / "vllm-w1-mixed.json"]
         return [
             [py, str(BENCH / "vllm_w1.py"), "--prepare", str(spec), *w1],
-            [vllm_python, str(BENCH / "vllm_w1.py"), "--spec", str(spec), "--threads", "2", "--json", str(out)],
+            *(
+                [vllm_python, str(BENCH / "vllm_w1.py"), "--spec", str(spec), "--row", row, "--dtype", "float32"]
+                + ["--threads", "2", "--json", str(path)]
+                for row, path in zip(("base", "mixed"), rows, strict=True)
+            ),
+            [py, str(BENCH / "vllm_w1.py"), "--merge", *map(str, rows), "--json", str(out)],
         ]
     if part == "serving":
         return [[py, str(BENCH / "serving.py"), *w1, "--rounds", str(sizes.rounds), "--json", str(out)]]

@@ -7,7 +7,8 @@ tokens each, greedy, all submitted at once, 2 threads.
 - scale: 512 registered adapters (ids over the 8 weight sets), a device tier of 64, Zipf popularity; with
   `--scale-counts 8,64,512,2048` the same pass for each count, one after another (the adapter-scale curve).
 
-    python bench/throughput.py [--requests 32] [--new-tokens 64] [--threads 2] [--skip-hf] [--skip-lora]
+    python bench/throughput.py [--requests 32] [--new-tokens 64] [--threads 2] [--dtype float32]
+                               [--skip-hf] [--skip-lora]
                                [--scale-counts 512] [--json PATH]
 
 `--json PATH` also writes every figure as one JSON object (bench/report.py reads it): `config`, `base`
@@ -191,7 +192,9 @@ def bench_lora(
     weight_dirs = make_w1_adapters(resolved.path, root / "w1")
     names = [d.name for d in weight_dirs]
     mixed = [names[i % 8] for i in range(len(prompts))]
-    [(secs, lora)] = bench_engine(args.model, prompts, args.new_tokens, mixed, adapter_dir=str(weight_dirs[0].parent))
+    [(secs, lora)] = bench_engine(
+        args.model, prompts, args.new_tokens, mixed, adapter_dir=str(weight_dirs[0].parent), dtype=args.dtype
+    )
     print(
         f"loragate mixed LoRA    {lora:7.1f} tok/s  ({secs:.2f} s)  LoRA/base {lora / base_tps:.2f}"
         "  (target >= 80 tok/s, >= 0.85)"
@@ -212,6 +215,7 @@ def bench_lora(
             adapter_dir=str(scale_dir),
             max_device_adapters=SCALE_TIER,
             pool_mb=1024,
+            dtype=args.dtype,
         )
         for label, (secs, scale) in (("cold", cold), ("warm", warm)):
             print(
@@ -242,6 +246,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "auto"), help="the engine's (HF rows: fp32)"
+    )
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-lora", action="store_true")
     ap.add_argument(
@@ -265,14 +272,15 @@ def main() -> None:
             "requests": args.requests,
             "new_tokens": args.new_tokens,
             "threads": args.threads,
+            "dtype": args.dtype,
             "mean_prompt_tokens": mean_len,
         }
     }
     print(
         f"W1 base: {args.requests} requests, {mean_len:.1f} prompt tokens on average, "
-        f"{args.new_tokens} new tokens each, fp32, {args.threads} threads"
+        f"{args.new_tokens} new tokens each, {args.dtype}, {args.threads} threads"
     )
-    [(secs, ours)] = bench_engine(args.model, prompts, args.new_tokens)
+    [(secs, ours)] = bench_engine(args.model, prompts, args.new_tokens, dtype=args.dtype)
     print(f"loragate engine        {ours:7.1f} tok/s  ({secs:.2f} s)")
     figures["base"] = {"loragate_tok_s": ours, "loragate_s": secs}
     if not args.skip_hf:

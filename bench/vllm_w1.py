@@ -8,20 +8,24 @@ script has two halves that share nothing but a JSON spec file:
   does and builds the 8 W1 adapters (throughput.make_w1_adapters, cached), then writes SPEC: the base
   model's safetensors directory, the prompts as token ids, each request's adapter directory for the
   mixed run, the new tokens and the largest rank;
-- `--spec SPEC` (run with vLLM's interpreter): vLLM's offline `LLM`, fp32, `enable_lora` with max_loras 8,
-  `VLLM_CPU_KVCACHE_SPACE=2`; computing on `--threads` threads (`VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>`,
+- `--spec SPEC --row base|mixed --dtype float32|bfloat16` (run with vLLM's interpreter): vLLM's offline `LLM`
+  at that dtype, for `base` as users serve a base model (no `enable_lora`: its machinery costs vLLM-CPU ~1.9x
+  on base requests), for `mixed` with `enable_lora` and max_loras 8; `VLLM_CPU_KVCACHE_SPACE=2`; computing on
+  `--threads` threads (`VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>`,
   `VLLM_CPU_NUM_OF_RESERVED_CPU=0`: by default vLLM-CPU keeps a core for its frontend and computes on one
-  thread, which is not the 2-thread comparison the other columns make). One warm-up (a base request and
-  one request per adapter, so the adapters are loaded before timing, which favours vLLM), then the base
-  run and the mixed-LoRA run, each all requests in one `generate` call (greedy, min = max new tokens, EOS
-  ignored, prompts given as token ids). Prints tok/s; `--json PATH` writes {"base_tok_s", "mixed_tok_s",
-  "base_s", "mixed_s", "generated_tokens", "vllm_version", "threads", "env"}.
+  thread, which is not the 2-thread comparison the other columns make). One warm-up (a base request and,
+  for `mixed`, one request per adapter, so the adapters are loaded before timing, which favours vLLM), then the
+  row's run, all requests in one `generate` call (greedy, min = max new tokens, EOS ignored, prompts given as
+  token ids). Prints tok/s; `--json PATH` writes {"row", "dtype", "tok_s", "seconds", "generated_tokens",
+  "vllm_version", "threads", "env"}.
 
 vLLM starts worker processes with `spawn`, which re-imports this module: everything that runs sits under
 `if __name__ == "__main__":` and vLLM is imported only there.
 
     .venv/bin/python bench/vllm_w1.py --prepare /tmp/w1.json [--requests 32] [--new-tokens 64]
-    VENV_VLLM/bin/python bench/vllm_w1.py --spec /tmp/w1.json [--threads 2] [--json out.json]
+    .venv/bin/python bench/vllm_w1.py --merge base.json mixed.json --json both.json
+    VENV_VLLM/bin/python bench/vllm_w1.py --spec /tmp/w1.json [--row base|mixed] [--dtype float32|bfloat16]
+                                          [--threads 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -59,8 +63,10 @@ def prepare(spec: Path, model: str, requests: int, new_tokens: int) -> None:
     )
 
 
-def run(spec: dict[str, Any], threads: int) -> dict[str, Any]:
-    """With vLLM's interpreter: base and mixed-LoRA W1 runs; their figures."""
+def run(spec: dict[str, Any], threads: int, dtype: str, row: str) -> dict[str, Any]:
+    """With vLLM's interpreter: one W1 row, `base` (the base model served as its users serve it: without
+    `enable_lora`, whose machinery costs vLLM-CPU ~1.9x on base requests) or `mixed` (`enable_lora`, request i
+    served by adapter i % 8); its figures."""
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "2",
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
@@ -76,38 +82,35 @@ def run(spec: dict[str, Any], threads: int) -> dict[str, Any]:
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompt_token_ids"]]
     new_tokens = spec["new_tokens"]
     longest = max(len(ids) for ids in spec["prompt_token_ids"])
+    lora = row == "mixed"
     llm = LLM(
         model=spec["model_dir"],
-        dtype="float32",
-        enable_lora=True,
-        max_loras=8,
-        max_lora_rank=spec["max_lora_rank"],
+        dtype=dtype,
         max_model_len=longest + new_tokens + 16,
         max_num_seqs=max(len(prompts), 8),
         seed=0,
+        **({"enable_lora": True, "max_loras": 8, "max_lora_rank": spec["max_lora_rank"]} if lora else {}),
     )
-    loras = [LoRARequest(f"w1-{i}", i + 1, path) for i, path in enumerate(spec["adapter_dirs"])]
+    loras = [LoRARequest(f"w1-{i}", i + 1, path) for i, path in enumerate(spec["adapter_dirs"])] if lora else []
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=2)
     llm.generate(
-        [prompts[k % len(prompts)] for k in range(len(loras) + 1)], warm, lora_request=[None, *loras], use_tqdm=False
+        [prompts[k % len(prompts)] for k in range(len(loras) + 1)],
+        warm,
+        lora_request=[None, *loras] if lora else None,
+        use_tqdm=False,
     )
-
-    def timed(lora_requests: list[Any] | None) -> tuple[float, int]:
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, lora_request=lora_requests, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-        assert generated == len(prompts) * new_tokens, generated
-        return elapsed, generated
-
-    base_s, generated = timed(None)
-    mixed_s, _ = timed([loras[k] for k in spec["mixed_adapters"]])
+    requests = [loras[k] for k in spec["mixed_adapters"]] if lora else None
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, lora_request=requests, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert generated == len(prompts) * new_tokens, generated
     return {
-        "base_tok_s": generated / base_s,
-        "mixed_tok_s": generated / mixed_s,
-        "base_s": base_s,
-        "mixed_s": mixed_s,
+        "row": row,
+        "dtype": dtype,
+        "tok_s": generated / elapsed,
+        "seconds": elapsed,
         "generated_tokens": generated,
         "vllm_version": vllm.__version__,
         "threads": threads,
@@ -120,25 +123,32 @@ if __name__ == "__main__":
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--prepare", type=Path, metavar="SPEC", help="write the W1 spec (project's .venv)")
     mode.add_argument("--spec", type=Path, help="run W1 on vLLM from this spec (vLLM's interpreter)")
+    mode.add_argument(
+        "--merge", type=Path, nargs=2, metavar=("BASE", "MIXED"), help="one JSON of the two rows' (into --json)"
+    )
     ap.add_argument("--model", default="smollm2", help="with --prepare")
     ap.add_argument("--requests", type=int, default=32, help="with --prepare")
     ap.add_argument("--new-tokens", type=int, default=64, help="with --prepare")
     ap.add_argument("--threads", type=int, default=2, help="with --spec: vLLM's compute threads")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="with --spec")
+    ap.add_argument("--row", default="base", choices=("base", "mixed"), help="with --spec: which W1 row")
     ap.add_argument("--json", type=Path, help="with --spec: also write the figures here")
     args = ap.parse_args()
     if args.prepare:
         prepare(args.prepare, args.model, args.requests, args.new_tokens)
+    elif args.merge:  # what bench/report.py reads: {"base_tok_s", "mixed_tok_s", ...} for one dtype
+        base, mixed = (json.loads(p.read_text()) for p in args.merge)
+        merged = {"base_tok_s": base["tok_s"], "mixed_tok_s": mixed["tok_s"], "base": base, "mixed": mixed}
+        merged.update({k: base[k] for k in ("dtype", "vllm_version", "threads", "env")})
+        assert args.json, "--merge writes --json"
+        args.json.write_text(json.dumps(merged, indent=2))
     else:
         spec = json.loads(args.spec.read_text())
-        figures = run(spec, args.threads)
+        figures = run(spec, args.threads, args.dtype, args.row)
         print(
-            f"vLLM-CPU {figures['vllm_version']} W1: {len(spec['prompt_token_ids'])} requests, "
-            f"{spec['new_tokens']} new tokens each, fp32, {args.threads} threads"
-        )
-        print(f"base        {figures['base_tok_s']:7.1f} tok/s  ({figures['base_s']:.2f} s)")
-        print(
-            f"mixed LoRA  {figures['mixed_tok_s']:7.1f} tok/s  ({figures['mixed_s']:.2f} s)  "
-            f"LoRA/base {figures['mixed_tok_s'] / figures['base_tok_s']:.2f}"
+            f"vLLM-CPU {figures['vllm_version']} W1 {args.row}: {len(spec['prompt_token_ids'])} requests, "
+            f"{spec['new_tokens']} new tokens each, {args.dtype}, {args.threads} threads: "
+            f"{figures['tok_s']:.1f} tok/s ({figures['seconds']:.2f} s)"
         )
         if args.json:
             args.json.write_text(json.dumps(figures, indent=2))

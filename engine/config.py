@@ -9,7 +9,9 @@ from dataclasses import dataclass
 class EngineConfig:
     model: str = "smollm2"  # smollm2 | tiny-random | a path to an HF Llama-family dir (safetensors)
     device: str = "cpu"
-    dtype: str = "auto"  # auto: float32 on CPU (no native bf16 there), bfloat16 on CUDA
+    # auto: bfloat16 on CUDA and on CPUs with native bf16 (avx512_bf16 or AMX), float32 on other CPUs
+    # (engine/model/cpu_gemm.py auto_cpu_dtype)
+    dtype: str = "auto"
     block_size: int = 16  # tokens per KV cache block
     pool_mb: int = 512  # memory budget of the KV block pool
     num_kv_blocks: int | None = None  # overrides the count derived from pool_mb (tests, tuning)
@@ -45,6 +47,8 @@ class EngineConfig:
     adapter_source_allow: tuple[str, ...] = ()
     adapter_fetch_timeout_s: float = 300.0
     adapter_load_wait_s: float = 20.0
+    # run the shapes serving meets before the server listens (LLMEngine.warm_up; AsyncEngine.load does it)
+    warmup: bool = True
 
     def validate(self) -> None:
         if self.block_size < 1:

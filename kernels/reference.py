@@ -254,3 +254,51 @@ def lora_sgmv_group(
                 out = out_blocks[m][s]
                 out.addmm_(h[:, c : c + r], _view_t(pool, b_off[m][k], out.shape[1], r))
                 c += r
+
+
+def lora_bmm_group(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    gather: torch.Tensor | slice,
+    mask: torch.Tensor | None,
+    a_stack: torch.Tensor,
+    b_stacks: Sequence[torch.Tensor | None],
+    h_cols: Sequence[int],
+    out_cols: Sequence[int],
+) -> None:
+    """The group's LoRA deltas for a step whose adapter rows are few per adapter (decoding): every adapter of the
+    step at once, in batched matmuls over weights stacked per step (engine/lora/stacks.py), instead of a shrink and
+    an expand per segment and module (`lora_sgmv_group`, which computes the same sums).
+
+    Semantics (U adapters, n rows each after padding, fp32 products whatever y's dtype):
+        rows = gather.view(U, n)                      # adapter u's rows of y and x; padding repeats a row
+        h = x[rows] @ a_stack.transpose(1, 2)         # [U, n, R]: the group's one shrink
+        h *= mask                                     # [U, n, 1]: 0 on padding rows (None: no padding)
+        for m, B in enumerate(b_stacks):              # B [U, R_m, out_m] (None: no adapter targets m)
+            y[rows, out_cols[m] : out_cols[m + 1]] += h[:, :, h_cols[m] : h_cols[m + 1]] @ B
+        # every other row of y is left untouched; padding rows add exact zeros
+
+    Shapes:
+        y:        [T, out_cols[-1]]  the group's fused output, any float dtype
+        x:        [T, in_features]   y's dtype
+        gather:   [U * n] int64      row indices into x and y; or a slice of rows, when they run in order unpadded
+        a_stack:  [U, R, in] fp32    each adapter's A rows for the group's modules at h_cols, zero-padded
+        b_stacks: [M] of [U, R_m, out_m] fp32, R_m = h_cols[m + 1] - h_cols[m], zero-padded rows
+    """
+    num, rank, d_in = a_stack.shape
+    if isinstance(gather, slice):  # rows gather[0] .. in order, no padding: views instead of gathers
+        xs, y_rows, index = x[gather].view(num, -1, d_in), y[gather], None
+    else:
+        xs, y_rows, index = x.index_select(0, gather).view(num, -1, d_in), y, gather
+    h = torch.bmm(xs if xs.dtype == a_stack.dtype else xs.to(a_stack.dtype), a_stack.transpose(1, 2))
+    if mask is not None:
+        h.mul_(mask)
+    for m, b in enumerate(b_stacks):
+        if b is None:
+            continue
+        d = torch.bmm(h[:, :, h_cols[m] : h_cols[m + 1]], b).view(-1, b.shape[2])
+        d = d if d.dtype == y.dtype else d.to(y.dtype)
+        if index is None:
+            y_rows[:, out_cols[m] : out_cols[m + 1]].add_(d)
+        else:
+            y[:, out_cols[m] : out_cols[m + 1]].index_add_(0, index, d)

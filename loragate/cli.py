@@ -194,8 +194,18 @@ def _add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--aging-s", type=float, default=10.0, help="seconds of waiting that raise a request by one priority class"
     )
     p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="listen as soon as the model is loaded (default: first run the shapes serving meets, a few seconds)",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or AMX, float32 on other CPUs",
+    )
     p.add_argument("--max-batch-tokens", type=_positive, default=2048, help="tokens computed per engine step")
     p.add_argument(
         "--max-prefill-tokens",
@@ -396,6 +406,7 @@ def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         preemption=args.preemption,
         aging_s=args.aging_s,
         enable_prefix_cache=not args.no_prefix_cache,
+        warmup=not args.no_warmup,
         metrics_max_adapters=args.metrics_max_adapters,
         adapter_cache_dir=str(args.adapter_cache_dir) if args.adapter_cache_dir is not None else None,
         adapter_cache_mb=args.adapter_cache_mb,

@@ -56,10 +56,32 @@ def start_loragate(
 
 
 def start_engine_server(
-    log_path: Path, *args: str, model: str = "tiny-random", timeout_s: float = 120.0, port: int | None = None
+    log_path: Path,
+    *args: str,
+    model: str = "tiny-random",
+    timeout_s: float = 120.0,
+    port: int | None = None,
+    warmup: bool = False,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """`python -m loragate engine --model MODEL --port FREE --threads 1 ARGS...`; (process, base URL)."""
-    return start_loragate(log_path, "engine", "--model", model, "--threads", "1", *args, timeout_s=timeout_s, port=port)
+    """`python -m loragate engine --model MODEL --port FREE --threads 1 [--dtype float32] ARGS...`; (process, base
+    URL). float32 unless ARGS name a dtype: tests compare outputs with fp32 references, and `auto` differs between
+    CPUs (engine/model/cpu_gemm.py auto_cpu_dtype). Without the warm-up unless `warmup` (it costs seconds a start,
+    and tests start many engines; tests/engine/test_server.py starts one with it)."""
+    warmup_args = () if warmup else ("--no-warmup",)
+    dtype = () if "--dtype" in args else ("--dtype", "float32")
+    return start_loragate(
+        log_path,
+        "engine",
+        "--model",
+        model,
+        "--threads",
+        "1",
+        *dtype,
+        *warmup_args,
+        *args,
+        timeout_s=timeout_s,
+        port=port,
+    )
 
 
 def start_gateway(

@@ -89,14 +89,17 @@ class AsyncEngine:
 
     @classmethod
     def load(cls, config: EngineConfig) -> AsyncEngine:
-        """Start the engine thread and build the LLMEngine in it (blocks until the model is loaded; the
-        constructor's exception is raised here). The thread then waits for `start()`."""
+        """Start the engine thread and build the LLMEngine in it (blocks until the model is loaded and warmed up,
+        LLMEngine.warm_up; the constructor's exception is raised here). The thread then waits for `start()`."""
         built: list[AsyncEngine | BaseException] = []
         ready = threading.Event()
 
         def main() -> None:
             try:
-                async_engine = cls(LLMEngine(config))
+                engine = LLMEngine(config)
+                if config.warmup:  # before the server listens: /readyz answers once the first burst runs warm
+                    engine.warm_up()
+                async_engine = cls(engine)
             except BaseException as exc:
                 built.append(exc)
                 ready.set()

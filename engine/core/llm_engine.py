@@ -37,9 +37,11 @@ from engine.lora.files import load_weights
 from engine.lora.peft_config import AdapterError, AdapterSpec
 from engine.lora.registry import AdapterRegistry, HostAdapterCache
 from engine.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
+from engine.model.cpu_gemm import auto_cpu_dtype
 from engine.model.llama import StepInterrupted
 from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
+from engine.structured import prepare_tokenizer
 from engine.worker.runner import ModelRunner
 from engine.worker.sampler import Sampler
 from engine.worker.threads import ThreadTuner, TransientWorker, usable_cpus
@@ -56,10 +58,14 @@ class AdapterUnusable(RuntimeError):
     refused at once instead of failing in a step."""
 
 
-def resolve_dtype(config: EngineConfig) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.float32 if config.device == "cpu" else torch.bfloat16
-    return _DTYPES[config.dtype]
+def resolve_dtype(config: EngineConfig) -> tuple[torch.dtype, str]:
+    """The dtype the engine serves in, and why (logged at start)."""
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype], "--dtype"
+    if config.device != "cpu":
+        return torch.bfloat16, "auto on CUDA"
+    dtype, why = auto_cpu_dtype()
+    return dtype, f"auto: {why}"
 
 
 class LLMEngine:
@@ -77,7 +83,8 @@ class LLMEngine:
         self.model_name = config.served_model_name or resolved.name
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(resolved.path)
         device = torch.device(config.device)
-        self.dtype = dtype = resolve_dtype(config)
+        dtype, dtype_reason = resolve_dtype(config)
+        self.dtype = dtype
         self.model = load_model(resolved.path, dtype, device)
         mc = self.model.config
         self.vocab_size = mc.vocab_size
@@ -141,9 +148,10 @@ class LLMEngine:
         self._prefetcher = TransientWorker("adapter-prefetch")  # engine/worker/threads.py: why not a pool
         self.load_report = self._load_report()  # replaced by publish_load()
         logger.info(
-            "engine ready: model=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
+            "engine ready: model=%s dtype=%s (%s) kv_blocks=%d x %d tokens, max_model_len=%d",
             self.model_name,
             dtype,
+            dtype_reason,
             num_blocks,
             config.block_size,
             self.max_model_len,
@@ -269,6 +277,35 @@ class LLMEngine:
         self.scheduler.kv.invalidate_adapter(adapter_id)
         if current is None:
             self.host_adapters.discard(adapter_id)
+
+    def warm_up(self) -> float:
+        """Run the shapes serving meets before the server says ready, so the first burst runs at the steady speed:
+        a full prefill chunk, a batch of short prompts prefilled together and decoded at full width, a lone decode,
+        and the same with LoRA rows when an adapter is registered (it is loaded into the device tier, as its first
+        request would); the grammar engine's tokenizer tables are built too. Returns the seconds it took.
+
+        First calls are what it pays for: oneDNN picks kernels per GEMM shape, the allocator grows its pools,
+        the LoRA stacks and the attention paths meet their shapes. Nothing of it stays: every warm-up request
+        finishes, and the prefix cache is emptied."""
+        start = time.perf_counter()
+        prepare_tokenizer(self.tokenizer)
+        vocab = self.model.config.vocab_size
+        chunk = min(self.config.max_prefill_tokens or self.config.max_batch_tokens, self.max_model_len - 8, 512)
+        width = min(self.config.max_num_seqs, 32)
+        registered = self.adapters.list()
+        adapter = registered[0].adapter_id if registered else None
+        params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0, ignore_eos=True)
+        for lora in (None, adapter) if adapter is not None else (None,):
+            jobs = [(max(chunk, 1), None)] + [(8, lora if i % 4 == 1 else None) for i in range(width)] + [(4, lora)]
+            for i, (length, adapter_id) in enumerate(jobs):
+                prompt = [(7 * i + 3 * k) % vocab for k in range(length)]
+                self.add_request(f"warmup-{i}-{lora is not None}", prompt, params, adapter_id=adapter_id)
+            while self.has_unfinished_requests():
+                self.step()
+        self.scheduler.kv.reset_prefix_cache()
+        seconds = time.perf_counter() - start
+        logger.info("warmed up in %.1f s (prefill chunk %d, decode width %d, LoRA %s)", seconds, chunk, width, adapter)
+        return seconds
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

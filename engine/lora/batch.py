@@ -18,7 +18,7 @@ import torch
 
 from engine.lora.peft_config import GROUPS, module_features
 from engine.model.config import ModelConfig
-from kernels.reference import lora_sgmv_group
+from kernels.reference import lora_bmm_group, lora_sgmv_group
 
 
 @dataclass(slots=True)
@@ -55,6 +55,11 @@ def group_out_cols(model: ModelConfig) -> dict[str, list[int]]:
     return cols
 
 
+def group_in_features(model: ModelConfig) -> dict[str, int]:
+    """The input width every module of a group shares."""
+    return {group: module_features(model, names[0])[0] for group, names in GROUPS.items()}
+
+
 @dataclass(slots=True)
 class PoolWeights:
     """Where the device tier keeps adapter weights: one flat view of the pool per layer
@@ -63,8 +68,10 @@ class PoolWeights:
     layer_pools: list[torch.Tensor]
     tables: SlotTables
     out_cols: dict[str, list[int]]
+    in_features: dict[str, int]
     mirror: Any = None  # engine.lora.device_tier.DeviceMirror, when the Triton kernels are in use
     max_rank: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0))  # over loads, per group
+    generation: int = 0  # bumped whenever a slot's contents change (what engine/lora/stacks.py keys its copy on)
 
 
 @dataclass(slots=True)  # not frozen: one is made per step, and frozen makes __init__ several times slower
@@ -72,12 +79,14 @@ class LoraBatch:
     """One step's adapter segments: rows [seg_starts[s], seg_starts[s+1]) use slot seg_slots[s].
 
     `plan` is set when the Triton kernels run: the step's row tiles, built once and shared by all layers.
+    `stacked` is set on the CPU path when the step's adapters are computed all at once (engine/lora/stacks.py).
     """
 
     seg_starts: list[int]
     seg_slots: list[int]
     weights: PoolWeights
     plan: Any = None  # kernels.sgmv.SgmvPlan
+    stacked: Any = None  # engine.lora.stacks.StackPlan
 
     def layer(self, index: int) -> LayerLora:
         return LayerLora(self, index)
@@ -104,6 +113,19 @@ class LayerLora:
                 mirror.out_cols[group],
                 mirror.n_tiles[group],
                 w.max_rank[group],
+            )
+            return
+        if batch.stacked is not None:
+            stack = batch.stacked.stack
+            lora_bmm_group(
+                y,
+                x,
+                batch.stacked.gather,
+                batch.stacked.mask,
+                stack.a[i][group],
+                stack.b[i][group],
+                stack.h_cols[group],
+                w.out_cols[group],
             )
             return
         names = GROUPS[group]

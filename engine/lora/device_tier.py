@@ -25,14 +25,16 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.core.memory import PagePool
-from engine.lora.batch import PoolWeights, SlotTables, group_out_cols
+from engine.lora.batch import PoolWeights, SlotTables, group_in_features, group_out_cols
 from engine.lora.peft_config import GROUPS, AdapterKey, AdapterSpec, module_features
 from engine.lora.registry import HostAdapterCache
+from engine.lora.stacks import LoraStacks
 from engine.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+STACK_MAX_BYTES = 512 << 20  # the CPU path's copy of one step's adapters (engine/lora/stacks.py)
 
 
 @dataclass(slots=True)
@@ -146,7 +148,10 @@ class DeviceAdapterTier:
         self.tables = SlotTables.empty(model.num_layers, max_adapters + 1)
         out_cols = group_out_cols(model)
         self.mirror = DeviceMirror(model.num_layers, max_adapters + 1, out_cols, kv_cache.device) if mirror else None
-        self.weights = PoolWeights(self.layer_pools, self.tables, out_cols, self.mirror)  # what a LoraBatch reads
+        # what a LoraBatch reads
+        self.weights = PoolWeights(self.layer_pools, self.tables, out_cols, group_in_features(model), self.mirror)
+        # CPU: a decoding step's adapters stacked for batched matmuls (engine/lora/stacks.py); CUDA: the kernels
+        self.stacks = None if mirror else LoraStacks(self.weights, STACK_MAX_BYTES)
         self.resident: OrderedDict[AdapterKey, Resident] = OrderedDict()  # LRU first
         self._free_slots = list(range(max_adapters - 1, -1, -1))
         self.counters = TierCounters()
@@ -206,6 +211,7 @@ class DeviceAdapterTier:
         return True
 
     def _write(self, spec: AdapterSpec, slot: int, start: int, n: int) -> None:
+        self.weights.generation += 1
         weights = self.host.get(spec)  # host tier: hit, or read from disk
         base = start * self.page_elems
         for layer, modules in enumerate(weights.layers):
@@ -257,6 +263,7 @@ class DeviceAdapterTier:
         self.counters.count_eviction(key.adapter_id)
 
     def _clear_slot(self, slot: int) -> None:
+        self.weights.generation += 1
         for layer in self.tables.ranks:
             for ranks in layer.values():
                 ranks[slot] = 0

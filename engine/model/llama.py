@@ -52,12 +52,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Low precision: normalise in fp32, then scale in the input dtype (as HF does).
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        # One fused op at every dtype: in bf16 it accumulates in fp32 and rounds once, where HF rounds the normed
+        # value before scaling it (eight ops a norm; within a bf16 ulp of each other).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
@@ -206,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None
+        self.lm_head: nn.Module | None = None  # nn.Linear, or engine/model/cpu_gemm.py's PackedLinear
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, device)
@@ -240,5 +237,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab]; call it only on the rows that are sampled (the head is wide)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is None:  # tied to the embeddings
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    def prepack(self) -> int:
+        """On the CPU: every projection and the LM head through oneDNN-prepacked weights (engine/model/cpu_gemm.py;
+        a tied head gets a packed copy of the embeddings). Returns how many GEMMs were packed (0 elsewhere)."""
+        from engine.model.cpu_gemm import PackedLinear, prepack_linears
+
+        count = prepack_linears(self)
+        if count and self.lm_head is None:
+            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
+            count += 1
+        return count

@@ -28,8 +28,9 @@ _FUSED = {
 }
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Our LlamaForCausalLM with the directory's safetensors weights, in eval mode."""
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, prepack: bool = True) -> LlamaForCausalLM:
+    """Our LlamaForCausalLM with the directory's safetensors weights, in eval mode; on the CPU its GEMMs
+    prepacked for oneDNN unless `prepack` is False (LlamaForCausalLM.prepack)."""
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     tensors = _read_safetensors(model_dir)
@@ -39,11 +40,14 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
         model = LlamaForCausalLM(config, device=torch.device(device))
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)  # serving only: no autograd graph even outside inference_mode
+    parameters = sum(p.numel() for p in model.parameters())
+    packed = model.prepack() if prepack else 0
     logger.info(
-        "loaded %s: %d layers, %.1fM parameters",
+        "loaded %s: %d layers, %.1fM parameters, %d GEMMs prepacked for oneDNN",
         model_dir.name,
         config.num_layers,
-        sum(p.numel() for p in model.parameters()) / 1e6,
+        parameters / 1e6,
+        packed,
     )
     return model.eval()
 

@@ -173,12 +173,14 @@ class ModelRunner:
             else:
                 seg_slots.append(slot)
                 starts.append(starts[-1] + n)
-        plan = None
+        plan = stacked = None
         if self.lora_backend == "triton":  # the step's row tiles, once for every layer and group
             from kernels.sgmv import plan_segments
 
             plan = plan_segments(starts, seg_slots, self.device, skip_slot=null)
-        return LoraBatch(starts, seg_slots, tier.weights, plan)
+        elif tier.stacks is not None:  # CPU: a decoding step's adapters all at once (engine/lora/stacks.py)
+            stacked = tier.stacks.plan(starts, seg_slots, null)
+        return LoraBatch(starts, seg_slots, tier.weights, plan, stacked)
 
     def _prepare(self, requests: list[Request], num_tokens: list[int], rows: list[int]) -> StepInputs:
         """The step's inputs. Every integer input is written into one list and becomes one tensor (one copy

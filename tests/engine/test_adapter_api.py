@@ -518,7 +518,7 @@ def test_runtime_loading_needs_an_adapter_dir(tiny_model_dir: Path) -> None:
     from engine.core.llm_engine import LLMEngine
     from engine.entrypoints.server import build_app
 
-    app = build_app(AsyncEngine(LLMEngine(EngineConfig(model=MODEL, max_model_len=256))))
+    app = build_app(AsyncEngine(LLMEngine(EngineConfig(dtype="float32", model=MODEL, max_model_len=256))))
 
     async def scenario() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=app)

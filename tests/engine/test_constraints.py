@@ -130,12 +130,12 @@ def tokens(outputs: list[RequestOutput]) -> list[int]:
 
 def test_outputs_obey_constraints_and_unconstrained_greedy_rows_are_unchanged(tiny_adapters, prompts) -> None:
     adapter_dir = str(next(iter(tiny_adapters.values())).parent)
-    alone = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=adapter_dir))
+    alone = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", adapter_dir=adapter_dir))
     for i, prompt in enumerate(prompts):
         alone.add_request(f"free{i}", prompt, greedy(12))
         alone.add_request(f"free-lora{i}", prompt, greedy(12), adapter_id="all-r4")
     reference = run(alone)
-    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=adapter_dir))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", adapter_dir=adapter_dir))
     for i, prompt in enumerate(prompts):
         engine.add_request(f"free{i}", prompt, greedy(12))
         engine.add_request(f"free-lora{i}", prompt, greedy(12), adapter_id="all-r4")
@@ -170,10 +170,10 @@ def test_constraint_state_survives_preemption(prompts, mode) -> None:
             engine.add_request("then-eos", prompts[0], then_eos),
         ]
 
-    calm = LLMEngine(EngineConfig(model="tiny-random", preemption=mode))
+    calm = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", preemption=mode))
     submit(calm)
     reference = run(calm)
-    engine = LLMEngine(EngineConfig(model="tiny-random", preemption=mode))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", preemption=mode))
     even, in_order, then_eos = submit(engine)
     outputs = run(engine, preempt={3: [even, in_order], 5: [then_eos], 7: [even]})
     assert engine.scheduler.preemption.counts[mode] == 4
@@ -187,7 +187,7 @@ def test_constraint_state_survives_preemption(prompts, mode) -> None:
 
 
 def test_a_complete_grammar_ends_a_stream_with_stop_even_below_min_tokens(prompts) -> None:
-    engine = AsyncEngine(LLMEngine(EngineConfig(model="tiny-random")))
+    engine = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", model="tiny-random")))
     eos = engine.engine.eos_token_ids[0]
 
     async def collect(request_id: str, params: SamplingParams) -> list[RequestOutput]:
@@ -218,7 +218,7 @@ def test_a_complete_grammar_ends_a_stream_with_stop_even_below_min_tokens(prompt
 
 
 def test_a_constraint_that_allows_nothing_fails_its_own_request(prompts) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random"))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random"))
     engine.add_request("stuck", prompts[0], SamplingParams(max_tokens=4, constraint=Nothing))
     engine.add_request("fine", prompts[0], greedy(4, constraint=EvenOnly))
     outputs = run(engine)
@@ -235,7 +235,7 @@ class BreaksOnSecondToken(EvenOnly):
 
 
 def test_a_failing_constraint_fails_its_own_request_and_the_engine_goes_on(prompts) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random"))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random"))
 
     def unusable() -> EvenOnly:
         raise RuntimeError("no matcher")
@@ -270,7 +270,7 @@ def test_logit_bias_greedy_follows_hf_argmax_of_the_biased_logits(tiny_model_dir
     bias = {7: 2.5, plain[0]: -100.0, plain[1]: -100.0}
     expected = hf_biased_greedy(bias, 6)
     assert expected != plain
-    engine = LLMEngine(EngineConfig(model="tiny-random"))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random"))
     engine.add_request("biased", prompt, greedy(6, logit_bias=tuple(bias.items())))
     engine.add_request("plain", prompt, greedy(6))
     outputs = run(engine)

@@ -95,6 +95,7 @@ def test_greedy_matches_hf_generate(
 ) -> None:
     engine = LLMEngine(
         EngineConfig(
+            dtype="float32",
             model="tiny-random",
             max_batch_tokens=max_batch_tokens,
             block_size=block_size,
@@ -111,7 +112,7 @@ def test_greedy_matches_hf_generate(
 
 
 def test_prefill_cap_chunks_prompts_and_leaves_outputs_unchanged(prompts, hf_outputs) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", max_prefill_tokens=6))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", max_prefill_tokens=6))
     prompt_tokens_per_step = []
     schedule = engine.scheduler.schedule
 
@@ -127,14 +128,16 @@ def test_prefill_cap_chunks_prompts_and_leaves_outputs_unchanged(prompts, hf_out
 
 
 def test_staggered_arrivals_match_hf(prompts, hf_outputs) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", max_batch_tokens=32, block_size=8))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", max_batch_tokens=32, block_size=8))
     ours = engine_outputs(engine, prompts, join_after={i: 3 * i for i in range(len(prompts))})
     assert ours == hf_outputs
 
 
 def test_block_accounting_after_random_requests_and_aborts() -> None:
     engine = LLMEngine(
-        EngineConfig(model="tiny-random", block_size=4, num_kv_blocks=96, max_batch_tokens=64, max_num_seqs=32)
+        EngineConfig(
+            dtype="float32", model="tiny-random", block_size=4, num_kv_blocks=96, max_batch_tokens=64, max_num_seqs=32
+        )
     )
     rng = random.Random(99)
     vocab = engine.vocab_size
@@ -186,7 +189,7 @@ def collect_text(
 
 
 def test_seed_reproducible_whatever_the_batch(prompts) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random"))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random"))
     params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234)
     alone = collect_text(engine, "a", prompts[4], params)
     batched = collect_text(engine, "b", prompts[4], params, others=5)
@@ -198,7 +201,7 @@ def test_seed_reproducible_whatever_the_batch(prompts) -> None:
 
 
 def test_stop_string_cuts_output(prompts) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random"))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random"))
     full, full_tokens, reason = collect_text(engine, "full", prompts[5], greedy_params(40))
     assert reason == "length" and full == engine.tokenizer.decode(full_tokens, skip_special_tokens=True)
     stop = full[len(full) // 2 : len(full) // 2 + 3]
@@ -211,7 +214,9 @@ def test_stop_string_cuts_output(prompts) -> None:
 
 
 def test_request_that_can_never_fit_is_rejected() -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", block_size=4, num_kv_blocks=8, max_model_len=128))
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", model="tiny-random", block_size=4, num_kv_blocks=8, max_model_len=128)
+    )
     with pytest.raises(ValueError, match="context length"):
         engine.add_request("long", [5] * 120, SamplingParams(max_tokens=16))
     with pytest.raises(ValueError, match="KV blocks"):
@@ -222,7 +227,7 @@ def test_request_that_can_never_fit_is_rejected() -> None:
 
 
 def test_queue_time_counts_from_the_arrival_the_caller_gives(prompts) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random"))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random"))
     arrived = time.monotonic() - 5.0  # it waited 5 s before reaching the engine (an inbox, a step in progress)
     request = engine.add_request("late", prompts[0], greedy_params(2), arrival_time=arrived)
     assert request.arrival_time == arrived
@@ -231,7 +236,7 @@ def test_queue_time_counts_from_the_arrival_the_caller_gives(prompts) -> None:
 
 
 def test_async_engine_stamps_arrival_when_it_accepts_a_request(prompts) -> None:
-    engine = AsyncEngine(LLMEngine(EngineConfig(model="tiny-random")))
+    engine = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", model="tiny-random")))
 
     async def scenario() -> list[RequestOutput]:
         await engine.start()

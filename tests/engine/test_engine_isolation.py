@@ -107,7 +107,7 @@ def check_good(outputs: dict[str, list[RequestOutput]], reference: dict, prompts
 
 
 def test_poisoned_adapters_fail_alone(adapter_root: Path, prompts: list[list[int]], reference: dict) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(adapter_root)))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", adapter_dir=str(adapter_root)))
     jobs = {
         **good_jobs(prompts),
         "nan-0": ("nan", prompts[0], GREEDY),
@@ -134,7 +134,7 @@ def test_poisoned_adapters_fail_alone(adapter_root: Path, prompts: list[list[int
 def test_weights_replaced_on_disk_fail_alone(
     adapter_root: Path, prompts: list[list[int]], reference: dict, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(adapter_root)))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", adapter_dir=str(adapter_root)))
     swapped = adapter_root / "swapped" / WEIGHTS
     original = swapped.read_bytes()
     try:
@@ -152,7 +152,7 @@ def test_a_forward_pass_that_raises_for_one_request_fails_only_that_request(
     adapter_root: Path, prompts: list[list[int]], reference: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Fault injection: the model raises whenever a step holds the poison token, wherever it is."""
-    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(adapter_root)))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", adapter_dir=str(adapter_root)))
     poison = 251
     forward = engine.runner.model.forward
     calls = {"n": 0}
@@ -173,7 +173,7 @@ def test_a_forward_pass_that_raises_for_one_request_fails_only_that_request(
     assert calls["n"] > NEW_TOKENS + 2  # the failing step was retried on halves of the batch
 
     # The seeded request drew as if the failed attempts never happened: the same tokens alone.
-    alone = LLMEngine(EngineConfig(model="tiny-random"))
+    alone = LLMEngine(EngineConfig(dtype="float32", model="tiny-random"))
     again = run_to_end(alone, {"seeded": (None, prompts[1], seeded)})
     assert tokens(outputs["seeded"]) == tokens(again["seeded"])
 
@@ -183,7 +183,7 @@ def test_sampling_that_leaves_no_token_fails_alone(
     prompts: list[list[int]], reference: dict, temperature: float
 ) -> None:
     """min_tokens masks EOS and stop_token_ids until it is reached: naming every token id leaves none."""
-    engine = LLMEngine(EngineConfig(model="tiny-random"))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random"))
     every_id = tuple(range(engine.vocab_size))
     no_token = SamplingParams(max_tokens=4, min_tokens=2, temperature=temperature, stop_token_ids=every_id)
     jobs = {f"base-{i}": (None, p, GREEDY) for i, p in enumerate(prompts)}

@@ -9,12 +9,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 from test_step_interrupt import Interrupter
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request, SamplingParams
+from engine.lora.batch import LoraBatch
+from engine.lora.stacks import MAX_ROWS_PER_ADAPTER, LoraStacks
 
 from lora_fixtures import make_peft_adapter, peft_greedy
 
@@ -85,7 +88,7 @@ ALL_JOBS = [(name, i) for name in [None, *TINY_ADAPTERS] for i in range(3)]
 
 
 def test_mixed_batch_matches_peft(tiny_adapter_dir, prompts, reference) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir)))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", adapter_dir=str(tiny_adapter_dir)))
     ours = run_all(engine, ALL_JOBS, prompts)
     for key in ALL_JOBS:
         assert ours[key] == reference[key], f"{key} differs from PEFT"
@@ -94,11 +97,84 @@ def test_mixed_batch_matches_peft(tiny_adapter_dir, prompts, reference) -> None:
     assert engine.device_adapters.counters.loads == len(TINY_ADAPTERS)
 
 
+def test_stacked_decode_lora_matches_peft_and_the_per_segment_path(tiny_adapter_dir, prompts, reference) -> None:
+    """The CPU path stacks a decoding step's adapters for batched matmuls (engine/lora/stacks.py): uneven request
+    counts per adapter (padded stacks) and base rows among them still give PEFT's tokens, and every layer's and
+    group's deltas equal the per-segment path's (kernels/reference.py lora_sgmv_group) on the same pool."""
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", adapter_dir=str(tiny_adapter_dir)))
+    jobs = [(name, i) for k, name in enumerate(TINY_ADAPTERS) for i in range(k % 3 + 1)] + [(None, 1)]
+    ours = run_all(engine, jobs, prompts)
+    assert all(ours[key] == reference[key] for key in jobs), "differs from PEFT"
+    tier = engine.device_adapters
+    assert tier.stacks is not None and tier.stacks.builds >= 1
+    _check_stacked_deltas(engine)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stacked_deltas_equal_per_segment_deltas(tiny_adapter_dir, prompts, dtype) -> None:
+    engine = LLMEngine(EngineConfig(dtype=dtype, model="tiny-random", adapter_dir=str(tiny_adapter_dir)))
+    run_all(engine, [(name, 0) for name in TINY_ADAPTERS], prompts)
+    _check_stacked_deltas(engine)
+
+
+def _check_stacked_deltas(engine: LLMEngine) -> None:
+    tier = engine.device_adapters
+    assert tier.stacks is not None
+    slots = sorted(res.slot for res in tier.resident.values())
+    assert len(slots) == len(TINY_ADAPTERS)
+    # 1-3 rows per adapter, a base segment among them, and one adapter in two segments
+    starts, seg_slots = [0], []
+    for k, slot in enumerate([*slots[:3], tier.null_slot, *slots[3:], slots[0]]):
+        seg_slots.append(slot)
+        starts.append(starts[-1] + k % 3 + 1)
+    plan = tier.stacks.plan(starts, seg_slots, tier.null_slot)
+    assert plan is not None and plan.mask is not None  # padded: the adapters' row counts differ
+    dtype = engine.dtype
+    gen = torch.Generator().manual_seed(0)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    cols, ins = tier.weights.out_cols, tier.weights.in_features
+    base_rows = list(range(starts[3], starts[4]))
+    for layer in range(engine.model.config.num_layers):
+        for group in cols:
+            x = torch.randn(starts[-1], ins[group], generator=gen).to(dtype)
+            y0 = torch.randn(starts[-1], cols[group][-1], generator=gen).to(dtype)
+            stacked, looped = y0.clone(), y0.clone()
+            LoraBatch(starts, seg_slots, tier.weights, None, plan).layer(layer).apply(group, stacked, x)
+            LoraBatch(starts, seg_slots, tier.weights).layer(layer).apply(group, looped, x)
+            torch.testing.assert_close(stacked, looped, atol=tol, rtol=tol)
+            assert torch.equal(stacked[base_rows], y0[base_rows])  # rows without an adapter are untouched
+    # a stack past its byte bound is not built: the per-segment path serves the step
+    assert LoraStacks(tier.weights, max_bytes=0).plan(starts, seg_slots, tier.null_slot) is None
+    long_segment = [0, MAX_ROWS_PER_ADAPTER + 1]  # a prefill chunk: per segment
+    assert tier.stacks.plan(long_segment, slots[:1], tier.null_slot) is None
+
+
+def test_warm_up_runs_base_and_lora_shapes_and_leaves_nothing_behind(tiny_adapter_dir, prompts, reference) -> None:
+    """LLMEngine.warm_up (what AsyncEngine.load runs before the server listens): it steps prefill and decode batches
+    with and without LoRA rows, then holds no request, no cached prefix and no pinned page; outputs after it are
+    PEFT's."""
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", adapter_dir=str(tiny_adapter_dir)))
+    assert engine.warm_up() > 0
+    tier = engine.device_adapters
+    assert not engine.has_unfinished_requests() and engine.scheduler.kv.num_evictable_blocks == 0
+    assert tier.counters.loads == 1 and tier.stacks is not None and tier.stacks.builds >= 1
+    assert all(res.pins == 0 for res in tier.resident.values())
+    assert engine.pool.num_free + tier.num_pages == engine.pool.num_pages
+    ours = run_all(engine, ALL_JOBS, prompts)
+    assert all(ours[key] == reference[key] for key in ALL_JOBS)
+
+
 def test_interrupted_steps_of_a_mixed_batch_match_peft(tiny_adapter_dir, prompts, reference) -> None:
     """Steps ended between two layers (a critical arrival, tests/engine/test_step_interrupt.py) and run again:
     the LoRA segments of the partial pass wrote K/V that the rerun writes again, alike."""
     engine = LLMEngine(
-        EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir), max_device_adapters=3, max_batch_tokens=16)
+        EngineConfig(
+            dtype="float32",
+            model="tiny-random",
+            adapter_dir=str(tiny_adapter_dir),
+            max_device_adapters=3,
+            max_batch_tokens=16,
+        )
     )
     driver = Interrupter(engine, layer=2, when=lambda i: i % 2 == 0)
     ours = run_all(engine, ALL_JOBS, prompts, step=driver.step)
@@ -108,7 +184,13 @@ def test_interrupted_steps_of_a_mixed_batch_match_peft(tiny_adapter_dir, prompts
 
 def test_device_tier_smaller_than_working_set(tiny_adapter_dir, prompts, reference) -> None:
     engine = LLMEngine(
-        EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir), max_device_adapters=2, max_batch_tokens=16)
+        EngineConfig(
+            dtype="float32",
+            model="tiny-random",
+            adapter_dir=str(tiny_adapter_dir),
+            max_device_adapters=2,
+            max_batch_tokens=16,
+        )
     )
     ours = run_all(engine, ALL_JOBS, prompts)
     assert ours == {key: reference[key] for key in ALL_JOBS}
@@ -117,12 +199,20 @@ def test_device_tier_smaller_than_working_set(tiny_adapter_dir, prompts, referen
 
 
 def test_adapter_pages_compete_with_kv_pages(tiny_adapter_dir, prompts, reference) -> None:
-    probe = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir), block_size=4))
+    probe = LLMEngine(
+        EngineConfig(dtype="float32", model="tiny-random", adapter_dir=str(tiny_adapter_dir), block_size=4)
+    )
     largest = max(probe.device_adapters.pages_needed(s) for s in probe.adapters.list())
     # Room for the largest adapter plus a few requests' KV blocks: loads evict idle adapters and
     # running requests get preempted, and nothing deadlocks.
     engine = LLMEngine(
-        EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir), block_size=4, num_kv_blocks=largest + 12)
+        EngineConfig(
+            dtype="float32",
+            model="tiny-random",
+            adapter_dir=str(tiny_adapter_dir),
+            block_size=4,
+            num_kv_blocks=largest + 12,
+        )
     )
     ours = run_all(engine, ALL_JOBS, prompts)
     assert ours == {key: reference[key] for key in ALL_JOBS}
@@ -130,7 +220,9 @@ def test_adapter_pages_compete_with_kv_pages(tiny_adapter_dir, prompts, referenc
 
 
 def test_pages_proportional_to_rank(tiny_adapter_dir) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir), block_size=1))
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", model="tiny-random", adapter_dir=str(tiny_adapter_dir), block_size=1)
+    )
     tier = engine.device_adapters
     for spec in engine.adapters.list():
         # Reference: the element counts of the adapter file's own tensors, largest layer, whole pages.
@@ -150,7 +242,7 @@ def test_pages_proportional_to_rank(tiny_adapter_dir) -> None:
 def test_reload_bumps_version_and_running_requests_keep_theirs(
     tiny_model_dir, tiny_adapter_dir, prompts, reference, tmp_path
 ) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir)))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", adapter_dir=str(tiny_adapter_dir)))
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     old = engine.add_request("old", prompts[1], params, adapter_id="r4-all")
     engine.step()
@@ -185,7 +277,7 @@ def test_smollm2_adapters_match_peft(smollm2_dir: Path, tmp_path: Path) -> None:
     }
     for seed, (name, kwargs) in enumerate(specs.items()):
         make_peft_adapter(smollm2_dir, tmp_path / name, seed=seed, b_std=0.02, **kwargs)
-    engine = LLMEngine(EngineConfig(model="smollm2", adapter_dir=str(tmp_path), pool_mb=192))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="smollm2", adapter_dir=str(tmp_path), pool_mb=192))
     prompt = engine.tokenizer("The quick brown fox jumps over")["input_ids"]
     n = 6
     jobs = [None, *specs]
@@ -199,7 +291,9 @@ def test_smollm2_adapters_match_peft(smollm2_dir: Path, tmp_path: Path) -> None:
 
 
 def test_queued_requests_adapters_are_prefetched_into_host_tier(tiny_adapter_dir, prompts) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=str(tiny_adapter_dir), max_num_seqs=1))
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", model="tiny-random", adapter_dir=str(tiny_adapter_dir), max_num_seqs=1)
+    )
     params = SamplingParams(max_tokens=4, temperature=0.0)
     engine.add_request("first", prompts[0], params)
     engine.step()  # "first" holds the only sequence slot: the next request waits

@@ -50,7 +50,9 @@ def test_triton_path_equals_the_torch_path_and_peft(
     results = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv("LORAGATE_LORA_BACKEND", backend)
-        engine = LLMEngine(EngineConfig(model="tiny-random", adapter_dir=adapter_dir, max_model_len=256))
+        engine = LLMEngine(
+            EngineConfig(dtype="float32", model="tiny-random", adapter_dir=adapter_dir, max_model_len=256)
+        )
         assert engine.runner.lora_backend == backend
         assert (engine.device_adapters.mirror is not None) == (backend == "triton")
         results[backend] = _run(engine, jobs)

@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
+from engine.config import EngineConfig
+from engine.core.llm_engine import resolve_dtype
 from engine.model import sources
 from engine.model.attention import (
     AttentionMetadata,
@@ -21,6 +23,7 @@ from engine.model.attention import (
     kv_cache_bytes_per_block,
 )
 from engine.model.config import load_model_config, parse_model_config
+from engine.model.cpu_gemm import PackedLinear, auto_cpu_dtype, onednn_available
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.model.sources import build_tiny_random, load_tokenizer, resolve_model
@@ -156,9 +159,61 @@ LLAMA3_ROPE = {
 def test_variants_match_hf(tmp_path: Path, overrides: dict) -> None:
     model_dir = build_tiny_random(tmp_path / "model", seed=1, num_hidden_layers=2, **overrides)
     ours, hf = load_pair(model_dir)
-    if "tie_word_embeddings" in overrides:
-        assert ours.lm_head is None and ours.config.tie_word_embeddings
+    if "tie_word_embeddings" in overrides:  # the head reads the embeddings (a packed copy of them on the CPU)
+        assert (
+            ours.config.tie_word_embeddings and load_model(model_dir, torch.float32, CPU, prepack=False).lm_head is None
+        )
     check_prefill_decode_mixed(ours, hf, block_size=4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tied", [False, True], ids=["head", "tied"])
+def test_prepacked_gemms_match_plain_linear(tmp_path: Path, dtype: torch.dtype, tied: bool) -> None:
+    """On the CPU every projection and the LM head run through oneDNN-prepacked weights (engine/model/cpu_gemm.py);
+    their outputs equal F.linear's over the plain weights (to fp32 rounding; bf16: both accumulate in fp32)."""
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    model_dir = build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=2, tie_word_embeddings=tied)
+    plain = load_model(model_dir, dtype, CPU, prepack=False)
+    packed = load_model(model_dir, dtype, CPU)
+    linears = [name for name, m in plain.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert sorted(n for n, m in packed.named_modules() if isinstance(m, PackedLinear)) == sorted(
+        linears + (["lm_head"] if tied else [])
+    )
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    x = torch.randn(7, plain.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(packed.compute_logits(x), plain.compute_logits(x), atol=tol, rtol=tol)
+    for name in linears:  # every projection on inputs of its own width, 1 and 33 rows (not the pack's hint)
+        ours, ref = packed.get_submodule(name), plain.get_submodule(name)
+        for rows in (1, 33):
+            inp = torch.randn(rows, ref.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            torch.testing.assert_close(
+                ours(inp), torch.nn.functional.linear(inp, ref.weight, ref.bias), atol=tol, rtol=tol
+            )
+    got, want = PagedRunner(packed, block_size=4), PagedRunner(plain, block_size=4)
+    seq_a, seq_b = (
+        Seq(random_tokens(9, plain.config.vocab_size, seed=3)),
+        Seq(random_tokens(9, plain.config.vocab_size, seed=3)),
+    )
+    torch.testing.assert_close(got.step([(seq_a, 9)])[0], want.step([(seq_b, 9)])[0], atol=tol * 10, rtol=tol * 10)
+
+
+def test_auto_dtype_follows_the_cpu_flags() -> None:
+    """`--dtype auto` on a CPU: bf16 where it is native (avx512_bf16 or AMX), fp32 elsewhere; this machine's own
+    flags as the kernel reports them (/proc/cpuinfo) decide the engine's choice."""
+    assert auto_cpu_dtype(frozenset({"avx2", "avx512f", "avx512_bf16"}))[0] == torch.bfloat16
+    assert auto_cpu_dtype(frozenset({"avx2", "amx_tile", "amx_bf16"}))[0] == torch.bfloat16
+    assert auto_cpu_dtype(frozenset({"avx2", "avx512f", "avx512bw"}))[0] == torch.float32  # bf16 would be emulated
+    assert auto_cpu_dtype(frozenset())[0] == torch.float32
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    native = any(
+        f in line.split() for line in text.splitlines() if line.startswith("flags") for f in ("avx512_bf16", "amx_bf16")
+    )
+    dtype, reason = resolve_dtype(EngineConfig(model="tiny-random"))
+    assert dtype == (torch.bfloat16 if native else torch.float32), reason
+    assert resolve_dtype(EngineConfig(model="tiny-random", dtype="float32"))[0] == torch.float32
+    assert resolve_dtype(EngineConfig(model="tiny-random", device="cuda"))[0] == torch.bfloat16
 
 
 def test_bfloat16_tracks_fp32_reference(

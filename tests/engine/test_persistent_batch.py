@@ -109,6 +109,7 @@ def run_engine(
     max_batch_tokens, block_size, num_kv_blocks, preemption = config
     engine = LLMEngine(
         EngineConfig(
+            dtype="float32",
             model="tiny-random",
             max_batch_tokens=max_batch_tokens,
             block_size=block_size,

@@ -384,7 +384,9 @@ def system_prompt() -> list[int]:
 
 def make_engine(adapter_dir: Path, enable: bool = True) -> LLMEngine:
     return LLMEngine(
-        EngineConfig(model="tiny-random", adapter_dir=str(adapter_dir), block_size=8, enable_prefix_cache=enable)
+        EngineConfig(
+            dtype="float32", model="tiny-random", adapter_dir=str(adapter_dir), block_size=8, enable_prefix_cache=enable
+        )
     )
 
 

@@ -82,7 +82,7 @@ def count_head_rows(engine: LLMEngine) -> list[int]:
 
 @pytest.mark.parametrize("config", [{}, CHUNKED], ids=["whole prompts", "chunked"])
 def test_base_model_matches_hf(tiny_model_dir, prompts, config) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", **config))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", **config))
     for i, prompt in enumerate(prompts):
         engine.add_request(f"score{i}", prompt, SamplingParams(max_tokens=0, prompt_logprobs=K))
         engine.add_request(f"gen{i}", prompt, SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1))
@@ -103,7 +103,9 @@ def test_base_model_matches_hf(tiny_model_dir, prompts, config) -> None:
 
 def test_adapters_match_peft(tiny_model_dir, tiny_adapters, prompts) -> None:
     engine = LLMEngine(
-        EngineConfig(model="tiny-random", adapter_dir=str(next(iter(tiny_adapters.values())).parent), **CHUNKED)
+        EngineConfig(
+            dtype="float32", model="tiny-random", adapter_dir=str(next(iter(tiny_adapters.values())).parent), **CHUNKED
+        )
     )
     for name in [None, *tiny_adapters]:  # one mixed batch
         engine.add_request(f"{name}", prompts[4], SamplingParams(max_tokens=0, prompt_logprobs=K), adapter_id=name)
@@ -120,7 +122,9 @@ def test_adapters_match_peft(tiny_model_dir, tiny_adapters, prompts) -> None:
 def test_preemption_by_recompute_records_each_position_once(tiny_model_dir, tiny_adapters, prompts, when) -> None:
     name, adapter_dir = next(iter(tiny_adapters.items()))
     engine = LLMEngine(
-        EngineConfig(model="tiny-random", adapter_dir=str(adapter_dir.parent), preemption="recompute", **CHUNKED)
+        EngineConfig(
+            dtype="float32", model="tiny-random", adapter_dir=str(adapter_dir.parent), preemption="recompute", **CHUNKED
+        )
     )
     head_rows = count_head_rows(engine)
     prompt, new_tokens = prompts[4], 4
@@ -146,7 +150,7 @@ def test_preemption_by_recompute_records_each_position_once(tiny_model_dir, tiny
 
 
 def test_prefix_cache_gives_no_blocks_to_a_request_that_scores_its_prompt(tiny_model_dir, prompts) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", block_size=4))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", block_size=4))
     kv = engine.scheduler.kv
     prompt = prompts[3]
     engine.add_request("warm", prompt, SamplingParams(max_tokens=1, temperature=0.0))
@@ -162,7 +166,7 @@ def test_prefix_cache_gives_no_blocks_to_a_request_that_scores_its_prompt(tiny_m
 
 
 def test_requests_that_do_not_ask_send_only_their_sampled_rows_through_the_head(prompts) -> None:
-    engine = LLMEngine(EngineConfig(model="tiny-random", **CHUNKED))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", **CHUNKED))
     head_rows = count_head_rows(engine)
     for i, prompt in enumerate(prompts):
         engine.add_request(

@@ -33,13 +33,18 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_tokens": 12}
 
 
-def _start_server(log_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    return start_engine_server(log_path, "--max-model-len", str(MAX_MODEL_LEN), *extra, model=MODEL)
+def _start_server(log_path: Path, *extra: str, warmup: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+    return start_engine_server(log_path, "--max-model-len", str(MAX_MODEL_LEN), *extra, model=MODEL, warmup=warmup)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[str]:
-    proc, base = _start_server(tmp_path_factory.mktemp("engine") / "engine.log")
+def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine") / "engine.log"
+
+
+@pytest.fixture(scope="module")
+def server(server_log: Path, tiny_model_dir: Path) -> Iterator[str]:
+    proc, base = _start_server(server_log, warmup=True)  # as `loragate engine` starts by default
     yield base
     proc.terminate()
     proc.wait(timeout=60)
@@ -188,10 +193,12 @@ def test_unknown_adapter_is_404(client: openai.OpenAI, server: str) -> None:
 # ---- health, readiness, metrics --------------------------------------------------------------------
 
 
-def test_health_and_readiness(server: str) -> None:
+def test_health_and_readiness(server: str, server_log: Path) -> None:
     assert httpx.get(f"{server}/healthz").json() == {"status": "ok"}
     ready = httpx.get(f"{server}/readyz")
     assert ready.status_code == 200
+    log = server_log.read_text()  # the engine warmed up before it listened
+    assert log.index("warmed up in") < log.index("serving ")
 
 
 def test_metrics_move_after_a_request(client: openai.OpenAI, server: str, tokenizer: Any) -> None:
@@ -436,7 +443,7 @@ def test_draining_engine_refuses_new_work(tiny_model_dir: Path) -> None:
     from engine.core.llm_engine import LLMEngine
     from engine.entrypoints.server import build_app
 
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=MODEL, max_model_len=MAX_MODEL_LEN)))
+    engine = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", model=MODEL, max_model_len=MAX_MODEL_LEN)))
     app = build_app(engine)
 
     async def scenario() -> list[httpx.Response]:

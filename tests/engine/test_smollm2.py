@@ -13,7 +13,7 @@ pytestmark = pytest.mark.smollm2
 
 @pytest.fixture(scope="module")
 def engine(smollm2_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(model="smollm2", pool_mb=128))
+    return LLMEngine(EngineConfig(dtype="float32", model="smollm2", pool_mb=128))
 
 
 def chat_ids(engine: LLMEngine, question: str) -> list[int]:

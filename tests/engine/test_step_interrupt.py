@@ -95,7 +95,7 @@ SHEDDABLE = dict.fromkeys(range(5), Priority.SHEDDABLE)  # every prompt of `case
 @pytest.mark.parametrize("layer", [1, 2])
 def test_interrupted_steps_leave_outputs_equal_to_hf(cases, config, layer) -> None:
     prompts, expected = cases
-    engine = LLMEngine(EngineConfig(model="tiny-random", **config))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", **config))
     driver = Interrupter(engine, layer, when=lambda i: i % 3 == 1)
     ours = engine_outputs(engine, prompts, join_after={3: 4, 4: 9}, priorities=SHEDDABLE, step=driver.step)
     assert ours == expected
@@ -129,7 +129,7 @@ def test_interrupts_leave_seeded_sampling_penalties_and_cached_prefixes_unchange
     ]
 
     def run(interrupt: bool) -> tuple[list[list[int]], int]:
-        engine = LLMEngine(EngineConfig(model="tiny-random", max_batch_tokens=24))
+        engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", max_batch_tokens=24))
         driver = Interrupter(engine, layer=1, when=(lambda i: i % 2 == 0) if interrupt else (lambda i: False))
         requests = []
         for i, (prompt, params) in enumerate(jobs):
@@ -152,7 +152,7 @@ def test_critical_prompts_are_never_interrupted_and_lower_classes_always_progres
     whole, steps where critical requests only decode may not; an interrupted step is always followed by one
     that runs whole."""
     prompts, expected = cases
-    engine = LLMEngine(EngineConfig(model="tiny-random", max_batch_tokens=16, block_size=4))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", max_batch_tokens=16, block_size=4))
     driver = Interrupter(engine, layer=2)
     priorities = {**SHEDDABLE, 3: Priority.CRITICAL, 4: Priority.STANDARD}
     ours = engine_outputs(engine, prompts, join_after={3: 5, 4: 7}, priorities=priorities, step=driver.step)
@@ -170,7 +170,7 @@ def test_critical_prompts_are_never_interrupted_and_lower_classes_always_progres
 
 def test_interrupts_can_be_turned_off(cases) -> None:
     prompts, expected = cases
-    engine = LLMEngine(EngineConfig(model="tiny-random", critical_interrupts=False))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", critical_interrupts=False))
     driver = Interrupter(engine)
     ours = engine_outputs(engine, prompts, priorities=SHEDDABLE, step=driver.step)
     assert ours == expected
@@ -182,7 +182,7 @@ def test_a_critical_arrival_interrupts_the_step_in_progress_of_the_async_engine(
     inside a step of sheddable decodes ends that step; the critical request and the sheddable ones all get the
     tokens they would have got alone."""
     prompts, expected = cases
-    engine = AsyncEngine(LLMEngine(EngineConfig(model="tiny-random")))
+    engine = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", model="tiny-random")))
     armed, inside = threading.Event(), threading.Event()
 
     def hold_step(module, args) -> None:  # on the engine thread, before layer 1

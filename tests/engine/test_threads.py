@@ -136,7 +136,7 @@ def test_a_real_engine_beside_a_cpu_hog_computes_with_one_thread() -> None:
     hog = subprocess.Popen([sys.executable, "-c", spin])
     try:
         time.sleep(0.3)
-        engine = LLMEngine(EngineConfig(model="tiny-random", num_threads="auto", max_model_len=1024))
+        engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", num_threads="auto", max_model_len=1024))
         assert engine.threads is not None and engine.threads.threads == 2
         params = SamplingParams(max_tokens=200, min_tokens=200, temperature=0.0, ignore_eos=True)
         for i in range(16):
@@ -178,7 +178,7 @@ def test_transient_worker_runs_in_order_and_its_thread_ends_when_idle() -> None:
 
 
 def test_an_engine_loaded_in_its_own_thread_serves_what_a_synchronous_one_computes() -> None:
-    config = EngineConfig(model="tiny-random", max_model_len=256, num_threads=2)
+    config = EngineConfig(dtype="float32", model="tiny-random", max_model_len=256, num_threads=2)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [list(range(5, 5 + n)) for n in (3, 9, 17)]
     reference = LLMEngine(config)
@@ -216,7 +216,7 @@ def test_an_engine_loaded_in_its_own_thread_serves_what_a_synchronous_one_comput
 
 def test_whichever_thread_steps_an_engine_computes_with_its_thread_count() -> None:
     main_threads = torch.get_num_threads()
-    engine = LLMEngine(EngineConfig(model="tiny-random", max_model_len=128, num_threads=1))
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", max_model_len=128, num_threads=1))
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0))
     seen: list[int] = []
 
@@ -236,7 +236,7 @@ def test_whichever_thread_steps_an_engine_computes_with_its_thread_count() -> No
 def test_a_failed_load_raises_in_the_caller_and_leaves_no_thread(tmp_path: Path) -> None:
     before = {t.ident for t in threading.enumerate()}
     with pytest.raises(Exception, match="not-a-model"):
-        AsyncEngine.load(EngineConfig(model=str(tmp_path / "not-a-model")))
+        AsyncEngine.load(EngineConfig(dtype="float32", model=str(tmp_path / "not-a-model")))
     poll(
         lambda: {t.ident for t in threading.enumerate() if t.name == "loragate-engine"} <= before,
         timeout_s=10,
@@ -245,7 +245,7 @@ def test_a_failed_load_raises_in_the_caller_and_leaves_no_thread(tmp_path: Path)
 
 
 def test_shutdown_before_start_ends_the_loaded_engine_thread() -> None:
-    async_engine = AsyncEngine.load(EngineConfig(model="tiny-random", max_model_len=128))
+    async_engine = AsyncEngine.load(EngineConfig(dtype="float32", model="tiny-random", max_model_len=128))
     thread = async_engine._thread
     asyncio.run(async_engine.shutdown())
     assert thread is not None and not thread.is_alive()

@@ -79,7 +79,7 @@ def spans(exporter: InMemorySpanExporter) -> InMemorySpanExporter:
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: Path) -> LLMEngine:
     """One engine for the module; each test wraps it in a fresh AsyncEngine (its thread and event loop)."""
-    return LLMEngine(EngineConfig(model=MODEL, max_model_len=256))
+    return LLMEngine(EngineConfig(dtype="float32", model=MODEL, max_model_len=256))
 
 
 def _parse_traceparent(value: str) -> tuple[int, int]:
