@@ -8,7 +8,8 @@ once: ~26 ops a layer. It reads each adapter's weights as one [U, rank, features
 which the page pool cannot offer as a view (slots sit at arbitrary pages, ranks differ), so `LoraStacks` copies
 the step's adapters into that layout, zero-padded to the largest rank of the step per module, in fp32 (products
 and sums in fp32 also for a bf16 model), and keeps it while the step's adapter set and the tier's contents stay
-the same (a decode batch keeps its adapters for many steps). A step with long segments (prefill) or whose stack
+the same (a decode batch keeps its adapters for many steps; when requests finish, the stack of the larger set
+serves the smaller one while it is at most twice its size). A step with long segments (prefill) or whose stack
 would pass `max_bytes` keeps the per-segment path.
 
 The pool stays the one home of adapter weights (S-LoRA): a stack is a derived copy of at most `max_bytes`,
@@ -57,6 +58,7 @@ class LoraStacks:
         self.weights = weights
         self.max_bytes = max_bytes
         self.current: StackedWeights | None = None
+        self.refused: tuple[tuple[int, ...], int] | None = None  # the last adapter set over max_bytes
         self.builds = 0  # how many times a stack was built (tests; a decode run builds one)
 
     def plan(self, seg_starts: list[int], seg_slots: list[int], null_slot: int) -> StackPlan | None:
@@ -70,28 +72,36 @@ class LoraStacks:
         n = max(map(len, rows.values()))
         if n > MAX_ROWS_PER_ADAPTER:
             return None
-        slots = tuple(sorted(rows))
-        stack = self._stack(slots)
+        stack = self._stack(tuple(sorted(rows)))
         if stack is None:
             return None
+        # The stack's adapters, in its order: the step's, or a superset kept from earlier steps, whose extra
+        # adapters get padding rows only.
+        filler = next(iter(rows.values()))[0]
         gather: list[int] = []
-        padded = False
-        for slot in slots:
-            own = rows[slot]
-            gather += own + [own[0]] * (n - len(own))
-            padded = padded or len(own) < n
+        counts: list[int] = []
+        for slot in stack.key[0]:
+            own = rows.get(slot, [])
+            gather += own + [own[0] if own else filler] * (n - len(own))
+            counts.append(len(own))
         if gather == list(range(gather[0], gather[0] + len(gather))):  # a decode batch grouped by adapter
             return StackPlan(slice(gather[0], gather[0] + len(gather)), None, stack)
         device = self.weights.layer_pools[0].device
         mask = None
-        if padded:
-            mask = torch.tensor([[[1.0]] * len(rows[s]) + [[0.0]] * (n - len(rows[s])) for s in slots], device=device)
+        if min(counts) < n:
+            mask = torch.tensor([[[1.0]] * c + [[0.0]] * (n - c) for c in counts], device=device)
         return StackPlan(torch.tensor(gather, dtype=torch.int64, device=device), mask, stack)
 
     def _stack(self, slots: tuple[int, ...]) -> StackedWeights | None:
         key = (slots, self.weights.generation)
-        if self.current is not None and self.current.key == key:
-            return self.current
+        current = self.current
+        if current is not None and current.key[1] == key[1]:
+            kept = current.key[0]
+            # the same adapters, or a few more (a request finished): reused rather than copied again
+            if kept == slots or (set(slots) <= set(kept) and len(kept) <= 2 * len(slots)):
+                return current
+        if key == self.refused:  # over the bound: not sized again every step
+            return None
         self.current = None  # the old stack goes before the new one is built
         tables = self.weights.tables
         layers = len(self.weights.layer_pools)
@@ -113,6 +123,7 @@ class LoraStacks:
         )
         nbytes = per_layer * layers * 4
         if nbytes > self.max_bytes:
+            self.refused = key
             return None
         a_all, b_all = [], []
         zeros = functools.partial(torch.zeros, device=self.weights.layer_pools[0].device)

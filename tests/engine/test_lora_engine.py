@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request, SamplingParams
 from engine.lora.batch import LoraBatch
-from engine.lora.stacks import MAX_ROWS_PER_ADAPTER, LoraStacks
+from engine.lora.stacks import MAX_ROWS_PER_ADAPTER, LoraStacks, StackPlan
 
 from lora_fixtures import make_peft_adapter, peft_greedy
 
@@ -129,11 +129,28 @@ def _check_stacked_deltas(engine: LLMEngine) -> None:
         starts.append(starts[-1] + k % 3 + 1)
     plan = tier.stacks.plan(starts, seg_slots, tier.null_slot)
     assert plan is not None and plan.mask is not None  # padded: the adapters' row counts differ
+    _compare_with_per_segment(engine, starts, seg_slots, plan, base_rows=list(range(starts[3], starts[4])))
+    # requests finish: a step of 4 of those 6 adapters reuses their stack (no copy), its extra adapters padding
+    builds = tier.stacks.builds
+    fewer = [0, 2, 3, 5, 6]
+    subset = tier.stacks.plan(fewer, slots[1:5], tier.null_slot)
+    assert subset is not None and subset.stack is plan.stack and tier.stacks.builds == builds
+    _compare_with_per_segment(engine, fewer, slots[1:5], subset, base_rows=[])
+    # a stack past its byte bound is not built: the per-segment path serves the step
+    assert LoraStacks(tier.weights, max_bytes=0).plan(starts, seg_slots, tier.null_slot) is None
+    long_segment = [0, MAX_ROWS_PER_ADAPTER + 1]  # a prefill chunk: per segment
+    assert tier.stacks.plan(long_segment, slots[:1], tier.null_slot) is None
+
+
+def _compare_with_per_segment(
+    engine: LLMEngine, starts: list[int], seg_slots: list[int], plan: StackPlan, base_rows: list[int]
+) -> None:
+    """Every layer's and group's deltas through `plan` equal the per-segment path's on random x and y."""
+    tier = engine.device_adapters
     dtype = engine.dtype
     gen = torch.Generator().manual_seed(0)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     cols, ins = tier.weights.out_cols, tier.weights.in_features
-    base_rows = list(range(starts[3], starts[4]))
     for layer in range(engine.model.config.num_layers):
         for group in cols:
             x = torch.randn(starts[-1], ins[group], generator=gen).to(dtype)
@@ -143,10 +160,6 @@ def _check_stacked_deltas(engine: LLMEngine) -> None:
             LoraBatch(starts, seg_slots, tier.weights).layer(layer).apply(group, looped, x)
             torch.testing.assert_close(stacked, looped, atol=tol, rtol=tol)
             assert torch.equal(stacked[base_rows], y0[base_rows])  # rows without an adapter are untouched
-    # a stack past its byte bound is not built: the per-segment path serves the step
-    assert LoraStacks(tier.weights, max_bytes=0).plan(starts, seg_slots, tier.null_slot) is None
-    long_segment = [0, MAX_ROWS_PER_ADAPTER + 1]  # a prefill chunk: per segment
-    assert tier.stacks.plan(long_segment, slots[:1], tier.null_slot) is None
 
 
 def test_warm_up_runs_base_and_lora_shapes_and_leaves_nothing_behind(tiny_adapter_dir, prompts, reference) -> None:
