@@ -289,17 +289,26 @@ class LLMEngine:
         finishes, and the prefix cache is emptied."""
         start = time.perf_counter()
         prepare_tokenizer(self.tokenizer)
-        vocab = self.model.config.vocab_size
-        chunk = min(self.config.max_prefill_tokens or self.config.max_batch_tokens, self.max_model_len - 8, 512)
+        vocab, room = self.model.config.vocab_size, self.max_model_len
+        if room < 2:  # no prompt and new token fit
+            return 0.0
+        new = min(4, room - 1)
+        short = min(8, room - new)
+        chunk = min(self.config.max_prefill_tokens or self.config.max_batch_tokens, room - new, 512)
         width = min(self.config.max_num_seqs, 32)
         registered = self.adapters.list()
         adapter = registered[0].adapter_id if registered else None
-        params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=new, min_tokens=new, temperature=0.0, ignore_eos=True)
         for lora in (None, adapter) if adapter is not None else (None,):
-            jobs = [(max(chunk, 1), None)] + [(8, lora if i % 4 == 1 else None) for i in range(width)] + [(4, lora)]
+            jobs = [(chunk, None)] + [(short, lora if i % 4 == 1 else None) for i in range(width)] + [(short, lora)]
             for i, (length, adapter_id) in enumerate(jobs):
                 prompt = [(7 * i + 3 * k) % vocab for k in range(length)]
-                self.add_request(f"warmup-{i}-{lora is not None}", prompt, params, adapter_id=adapter_id)
+                name = f"warmup-{i}-{lora is not None}"
+                try:
+                    self.add_request(name, prompt, params, adapter_id=adapter_id)
+                except (AdapterError, AdapterUnusable) as exc:  # its requests will get the error; warm the base
+                    logger.warning("warm-up without adapter %s: %s", adapter_id, exc)
+                    self.add_request(name, prompt, params)
             while self.has_unfinished_requests():
                 self.step()
         self.scheduler.kv.reset_prefix_cache()

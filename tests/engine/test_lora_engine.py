@@ -175,6 +175,11 @@ def test_warm_up_runs_base_and_lora_shapes_and_leaves_nothing_behind(tiny_adapte
     assert engine.pool.num_free + tier.num_pages == engine.pool.num_pages
     ours = run_all(engine, ALL_JOBS, prompts)
     assert all(ours[key] == reference[key] for key in ALL_JOBS)
+    # a context too short for its usual prompts: shorter ones, never a refused warm-up request (a failed start)
+    small = LLMEngine(
+        EngineConfig(dtype="float32", model="tiny-random", adapter_dir=str(tiny_adapter_dir), max_model_len=6)
+    )
+    assert small.warm_up() > 0 and not small.has_unfinished_requests()
 
 
 def test_interrupted_steps_of_a_mixed_batch_match_peft(tiny_adapter_dir, prompts, reference) -> None:
