@@ -14,6 +14,15 @@ from engine.structured.grammars import CompiledGrammar, compile_grammar
 from engine.structured.schema import SchemaError, check_schema
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for schema and function names
+
+
+def check_name(at: str, name: Any) -> str:
+    """A schema's or function's name, or SchemaError at `at` when it breaks OpenAI's rule."""
+    if not isinstance(name, str) or not NAME.match(name):
+        raise SchemaError(at, "must be 1-64 characters of a-z, A-Z, 0-9, '_' or '-'")
+    return name
+
+
 JSON_OBJECT: dict[str, Any] = {"type": "object"}
 PREFIX = "response_format"
 
@@ -46,9 +55,7 @@ def _parse(response_format: Any) -> tuple[str, Any]:
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict):
         raise SchemaError(f"{PREFIX}.json_schema", "must be an object with 'name' and 'schema'")
-    name = spec.get("name")
-    if not isinstance(name, str) or not NAME.match(name):
-        raise SchemaError(f"{PREFIX}.json_schema.name", "must be 1-64 characters of a-z, A-Z, 0-9, '_' or '-'")
+    check_name(f"{PREFIX}.json_schema.name", spec.get("name"))
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         raise SchemaError(f"{PREFIX}.json_schema.strict", "must be a boolean")
     if spec.get("description") is not None and not isinstance(spec["description"], str):

@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.structured.grammars import CompiledGrammar, compile_grammar
 from engine.structured.keywords import relocate_refs
-from engine.structured.response_format import NAME
+from engine.structured.response_format import check_name
 from engine.structured.schema import SchemaError, check_schema
 
 # OpenAI: "Omitting parameters defines a function with an empty parameter list."
@@ -40,9 +40,7 @@ def validate_tools(tools: Any) -> list[tuple[str, Any]]:
         function = tool.get("function")
         if not isinstance(function, dict):
             raise SchemaError(f"{at}.function", "must be an object with a 'name'")
-        name = function.get("name")
-        if not isinstance(name, str) or not NAME.match(name):
-            raise SchemaError(f"{at}.function.name", "must be 1-64 characters of a-z, A-Z, 0-9, '_' or '-'")
+        name = check_name(f"{at}.function.name", function.get("name"))
         if name in seen:
             raise SchemaError(f"{at}.function.name", f"duplicate tool name {name!r}")
         seen.add(name)
