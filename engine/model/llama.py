@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
+from engine.model.cpu_gemm import PackedLinear, prepack_linears
 
 if TYPE_CHECKING:
     from engine.model.config import ModelConfig
@@ -244,8 +245,6 @@ class LlamaForCausalLM(nn.Module):
     def prepack(self) -> int:
         """On the CPU: every projection and the LM head through oneDNN-prepacked weights (engine/model/cpu_gemm.py;
         a tied head gets a packed copy of the embeddings). Returns how many GEMMs were packed (0 elsewhere)."""
-        from engine.model.cpu_gemm import PackedLinear, prepack_linears
-
         count = prepack_linears(self)
         if count and self.lm_head is None:
             self.lm_head = PackedLinear(self.embed_tokens.weight, None)
