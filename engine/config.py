@@ -49,6 +49,9 @@ class EngineConfig:
     adapter_load_wait_s: float = 20.0
     # run the shapes serving meets before the server listens (LLMEngine.warm_up; AsyncEngine.load does it)
     warmup: bool = True
+    # CUDA only: steps of decodes alone replay CUDA graphs captured per batch-size bucket
+    # (engine/worker/cuda_graphs.py); off: every step launches its kernels one by one
+    cuda_graphs: bool = True
 
     def validate(self) -> None:
         if self.block_size < 1:

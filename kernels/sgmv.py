@@ -14,13 +14,13 @@ per-step metadata (`SgmvPlan`: which segment and first row each row tile has) is
 shared by all layers and groups.
 
 Dtypes: pool, x and y share a dtype (fp32, fp16 or bf16); products accumulate in fp32; fp32 dots run in
-IEEE precision (Triton would default them to tf32). Under TRITON_INTERPRET=1 (CPU correctness runs)
-dot operands are cast to fp32 first: the interpreter multiplies bf16 dots' raw bits (triton issue 11584).
+IEEE precision (Triton would default them to tf32). Kernels run compiled for CUDA tensors and under Triton's
+interpreter for CPU ones (kernels/triton_jit.py); interpreted, dot operands are cast to fp32 first: the
+interpreter multiplies bf16 dots' raw bits (triton issue 11584).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+from kernels.triton_jit import cuda_device, device_jit, interpreted
+
 BLOCK_M = 16  # rows per tile (a decode segment of one row still takes a whole tile)
 BLOCK_N = 32  # output columns (expand) or rank rows (shrink) per tile
 BLOCK_K = 64  # reduction chunk (shrink: input features; expand: rank)
@@ -85,7 +86,7 @@ class GroupTables:
     rank_total: torch.Tensor
 
 
-@triton.jit
+@device_jit
 def _shrink_kernel(
     x_ptr,
     pool_ptr,
@@ -139,7 +140,7 @@ def _shrink_kernel(
     tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_h + ns[None, :], acc, mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@device_jit
 def _expand_kernel(
     h_ptr,
     pool_ptr,
@@ -194,10 +195,13 @@ def _expand_kernel(
             mask=j_ok[:, None] & k_ok[None, :],
             other=0.0,
         )  # B [out_m, r] of this slot only
-        b = b.to(tl.float32)  # h is fp32: the product accumulates in fp32
-        if IEEE:
+        if IEEE:  # fp32 weights: an fp32 product in IEEE precision
             acc += tl.dot(h, tl.trans(b), input_precision="ieee")
-        else:
+        else:  # bf16/fp16 weights: h rounded to their dtype, on the tensor cores, accumulated in fp32
+            h = h.to(b.dtype)
+            if CAST_FP32:
+                h = h.to(tl.float32)
+                b = b.to(tl.float32)
             acc += tl.dot(h, tl.trans(b))
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_y + out_lo + js[None, :]
     mask = row_ok[:, None] & j_ok[None, :]
@@ -262,48 +266,49 @@ def lora_sgmv_group_triton(
     if plan.num_tiles == 0 or max_rank == 0:
         return
     h = torch.empty((x.shape[0], max_rank), dtype=torch.float32, device=x.device)
-    cast = INTERPRETING  # the interpreter's bf16 dot is wrong: it gets fp32 operands
+    cast = interpreted(x.device)  # the interpreter's bf16 dot is wrong: it gets fp32 operands
     ieee = x.dtype == torch.float32  # fp32 dots in IEEE precision, not tf32
     grid = (plan.num_tiles, triton.cdiv(max_rank, BLOCK_N))
-    _shrink_kernel[grid](
-        x,
-        pool,
-        h,
-        plan.tile_slot,
-        plan.tile_start,
-        plan.tile_end,
-        tables.a_offsets,
-        tables.rank_total,
-        x.shape[1],
-        x.stride(0),
-        h.stride(0),
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        CAST_FP32=cast,
-        IEEE=ieee,
-    )
-    n_tile_module, n_tile_col = n_tiles
-    grid = (plan.num_tiles, n_tile_module.numel())
-    _expand_kernel[grid](
-        h,
-        pool,
-        y,
-        plan.tile_slot,
-        plan.tile_start,
-        plan.tile_end,
-        tables.ranks,
-        tables.b_offsets,
-        tables.h_cols,
-        n_tile_module,
-        n_tile_col,
-        out_cols,
-        tables.ranks.shape[1],
-        h.stride(0),
-        y.stride(0),
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        CAST_FP32=cast,
-        IEEE=True,
-    )
+    with cuda_device(x.device):  # Triton launches on the current CUDA device
+        _shrink_kernel.on(x.device)[grid](
+            x,
+            pool,
+            h,
+            plan.tile_slot,
+            plan.tile_start,
+            plan.tile_end,
+            tables.a_offsets,
+            tables.rank_total,
+            x.shape[1],
+            x.stride(0),
+            h.stride(0),
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            CAST_FP32=cast,
+            IEEE=ieee,
+        )
+        n_tile_module, n_tile_col = n_tiles
+        grid = (plan.num_tiles, n_tile_module.numel())
+        _expand_kernel.on(x.device)[grid](
+            h,
+            pool,
+            y,
+            plan.tile_slot,
+            plan.tile_start,
+            plan.tile_end,
+            tables.ranks,
+            tables.b_offsets,
+            tables.h_cols,
+            n_tile_module,
+            n_tile_col,
+            out_cols,
+            tables.ranks.shape[1],
+            h.stride(0),
+            y.stride(0),
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            CAST_FP32=cast,
+            IEEE=ieee,
+        )

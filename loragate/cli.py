@@ -201,6 +201,11 @@ def _add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="CUDA: launch every decode step's kernels one by one instead of replaying captured CUDA graphs",
+    )
+    p.add_argument(
         "--dtype",
         default="auto",
         choices=("auto", "float32", "bfloat16", "float16"),
@@ -407,6 +412,7 @@ def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         aging_s=args.aging_s,
         enable_prefix_cache=not args.no_prefix_cache,
         warmup=not args.no_warmup,
+        cuda_graphs=not args.no_cuda_graphs,
         metrics_max_adapters=args.metrics_max_adapters,
         adapter_cache_dir=str(args.adapter_cache_dir) if args.adapter_cache_dir is not None else None,
         adapter_cache_mb=args.adapter_cache_mb,
