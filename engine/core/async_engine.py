@@ -27,7 +27,7 @@ from engine.core.llm_engine import AdapterUnusable, LLMEngine
 from engine.core.outputs import AdapterStatus, RequestError, RequestOutput
 from engine.core.request import SamplingParams
 from engine.lora.peft_config import AdapterSpec
-from engine.worker.threads import TransientWorker
+from engine.worker.threads import TransientWorker, make_current
 from loragate.priority import Priority
 
 logger = logging.getLogger(__name__)
@@ -231,6 +231,7 @@ class AsyncEngine:
     # ---- the engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        make_current(self.engine.runner.device)  # this thread steps the engine (it may not be the one that built it)
         with torch.inference_mode():  # once for the thread's life, not per step (see ModelRunner.execute)
             self._step_until_stopped()
 

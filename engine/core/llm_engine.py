@@ -44,7 +44,7 @@ from engine.model.sources import load_tokenizer, resolve_model
 from engine.structured import prepare_tokenizer
 from engine.worker.runner import ModelRunner
 from engine.worker.sampler import Sampler
-from engine.worker.threads import ThreadTuner, TransientWorker, usable_cpus
+from engine.worker.threads import ThreadTuner, TransientWorker, make_current, usable_cpus
 from kernels import lora_backend
 from loragate.priority import Priority
 
@@ -83,6 +83,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or resolved.name
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(resolved.path)
         device = torch.device(config.device)
+        make_current(device)
         dtype, dtype_reason = resolve_dtype(config)
         self.dtype = dtype
         self.model = load_model(resolved.path, dtype, device)

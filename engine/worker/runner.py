@@ -234,8 +234,9 @@ class ModelRunner:
             input_ids, positions, slot_mapping, context_lens = self.decode_buffers.write(
                 token_ids + pos_list + slots + decode_lens, num
             )
-            width = -(-max(decode_lens) // bs)
-            attn = AttentionMetadata(slot_mapping, num, self.batch.decode_tables(decode_rows, width), context_lens, ())
+            longest = max(decode_lens)
+            tables = self.batch.decode_tables(decode_rows, -(-longest // bs))
+            attn = AttentionMetadata(slot_mapping, num, tables, context_lens, (), longest)
             return StepInputs(input_ids, positions, attn, None, sample_idx)
         packed = token_ids + pos_list + slots + decode_lens
         if gather:
@@ -247,17 +248,18 @@ class ModelRunner:
         ends = list(
             accumulate((num, num, num, num_decodes, len(last_rows) if gather else 0, *(len(p[3]) for p in prefills)))
         )
-        width = -(-max(decode_lens, default=0) // bs)
+        longest = max(decode_lens, default=0)
         attn = AttentionMetadata(
             slot_mapping=flat[2 * num : ends[2]],
             num_decode_tokens=num_decodes,
-            decode_block_tables=self.batch.decode_tables(decode_rows, width),
+            decode_block_tables=self.batch.decode_tables(decode_rows, -(-longest // bs)),
             decode_context_lens=flat[ends[2] : ends[3]],
             prefills=tuple(
                 PrefillSeq(row, n, end, flat[ends[4 + j] : ends[5 + j]]) for j, (row, n, end, _) in enumerate(prefills)
             )
             if prefills
             else (),
+            max_decode_context_len=longest,
         )
         return StepInputs(
             flat[:num],

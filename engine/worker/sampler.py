@@ -102,8 +102,11 @@ class Sampler:
         instead of inventing a token. Rows with a logit_bias or a constraint take the full path.
         """
         assert logits.dim() == 2 and logits.shape[0] == len(requests), (logits.shape, len(requests))
+        plain = all(map(_is_plain_greedy, requests))
+        if plain and logits.device.type != "cpu":  # one wait for the device, not two
+            return SamplerOutput(greedy_one_copy(logits), [None] * len(requests))
         ok = finite_rows(logits)  # [B]
-        if all(map(_is_plain_greedy, requests)):
+        if plain:
             # Hot path: one batched argmax, no copies.
             return SamplerOutput(_unless_finite(ok, argmax_list(logits)), [None] * len(requests))
         if all(r.sampling_params.plain_greedy for r in requests):
@@ -273,6 +276,15 @@ def argmax_list(logits: torch.Tensor) -> list[int]:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.numpy().argmax(axis=1).tolist()
     return argmax(logits).tolist()
+
+
+def greedy_one_copy(logits: torch.Tensor) -> list[int]:
+    """[B, V] -> each row's first maximal index, NON_FINITE where its logits are not all finite: computed on the
+    logits' device and copied to the host at once (on a GPU each copy waits for the step to finish, and this is
+    the step's only wait)."""
+    packed = torch.stack((argmax(logits), torch.isfinite(logits.sum(dim=-1)).long()))  # [2, B]
+    token_ids, finite = packed.tolist()
+    return _unless_finite([bool(f) for f in finite], token_ids)
 
 
 def _unless_finite(finite: list[bool], token_ids: list[int]) -> list[int]:

@@ -235,3 +235,14 @@ class TransientWorker:
                 future.set_result(fn(*args))
             except BaseException as exc:  # handed to whoever waits on the future
                 future.set_exception(exc)
+
+
+def make_current(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing to do off CUDA).
+
+    The current device is per thread, and torch ops follow their tensors while Triton launches, CUDA graph
+    captures and new streams follow the current device: an engine on `cuda:1` whose thread kept GPU 0 would run
+    kernels there with GPU 1's pointers. Called by the thread that builds the engine and by the one that steps
+    it (engine/core/async_engine.py)."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)

@@ -1,6 +1,7 @@
-"""The engine with the Triton SGMV kernels forced (LORAGATE_LORA_BACKEND=triton; on a machine without a GPU
-they run under the Triton interpreter on CPU tensors): the same logits as the torch path for a mixed-adapter
-step, and greedy outputs equal to PEFT's for every adapter in one batch."""
+"""The engine with the Triton SGMV kernels forced (LORAGATE_LORA_BACKEND=triton; for CPU tensors they run under
+Triton's interpreter, on a host with or without a GPU): the same logits as the torch path for a mixed-adapter
+step, and greedy outputs equal to PEFT's for every adapter in one batch. The Triton run also loads adapters as a
+GPU engine does (one staged copy per load, the slot tables' mirror in one copy)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def test_triton_path_equals_the_torch_path_and_peft(
         )
         assert engine.runner.lora_backend == backend
         assert (engine.device_adapters.mirror is not None) == (backend == "triton")
+        # The GPU's way of loading an adapter (one staged table copied into every layer at once), on the CPU.
+        engine.device_adapters.stage_copies = backend == "triton"
         results[backend] = _run(engine, jobs)
     (torch_tokens, torch_logits), (triton_tokens, triton_logits) = results["torch"], results["triton"]
     scale = torch_logits.abs().max().item()

@@ -76,7 +76,12 @@ class PagedRunner:
         for row, table in enumerate(decode_tables):
             tables[row, : len(table)] = table
         attn = AttentionMetadata(
-            torch.cat(slots), len(decode_tables), tables, torch.tensor(decode_lens, dtype=torch.long), tuple(prefills)
+            torch.cat(slots),
+            len(decode_tables),
+            tables,
+            torch.tensor(decode_lens, dtype=torch.long),
+            tuple(prefills),
+            max(decode_lens, default=0),
         )
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.cat(positions), self.cache, attn)

@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from engine.core.request import Request, SamplingParams
-from engine.worker.sampler import NO_TOKEN, NON_FINITE, Sampler, argmax, argmax_list
+from engine.worker.sampler import NO_TOKEN, NON_FINITE, Sampler, argmax, argmax_list, greedy_one_copy
 from engine.worker.token_masks import unpack_bitmask
 
 EOS = 3
@@ -123,6 +123,18 @@ def test_argmax_is_torch_argmax_with_ties_and_specials(dtype: torch.dtype) -> No
     assert argmax_list(raw) == raw.argmax(dim=-1).tolist()
     assert argmax_list(raw[::2, 1::3]) == raw[::2, 1::3].argmax(dim=-1).tolist()
     assert all(type(t) is int for t in argmax_list(raw))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gpu_greedy_path_matches_the_cpu_one_in_one_copy(dtype: torch.dtype) -> None:
+    """On a GPU plain-greedy rows go through `greedy_one_copy` (argmax and finiteness copied together); it runs on
+    any device, so it is checked here against the CPU path's two steps."""
+    raw = torch.randn(6, 3000, generator=torch.Generator().manual_seed(4)).mul(3).round().to(dtype)
+    raw[1, 17], raw[3, 0], raw[4, 2999] = float("nan"), float("inf"), float("-inf")
+    finite = raw.isfinite().all(-1).tolist()
+    expected = [t if ok else NON_FINITE for t, ok in zip(raw.float().argmax(-1).tolist(), finite, strict=True)]
+    assert greedy_one_copy(raw) == expected
+    assert expected[1] == expected[3] == expected[4] == NON_FINITE and expected[0] >= 0
 
 
 _PATHS = {  # every row of the batch takes this path of the sampler

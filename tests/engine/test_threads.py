@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from engine.core.async_engine import AsyncEngine
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import SamplingParams
-from engine.worker.threads import ThreadTuner, TransientWorker, quota_cpus, usable_cpus
+from engine.worker.threads import ThreadTuner, TransientWorker, make_current, quota_cpus, usable_cpus
 from loragate.cli import build_parser
 
 from polling import poll
@@ -249,3 +249,14 @@ def test_shutdown_before_start_ends_the_loaded_engine_thread() -> None:
     thread = async_engine._thread
     asyncio.run(async_engine.shutdown())
     assert thread is not None and not thread.is_alive()
+
+
+def test_an_engine_on_a_numbered_gpu_makes_it_current_in_its_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton launches and graph captures go to the thread's current CUDA device, not the tensors': the engine's
+    threads make theirs current (checked through the call torch would make; no GPU here)."""
+    calls: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    make_current(torch.device("cuda:1"))
+    make_current(torch.device("cpu"))
+    make_current(torch.device("cuda"))  # no index: whichever is current stays
+    assert calls == [torch.device("cuda:1")]

@@ -1,8 +1,8 @@
 """The Triton SGMV kernels (kernels/sgmv.py) against their torch twin (kernels/reference.py
 `lora_sgmv_group`), itself checked against a per-row float64 oracle written here.
 
-Without a GPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on CPU tensors; with one, the
-same tests run natively on CUDA tensors. Each case mixes ranks {1, 4, 8, 16, 64} in one batch, a group of
+Without a GPU the kernels run under Triton's interpreter on CPU tensors (kernels/triton_jit.py picks it by the
+tensors' device); with one, the same tests run compiled on CUDA tensors. Each case mixes ranks {1, 4, 8, 16, 64} in one batch, a group of
 three modules of different widths (q/k/v-like) where some slots do not target every module, a rank-0
 slot, T = 1, a segment longer than one row tile, a slot used by two segments, an empty segment and rows
 in no segment (all bit-identical afterwards), A and B at unaligned, shuffled offsets, and NaN in every
@@ -138,10 +138,15 @@ def run_triton(case: GroupCase) -> None:
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("layout", ["mixed", "one-row", "decode"])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+LAYOUTS = ["mixed", "one-row", "decode"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_triton_group_kernels_match_the_oracle(dtype: torch.dtype, layout: str) -> None:
-    case = make_group_case(48, [40, 24, 24], layout, dtype, seed=hash((layout, str(dtype))) % 1000)
+    seed = 100 * LAYOUTS.index(layout) + DTYPES.index(dtype)  # fixed: the same case on every run
+    case = make_group_case(48, [40, 24, 24], layout, dtype, seed=seed)
     delta, touched = oracle(case)
     before = case.y_wide.clone()
     run_triton(case)
