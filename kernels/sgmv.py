@@ -57,7 +57,19 @@ def plan_segments(
 ) -> SgmvPlan:
     """Split every non-empty segment into row tiles of `block_m` (segments of `skip_slot`, rows without an
     adapter, get none)."""
-    slots, starts, ends = [], [], []
+    slots, starts, ends = segment_tiles(seg_starts, seg_slots, block_m, skip_slot)
+    table = torch.tensor([slots, starts, ends], dtype=torch.int32).to(device, non_blocking=True)
+    return SgmvPlan(table[0], table[1], table[2], len(slots))
+
+
+def segment_tiles(
+    seg_starts: Sequence[int], seg_slots: Sequence[int], block_m: int = BLOCK_M, skip_slot: int | None = None
+) -> tuple[list[int], list[int], list[int]]:
+    """The row tiles of `plan_segments` as host lists: (slot, first row, segment end) of each tile. At most one
+    tile per row, so a batch of B rows has at most B tiles (what a captured graph sizes its tables by)."""
+    slots: list[int] = []
+    starts: list[int] = []
+    ends: list[int] = []
     for k, lo, hi in zip(seg_slots, seg_starts, seg_starts[1:], strict=False):
         if k == skip_slot:
             continue
@@ -65,8 +77,7 @@ def plan_segments(
             slots.append(k)
             starts.append(row)
             ends.append(hi)
-    table = torch.tensor([slots, starts, ends], dtype=torch.int32).to(device, non_blocking=True)
-    return SgmvPlan(table[0], table[1], table[2], len(slots))
+    return slots, starts, ends
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from engine.model.llama import StepInterrupted
 from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
 from engine.structured import prepare_tokenizer
+from engine.worker.cuda_graphs import CudaGraph, DecodeGraphs, Graph
 from engine.worker.runner import ModelRunner
 from engine.worker.sampler import Sampler
 from engine.worker.threads import ThreadTuner, TransientWorker, make_current, usable_cpus
@@ -141,6 +142,8 @@ class LLMEngine:
             config.max_num_seqs,
             self.max_model_len,
         )
+        if device.type == "cuda" and config.cuda_graphs:
+            self.enable_graphs(CudaGraph.factory(device))
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         # A byte-level tokenizer's tokens as bytes: detokenizing then calls no tokenizer code (None for others).
         self._byte_pieces = ByteLevelPieces.build(self.tokenizer)
@@ -279,6 +282,14 @@ class LLMEngine:
         if current is None:
             self.host_adapters.discard(adapter_id)
 
+    def enable_graphs(self, make_graph: Callable[[], Graph]) -> DecodeGraphs:
+        """Steps of decodes alone replay graphs (engine/worker/cuda_graphs.py; on CUDA unless --no-cuda-graphs, and
+        in tests on a CPU with EagerGraph). One page of the pool is reserved for padding rows' K/V."""
+        page = self.pool.allocate_run(1, "cuda-graphs:padding")
+        if page is None:
+            raise RuntimeError("no page left in the pool for the CUDA graphs' padding rows")
+        return self.runner.enable_graphs(page, make_graph)
+
     def warm_up(self) -> float:
         """Run the shapes serving meets before the server says ready, so the first burst runs at the steady speed:
         a full prefill chunk, a batch of short prompts prefilled together and decoded at full width, a lone decode,
@@ -313,8 +324,16 @@ class LLMEngine:
             while self.has_unfinished_requests():
                 self.step()
         self.scheduler.kv.reset_prefix_cache()
+        graphs = 0 if self.runner.graphs is None else self.runner.graphs.capture_all()
         seconds = time.perf_counter() - start
-        logger.info("warmed up in %.1f s (prefill chunk %d, decode width %d, LoRA %s)", seconds, chunk, width, adapter)
+        logger.info(
+            "warmed up in %.1f s (prefill chunk %d, decode width %d, LoRA %s, CUDA graphs captured %d)",
+            seconds,
+            chunk,
+            width,
+            adapter,
+            graphs,
+        )
         return seconds
 
     def has_unfinished_requests(self) -> bool:

@@ -11,6 +11,7 @@ costs about as much as the rest of the step's bookkeeping.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -24,6 +25,7 @@ from engine.lora.batch import LoraBatch
 from engine.lora.device_tier import DeviceAdapterTier
 from engine.model.attention import AttentionMetadata, PrefillSeq
 from engine.model.llama import LlamaForCausalLM
+from engine.worker.cuda_graphs import DecodeGraphs, Graph, GraphStep
 from engine.worker.input_batch import InputBatch
 from engine.worker.prompt_logprobs import PromptChunk, plan_chunk, score_prompt_chunks
 from engine.worker.sampler import NON_FINITE, RowTables, Sampler
@@ -71,6 +73,23 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, -(-max_len // block_size), model.config.vocab_size, device)
         self.staging = HostStaging(device) if device.type == "cuda" else None
         self.decode_buffers = DecodeBuffers() if device.type == "cpu" else None
+        self.max_num_seqs = max_num_seqs
+        self.graphs: DecodeGraphs | None = None  # enable_graphs (CUDA)
+
+    def enable_graphs(self, scratch_page: int, make_graph: Callable[[], Graph]) -> DecodeGraphs:
+        """Replay steps of decodes alone from graphs (engine/worker/cuda_graphs.py); `scratch_page`: a page of the
+        pool reserved for the padding rows' K/V."""
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            self.block_size,
+            self.batch.block_table.numpy(),
+            self.max_num_seqs,
+            scratch_page,
+            self.adapters,
+            make_graph,
+        )
+        return self.graphs
 
     def execute(self, batch: SchedulerOutput, interrupt: threading.Event | None = None) -> RunnerOutput:
         """Compute one step and sample a token for every request whose known tokens are all computed.
@@ -83,7 +102,8 @@ class ModelRunner:
         entering it costs about as much as building the step's inputs at one running request.
 
         `interrupt`, when set during the forward pass, ends it between two layers (engine/model/llama.py's
-        StepInterrupted propagates; nothing is sampled, so the step can be run again as it was).
+        StepInterrupted propagates; nothing is sampled, so the step can be run again as it was). A step replayed
+        from a CUDA graph (decodes alone, engine/worker/cuda_graphs.py) runs whole.
         """
         if torch.is_inference_mode_enabled():
             return self._execute(batch, interrupt)
@@ -101,8 +121,12 @@ class ModelRunner:
             slots = [slots[i] for i in order]
         rows = self.batch.sync(requests)
         step = self._prepare(requests, num_tokens, rows)
-        lora = self._lora_segments(slots, num_tokens)
-        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.attn, lora, interrupt)  # [T, hidden]
+        if isinstance(step, GraphStep):  # decodes alone, replayed from a captured graph
+            assert self.graphs is not None
+            hidden = self.graphs.run(step, self._graph_tiles(slots, num_tokens))
+        else:
+            lora = self._lora_segments(slots, num_tokens)
+            hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.attn, lora, interrupt)
         n = len(requests)
         sampled: list[int | None] = [None] * n
         logprobs: list[TokenLogprob | None] = [None] * n
@@ -157,13 +181,12 @@ class ModelRunner:
         prefills = sorted((i for i, n in enumerate(batch.num_tokens) if n != 1), key=keys.__getitem__)
         return decodes + prefills
 
-    def _lora_segments(self, slots: list[int | None], num_tokens: list[int]) -> LoraBatch | None:
-        """Segments tiling the batch: consecutive requests with the same slot merge; rows without an
-        adapter use the tier's null slot (rank 0 everywhere). None when no row has an adapter."""
+    def _segments(self, slots: list[int | None], num_tokens: list[int]) -> tuple[list[int], list[int]] | None:
+        """Segments tiling the batch (starts, with the end; slots): consecutive requests with the same slot merge;
+        rows without an adapter use the tier's null slot (rank 0 everywhere). None when no row has an adapter."""
         if slots.count(None) == len(slots):
             return None
-        tier = self._tier()
-        null = tier.null_slot
+        null = self._tier().null_slot
         starts = [0]
         seg_slots: list[int] = []
         for slot, n in zip(slots, num_tokens, strict=True):
@@ -173,6 +196,27 @@ class ModelRunner:
             else:
                 seg_slots.append(slot)
                 starts.append(starts[-1] + n)
+        return starts, seg_slots
+
+    def _graph_tiles(
+        self, slots: list[int | None], num_tokens: list[int]
+    ) -> tuple[list[int], list[int], list[int]] | None:
+        """A graph step's LoRA row tiles as host lists (the graph copies them with its other inputs)."""
+        segments = self._segments(slots, num_tokens)
+        if segments is None:
+            return None
+        from kernels.sgmv import segment_tiles
+
+        return segment_tiles(*segments, skip_slot=self._tier().null_slot)
+
+    def _lora_segments(self, slots: list[int | None], num_tokens: list[int]) -> LoraBatch | None:
+        """The step's LoraBatch (`_segments`), None when no row has an adapter."""
+        segments = self._segments(slots, num_tokens)
+        if segments is None:
+            return None
+        tier = self._tier()
+        null = tier.null_slot
+        starts, seg_slots = segments
         plan = stacked = None
         if self.lora_backend == "triton":  # the step's row tiles, once for every layer and group
             from kernels.sgmv import plan_segments
@@ -182,7 +226,7 @@ class ModelRunner:
             stacked = tier.stacks.plan(starts, seg_slots, null)
         return LoraBatch(starts, seg_slots, tier.weights, plan, stacked)
 
-    def _prepare(self, requests: list[Request], num_tokens: list[int], rows: list[int]) -> StepInputs:
+    def _prepare(self, requests: list[Request], num_tokens: list[int], rows: list[int]) -> StepInputs | GraphStep:
         """The step's inputs. Every integer input is written into one list and becomes one tensor (one copy
         to the device on CUDA); the tensors the model reads are views of it."""
         bs = self.block_size
@@ -230,6 +274,8 @@ class ModelRunner:
         num_decodes = len(decode_lens)
         # In a step of decodes only, every row is sampled, in order: the logits need no gather.
         gather = len(last_rows) != num
+        if num_decodes == num and not gather and self.graphs is not None and self.graphs.fits(num):
+            return GraphStep(token_ids, pos_list, slots, decode_lens, decode_rows, sample_idx)
         if num_decodes == num and not gather and self.decode_buffers is not None:  # steady decoding on the CPU
             input_ids, positions, slot_mapping, context_lens = self.decode_buffers.write(
                 token_ids + pos_list + slots + decode_lens, num

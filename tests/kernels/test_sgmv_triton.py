@@ -1,12 +1,13 @@
 """The Triton SGMV kernels (kernels/sgmv.py) against their torch twin (kernels/reference.py
 `lora_sgmv_group`), itself checked against a per-row float64 oracle written here.
 
-Without a GPU the kernels run under Triton's interpreter on CPU tensors (kernels/triton_jit.py picks it by the
-tensors' device); with one, the same tests run compiled on CUDA tensors. Each case mixes ranks {1, 4, 8, 16, 64} in one batch, a group of
-three modules of different widths (q/k/v-like) where some slots do not target every module, a rank-0
-slot, T = 1, a segment longer than one row tile, a slot used by two segments, an empty segment and rows
-in no segment (all bit-identical afterwards), A and B at unaligned, shuffled offsets, and NaN in every
-pool element no adapter owns (a kernel reading outside its slot's weights turns the result into NaN).
+Without a GPU the kernels run under Triton's interpreter on CPU tensors (kernels/triton_jit.py picks it by
+the tensors' device); with one, the same tests run compiled on CUDA tensors. Each case mixes ranks
+{1, 4, 8, 16, 64} in one batch, a group of three modules of different widths (q/k/v-like) where some slots
+do not target every module, a rank-0 slot, T = 1, a segment longer than one row tile, a slot used by two
+segments, an empty segment and rows in no segment (all bit-identical afterwards), A and B at unaligned,
+shuffled offsets, and NaN in every pool element no adapter owns (a kernel reading outside its slot's
+weights turns the result into NaN).
 """
 
 from __future__ import annotations
