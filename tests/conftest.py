@@ -50,12 +50,9 @@ def tiny_model_config(tiny_model_dir: Path):
 def tiny_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Real PEFT LoRAs on the tiny model, {adapter id: directory}; each changes greedy output from the first
     tokens on (lora_B std 0.2; the default 0.02 barely moves this model's std-0.5 weights)."""
-    from lora_fixtures import make_peft_adapter
+    from lora_fixtures import TINY_ADAPTER_SPECS, make_peft_adapter
 
     root = tmp_path_factory.mktemp("tiny-adapters")
-    specs = {
-        "qv-r8": dict(r=8, alpha=16, targets=["q_proj", "v_proj"], seed=8),
-        "all-r4": dict(r=4, alpha=8, targets="all-linear", seed=4),
-        "mlp-r16-rslora": dict(r=16, alpha=8, targets=["gate_proj", "up_proj", "down_proj"], use_rslora=True, seed=16),
+    return {
+        name: make_peft_adapter(tiny_model_dir, root / name, b_std=0.2, **kw) for name, kw in TINY_ADAPTER_SPECS.items()
     }
-    return {name: make_peft_adapter(tiny_model_dir, root / name, b_std=0.2, **kw) for name, kw in specs.items()}

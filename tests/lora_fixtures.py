@@ -17,6 +17,15 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 _BASE_MODELS: dict[Path, PreTrainedModel] = {}  # resolved base dir -> pristine fp32 HF model
 
 
+# The tiny model's three test adapters (tests/conftest.py `tiny_adapters`, bench/gpu_check.py): q/v only, all seven
+# modules, the MLP with rsLoRA; each changes greedy output from the first tokens on with lora_B std 0.2.
+TINY_ADAPTER_SPECS: dict[str, dict[str, Any]] = {
+    "qv-r8": dict(r=8, alpha=16, targets=["q_proj", "v_proj"], seed=8),
+    "all-r4": dict(r=4, alpha=8, targets="all-linear", seed=4),
+    "mlp-r16-rslora": dict(r=16, alpha=8, targets=["gate_proj", "up_proj", "down_proj"], use_rslora=True, seed=16),
+}
+
+
 def hf_base_model(base_dir: Path) -> PreTrainedModel:
     """A fresh copy of the HF model at `base_dir` (loaded once per process; PEFT mutates what it wraps)."""
     key = Path(base_dir).resolve()

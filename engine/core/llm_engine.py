@@ -282,13 +282,13 @@ class LLMEngine:
         if current is None:
             self.host_adapters.discard(adapter_id)
 
-    def enable_graphs(self, make_graph: Callable[[], Graph]) -> DecodeGraphs:
+    def enable_graphs(self, make_graph: Callable[[], Graph], **options: Any) -> DecodeGraphs:
         """Steps of decodes alone replay graphs (engine/worker/cuda_graphs.py; on CUDA unless --no-cuda-graphs, and
         in tests on a CPU with EagerGraph). One page of the pool is reserved for padding rows' K/V."""
         page = self.pool.allocate_run(1, "cuda-graphs:padding")
         if page is None:
             raise RuntimeError("no page left in the pool for the CUDA graphs' padding rows")
-        return self.runner.enable_graphs(page, make_graph)
+        return self.runner.enable_graphs(page, make_graph, **options)
 
     def warm_up(self) -> float:
         """Run the shapes serving meets before the server says ready, so the first burst runs at the steady speed:

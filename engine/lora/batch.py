@@ -87,6 +87,8 @@ class LoraBatch:
     weights: PoolWeights
     plan: Any = None  # kernels.sgmv.SgmvPlan
     stacked: Any = None  # engine.lora.stacks.StackPlan
+    # the Triton kernels' rank bound per group (None: weights.max_rank); a captured graph's is larger
+    max_rank: dict[str, int] | None = None
 
     def layer(self, index: int) -> LayerLora:
         return LayerLora(self, index)
@@ -112,7 +114,7 @@ class LayerLora:
                 mirror.tables[i][group],
                 mirror.out_cols[group],
                 mirror.n_tiles[group],
-                w.max_rank[group],
+                (w.max_rank if batch.max_rank is None else batch.max_rank)[group],
             )
             return
         if batch.stacked is not None:

@@ -14,9 +14,11 @@ graph launches them all at once. What makes a step capturable:
 - Nothing in it reads a device value on the host: attention is kernels/paged_attention.py (grid and loop bounds
   from shapes and device memory), LoRA is kernels/sgmv.py with a fixed tile count (B: at most one tile per row;
   padding tiles name the null slot, whose rank is 0, and return at once).
-- What a kernel's launch bakes in stays true: the SGMV grid is sized by the groups' largest rank over the
-  adapters loaded so far (`PoolWeights.max_rank`, which only grows); when it grows, every graph is dropped and
-  captured again on its next use.
+- What a kernel's launch bakes in stays true: the SGMV grid is sized by a rank bound per module group, the
+  larger of RANK_FLOOR per module and the group's largest rank over the adapters loaded so far
+  (`PoolWeights.max_rank`, which only grows). Programs past a slot's rank return at once, so the floor costs
+  little, and graphs captured before any adapter loads (at warm-up) launch the SGMV kernels too, which compiles
+  them then. An adapter past the bound drops every graph; each is captured again on its next use.
 
 Two graphs per bucket at most: with LoRA (when some row has an adapter) and without. A replay is not
 interrupted by a critical arrival (engine/core/llm_engine.py); a decode step is short.
@@ -38,6 +40,7 @@ import torch
 
 from engine.lora.batch import LoraBatch
 from engine.lora.device_tier import DeviceAdapterTier
+from engine.lora.peft_config import GROUPS
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM
 from kernels import attention_backend, lora_backend
@@ -45,6 +48,7 @@ from kernels import attention_backend, lora_backend
 logger = logging.getLogger(__name__)
 
 FIELDS = 7  # token ids, positions, slots, context lengths, tile slots, tile starts, tile ends
+RANK_FLOOR = 64  # per module: the SGMV grid of a captured graph covers ranks up to at least this
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -139,6 +143,7 @@ class DecodeGraphs:
         scratch_page: int,
         adapters: DeviceAdapterTier | None,
         make_graph: Callable[[], Graph],
+        rank_floor: int = RANK_FLOOR,
     ) -> None:
         """`block_table`: the persistent batch's host table [max_rows, max_blocks] (engine/worker/input_batch.py);
         `scratch_page`: a page of the pool reserved for padding rows' K/V."""
@@ -150,6 +155,7 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_num_seqs)
         self.max_batch = self.buckets[-1]
         self.scratch_slot = scratch_page * block_size
+        self.rank_floor = rank_floor
         cuda = device.type == "cuda"
         width = self.max_batch
         # Static inputs, FIELDS sections of max_batch each; a bucket's graph reads the first B of each.
@@ -198,7 +204,11 @@ class DecodeGraphs:
     # ---- internals --------------------------------------------------------------------------------------
 
     def _ranks(self) -> tuple[int, ...]:
-        return () if self.adapters is None else tuple(self.adapters.weights.max_rank.values())
+        """Each group's rank bound (the captured SGMV grids')."""
+        if self.adapters is None:
+            return ()
+        loaded = self.adapters.weights.max_rank
+        return tuple(max(loaded[g], self.rank_floor * len(names)) for g, names in GROUPS.items())
 
     def _view(self, field: int, size: int) -> torch.Tensor:
         return self._inputs[field * self.max_batch : field * self.max_batch + size]
@@ -213,7 +223,8 @@ class DecodeGraphs:
 
             assert self.adapters is not None
             plan = SgmvPlan(self._view(4, size), self._view(5, size), self._view(6, size), size)
-            lora = LoraBatch([0, size], [self.adapters.null_slot], self.adapters.weights, plan)
+            bounds = dict(zip(GROUPS, self._rank_key, strict=True))
+            lora = LoraBatch([0, size], [self.adapters.null_slot], self.adapters.weights, plan, max_rank=bounds)
 
         def forward() -> torch.Tensor:
             return self.model(ids, positions, self.kv_cache, attn, lora)

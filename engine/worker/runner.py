@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from itertools import accumulate
 
 import numpy as np
@@ -76,7 +77,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.graphs: DecodeGraphs | None = None  # enable_graphs (CUDA)
 
-    def enable_graphs(self, scratch_page: int, make_graph: Callable[[], Graph]) -> DecodeGraphs:
+    def enable_graphs(self, scratch_page: int, make_graph: Callable[[], Graph], **options: Any) -> DecodeGraphs:
         """Replay steps of decodes alone from graphs (engine/worker/cuda_graphs.py); `scratch_page`: a page of the
         pool reserved for the padding rows' K/V."""
         self.graphs = DecodeGraphs(
@@ -88,6 +89,7 @@ class ModelRunner:
             scratch_page,
             self.adapters,
             make_graph,
+            **options,
         )
         return self.graphs
 

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import SamplingParams
-from engine.worker.cuda_graphs import EagerGraph, batch_buckets
+from engine.worker.cuda_graphs import RANK_FLOOR, EagerGraph, batch_buckets
 
 from lora_fixtures import peft_greedy
 
@@ -27,12 +27,14 @@ def triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAGATE_LORA_BACKEND", "triton")
 
 
-def _engine(adapter_dir: str | None, graphs: bool) -> LLMEngine:
+def _engine(adapter_dir: str | None, graphs: bool, rank_floor: int = 4) -> LLMEngine:
+    """rank_floor 4 (not RANK_FLOOR): the tiny adapters' ranks (8 to 32 per group) pass it, and graphs are
+    captured again."""
     engine = LLMEngine(
         EngineConfig(dtype="float32", model="tiny-random", adapter_dir=adapter_dir, max_model_len=256, max_num_seqs=16)
     )
     if graphs:
-        engine.enable_graphs(EagerGraph)
+        engine.enable_graphs(EagerGraph, rank_floor=rank_floor)
     return engine
 
 
@@ -77,6 +79,24 @@ def test_graph_steps_equal_peft_and_the_engine_without_graphs(
     assert replayed == eager == expected
     assert sorted(set(replays)) == [1, 2, 3, 4, 5, 6, 7]  # every batch size took the graph path
     assert graphs.captures >= 4  # buckets 1, 2, 4, 8 with LoRA at least
+
+
+def test_graphs_captured_before_any_adapter_loads_serve_adapters_within_the_rank_floor(
+    tiny_model_dir: Path, tiny_adapters: dict[str, Path], triton_paths: None
+) -> None:
+    """With the default floor (64 per module) the graphs warm-up captures, before any adapter is loaded, already
+    launch the SGMV kernels and serve every tiny adapter (ranks up to 32 per group) without a new capture."""
+    adapter_dir = str(next(iter(tiny_adapters.values())).parent)
+    engine = _engine(adapter_dir, graphs=True, rank_floor=RANK_FLOOR)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    graphs.capture_all()
+    before = graphs.captures
+    prompt = [5, 9, 200, 31, 7]
+    jobs = [(name, prompt, 3) for name in sorted(tiny_adapters)]
+    expected = [peft_greedy(tiny_model_dir, tiny_adapters[name], prompt, 3) for name in sorted(tiny_adapters)]
+    assert _generate(engine, jobs) == expected
+    assert graphs.captures == before
 
 
 def test_a_larger_adapter_drops_the_graphs_and_they_are_captured_again(
