@@ -13,8 +13,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 from itertools import accumulate
+from typing import Any
 
 import numpy as np
 import torch

@@ -148,3 +148,28 @@ def test_a_captured_step_reads_nothing_back_from_the_device(
         for graph in captured:
             graph.replay()
     assert reads.seen == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bench/gpu_check.py runs this there)")
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_the_engine_on_cuda_equals_peft(tiny_model_dir: Path, tiny_adapters: dict[str, Path], graphs: bool) -> None:
+    """On a GPU host: the engine on CUDA in fp32 (compiled kernels, real CUDA graphs captured at warm-up) gives
+    PEFT's greedy tokens for base and adapter rows in one batch."""
+    adapter_dir = str(next(iter(tiny_adapters.values())).parent)
+    config = EngineConfig(
+        dtype="float32",
+        model="tiny-random",
+        device="cuda",
+        cuda_graphs=graphs,
+        adapter_dir=adapter_dir,
+        max_model_len=256,
+        max_num_seqs=16,
+    )
+    engine = LLMEngine(config)
+    engine.warm_up()
+    assert (engine.runner.graphs is not None) == graphs
+    rng = random.Random(3)
+    names = sorted(tiny_adapters)
+    jobs = [([None, *names][i % 4], [rng.randrange(3, 400) for _ in range(4 + i)], 5) for i in range(6)]
+    expected = [peft_greedy(tiny_model_dir, None if a is None else tiny_adapters[a], p, n) for a, p, n in jobs]
+    assert _generate(engine, jobs) == expected
