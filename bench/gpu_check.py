@@ -368,36 +368,11 @@ def child_peft(rec: Recorder, ctx: ChildContext) -> None:
         guarded(rec, f"graphs_{'on' if graphs else 'off'}", run)
 
 
-def kernel_timer(device: Any, repeats: int) -> Callable[[Callable[[], object]], float]:
-    """µs per call: the median of `repeats` single calls after warm-up; CUDA events on a GPU, perf_counter off it."""
-    import torch
-
-    def timed(fn: Callable[[], object]) -> float:
-        for _ in range(3 if device.type == "cuda" else 1):
-            fn()
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) * 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times)
-
-    return timed
-
-
 def child_kernels(rec: Recorder, ctx: ChildContext) -> None:
     """Section 3: Triton SGMV vs the torch twin vs gather-bmm, a q/k/v group, every row its own adapter."""
     import torch
 
-    from bench.lora_kernels import make_case, sgmv_gather_bmm
+    from bench.lora_kernels import kernel_timer, make_case, sgmv_gather_bmm
     from kernels.reference import lora_sgmv, lora_sgmv_group
     from kernels.sgmv import GroupTables, column_tiles, lora_sgmv_group_triton, plan_segments
 

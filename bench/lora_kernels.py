@@ -278,24 +278,36 @@ def grouped_and_per_module_us(outs: list[int], repeats: int, dtype: torch.dtype)
     return best_us(grouped, repeats), best_us(separate, repeats)
 
 
+def kernel_timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
+    """µs per call: the median of `repeats` single calls after warm-up; CUDA events on a GPU, perf_counter off it."""
+
+    def timed(fn: Callable[[], object]) -> float:
+        for _ in range(3 if device.type == "cuda" else 1):
+            fn()
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) * 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e6)
+        return percentile(times, 0.5)
+
+    return timed
+
+
 def gpu_table(repeats: int) -> None:
     """Triton vs per-segment torch vs gather-bmm on CUDA, hidden 4096, rank 16, one adapter per token."""
     from kernels.sgmv import GroupTables, column_tiles, lora_sgmv_group_triton, plan_segments
 
     dev = torch.device("cuda")
-
-    def timed(fn: Callable[[], object]) -> float:
-        for _ in range(5):
-            fn()
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        return percentile(times, 0.5)
+    timed = kernel_timer(dev, repeats)
 
     print(f"\nCUDA {torch.cuda.get_device_name()}: hidden 4096 -> 4096, rank 16, each token its own adapter")
     print(f"{'dtype':>6} {'T':>5} {'triton µs':>10} {'torch µs':>9} {'bmm µs':>8} {'bmm/triton':>11}")
