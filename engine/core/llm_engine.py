@@ -288,7 +288,11 @@ class LLMEngine:
         page = self.pool.allocate_run(1, "cuda-graphs:padding")
         if page is None:
             raise RuntimeError("no page left in the pool for the CUDA graphs' padding rows")
-        return self.runner.enable_graphs(page, make_graph, **options)
+        try:
+            return self.runner.enable_graphs(page, make_graph, **options)
+        except Exception:
+            self.pool.free_run(page, 1)
+            raise
 
     def warm_up(self) -> float:
         """Run the shapes serving meets before the server says ready, so the first burst runs at the steady speed:

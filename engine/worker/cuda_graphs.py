@@ -149,7 +149,10 @@ class DecodeGraphs:
         `scratch_page`: a page of the pool reserved for padding rows' K/V."""
         device = kv_cache.device
         if attention_backend(device) != "triton" or (adapters is not None and lora_backend(device) != "triton"):
-            raise ValueError("CUDA graphs need the Triton decode attention and LoRA kernels (kernels/__init__.py)")
+            raise ValueError(
+                "CUDA graphs need the Triton decode attention and LoRA kernels (LORAGATE_ATTENTION_BACKEND and "
+                "LORAGATE_LORA_BACKEND unset or triton, kernels/__init__.py); pass --no-cuda-graphs to use others"
+            )
         self.model, self.kv_cache, self.adapters, self.make_graph = model, kv_cache, adapters, make_graph
         self.block_table = block_table
         self.buckets = batch_buckets(max_num_seqs)

@@ -173,3 +173,13 @@ def test_the_engine_on_cuda_equals_peft(tiny_model_dir: Path, tiny_adapters: dic
     jobs = [([None, *names][i % 4], [rng.randrange(3, 400) for _ in range(4 + i)], 5) for i in range(6)]
     expected = [peft_greedy(tiny_model_dir, None if a is None else tiny_adapters[a], p, n) for a, p, n in jobs]
     assert _generate(engine, jobs) == expected
+
+
+def test_graphs_refuse_the_torch_decode_path_with_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A captured step cannot run the torch decode path (it reads the longest context on the host)."""
+    monkeypatch.setenv("LORAGATE_ATTENTION_BACKEND", "torch")
+    engine = _engine(None, graphs=False)
+    free = engine.pool.num_free
+    with pytest.raises(ValueError, match="--no-cuda-graphs"):
+        engine.enable_graphs(EagerGraph)
+    assert engine.pool.num_free == free and engine.runner.graphs is None  # its scratch page given back
