@@ -23,16 +23,6 @@ POPULARITY = ["distinct", "uniform", "skewed", "identical"]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # relative to the largest |delta|
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The matmuls here are tiny: with a second intra-op thread they only wait on each other (10x
-    slower when the cores are shared), and the results do not depend on the thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @dataclass
 class Case:
     y_wide: torch.Tensor  # [T, out + 7]; y is columns 3 : 3 + out

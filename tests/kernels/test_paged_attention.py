@@ -29,15 +29,6 @@ HEADS = [(4, 4), (4, 2), (8, 2)]  # (num_heads, num_kv_heads): GQA ratios 1, 2, 
 HEAD_IDS = ["mha", "gqa2", "gqa4"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tensors here are tiny: a second intra-op thread only waits on the first when the cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @dataclass
 class DecodeCase:
     q: torch.Tensor  # [D, H, hd]
