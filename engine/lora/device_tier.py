@@ -262,19 +262,18 @@ class DeviceAdapterTier:
         region of every layer (a strided view of the cache), instead of one blocking copy per matrix (7 modules
         x 2 x 32 layers = 448 for a Llama-8B adapter); the engine's stream orders the step that reads them after it.
         """
-        width = max((sum(p.numel() for p in layer) for layer in pieces), default=0)
+        lengths = [sum(p.numel() for p in layer) for layer in pieces]
+        width = max(lengths, default=0)
         if width == 0:
             return
-        if not self.stage_copies:
-            for pool, layer in zip(self.layer_pools, pieces, strict=False):
-                if layer:
-                    torch.cat(layer, out=pool[base : base + sum(p.numel() for p in layer)])
-            return
-        staged = torch.zeros(len(pieces), width, dtype=self.dtype, pin_memory=self.cache_rows.is_cuda)
-        for row, layer in zip(staged, pieces, strict=True):
-            if layer:
-                torch.cat(layer, out=row[: sum(p.numel() for p in layer)])
-        self.cache_rows[: len(pieces), base : base + width].copy_(staged, non_blocking=True)
+        staged = None
+        if self.stage_copies:
+            staged = torch.zeros(len(pieces), width, dtype=self.dtype, pin_memory=self.cache_rows.is_cuda)
+        for i, (layer, n) in enumerate(zip(pieces, lengths, strict=True)):
+            if n:
+                torch.cat(layer, out=self.layer_pools[i][base : base + n] if staged is None else staged[i, :n])
+        if staged is not None:
+            self.cache_rows[: len(pieces), base : base + width].copy_(staged, non_blocking=True)
 
     def _observe_load(self, seconds: float) -> None:
         self.counters.load_seconds_sum += seconds
