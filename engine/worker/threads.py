@@ -244,5 +244,12 @@ def make_current(device: torch.device) -> None:
     captures and new streams follow the current device: an engine on `cuda:1` whose thread kept GPU 0 would run
     kernels there with GPU 1's pointers. Called by the thread that builds the engine and by the one that steps
     it (engine/core/async_engine.py)."""
-    if device.type == "cuda" and device.index is not None:
+    if device.type != "cuda":
+        return
+    count = torch.cuda.device_count()  # 0 without a GPU or with a CPU build of torch
+    if count == 0:
+        raise ValueError(f"--device {device}: no CUDA device is available (torch {torch.__version__})")
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    if device.index is not None:
         torch.cuda.set_device(device)

@@ -256,7 +256,16 @@ def test_an_engine_on_a_numbered_gpu_makes_it_current_in_its_thread(monkeypatch:
     threads make theirs current (checked through the call torch would make; no GPU here)."""
     calls: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     make_current(torch.device("cuda:1"))
     make_current(torch.device("cpu"))
     make_current(torch.device("cuda"))  # no index: whichever is current stays
     assert calls == [torch.device("cuda:1")]
+    with pytest.raises(ValueError, match="has 2 CUDA device"):
+        make_current(torch.device("cuda:2"))
+
+
+def test_a_cuda_device_on_a_machine_without_one_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match="no CUDA device is available"):
+        make_current(torch.device("cuda:0"))
