@@ -2,7 +2,8 @@
 (gateway/adapter_admin.py).
 
   loragate adapters register ID --source URI [--revision R | --sha256 D] [--tenant T] [--size N]
-  loragate adapters list [--tenant T]           id, version, state, source, and the state on each engine
+  loragate adapters list [--tenant T]           id, version, state, source, the state on each engine (then
+                                                each engine's detail: failure reason, last used, loads, evictions)
   loragate adapters show ID[@N]
   loragate adapters deprecate ID[@N] [--undo]
   loragate adapters delete ID[@N]
@@ -27,6 +28,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import urllib.parse
 from dataclasses import replace
 from pathlib import Path
@@ -173,33 +175,63 @@ def _table(rows: list[list[str]]) -> str:
     return "".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n" for row in rows)
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def engine_detail(card: dict[str, Any]) -> str:
+    """A version's state on one engine in words: `device, last used 2026-...Z, 3 loads, 1 eviction`, or
+    `failed: <the reason>`."""
+    parts = [str(card.get("state", ""))]
+    if card.get("error"):
+        parts[0] += f": {card['error']}"
+    last_used = card.get("last_used")
+    if isinstance(last_used, int | float) and not isinstance(last_used, bool):
+        parts.append("last used " + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last_used)))
+    for key, word in (("loads", "load"), ("evictions", "eviction")):
+        if isinstance(card.get(key), int) and not isinstance(card.get(key), bool):
+            parts.append(_plural(card[key], word))
+    return ", ".join(parts)
+
+
+def _details(ref: str, engines: dict[str, Any]) -> list[str]:
+    """A line per engine that holds, fetches or failed `ref` (those that do not: the table says so)."""
+    return [
+        f"  {ref} on {_engine_name(url)}: {engine_detail(card)}\n"
+        for url, card in engines.items()
+        if isinstance(card, dict) and card.get("state") not in (None, "", "not loaded")
+    ]
+
+
 def render_list(answer: dict[str, Any]) -> str:
-    """The catalog as a table: a row per version, a column per engine."""
+    """The catalog as a table: a row per version, a column per engine; then, for each version an engine
+    holds, fetches or failed to fetch, that engine's detail (the reason, last used, loads, evictions)."""
     engines = [e["url"] for e in answer.get("engines", [])]
     rows = [["ID", "VERSION", "STATE", "SOURCE", *(_engine_name(u) for u in engines)]]
+    details: list[str] = []
     for entry in answer["data"]:
         for v in entry["versions"]:
             states = [str(v.get("engines", {}).get(u, {}).get("state", "")) for u in engines]
             rows.append([entry["id"], str(v["version"]), v["state"], v["source"], *states])
+            details += _details(f"{entry['id']}@{v['version']}", v.get("engines", {}))
     if len(rows) == 1:
         return "no adapters in the catalog\n"
-    return _table(rows)
+    return _table(rows) + ("on the engines:\n" + "".join(details) if details else "")
 
 
 def render_show(entry: dict[str, Any]) -> str:
     head = f"{entry['id']}  tenant: {entry['tenant'] or '-'}  current: {entry['current']}"
     lines = [head + ("  (deprecated)" if entry["deprecated"] else "") + "\n"]
     rows = [["VERSION", "STATE", "SIZE", "SHA256", "PUBLISHED", "BY", "SOURCE"]]
-    problems = []
+    on_engines = []
     for v in entry["versions"]:
         size = "" if v["size"] is None else str(v["size"])
         rows.append(
             [str(v["version"]), v["state"], size, v["sha256"][:12], v["published_at"], v["published_by"], v["source"]]
         )
         for url, card in v.get("engines", {}).items():
-            extra = f" ({card['error']})" if card.get("error") else ""
-            problems.append(f"  @{v['version']} on {_engine_name(url)}: {card['state']}{extra}\n")
-    return "".join(lines) + _table(rows) + ("engines:\n" + "".join(problems) if problems else "")
+            on_engines.append(f"  @{v['version']} on {_engine_name(url)}: {engine_detail(card)}\n")
+    return "".join(lines) + _table(rows) + ("engines:\n" + "".join(on_engines) if on_engines else "")
 
 
 def _done(answer: dict[str, Any]) -> str:

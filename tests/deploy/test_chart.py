@@ -18,6 +18,7 @@ import pytest
 import yaml
 from conftest import CHART, NAMESPACE, REPO, find, helm_template, one, render, secret_values
 
+from loragate.adapter_sources import AllowList
 from loragate.cli import build_parser
 
 K8S_VERSION = "1.30"
@@ -89,7 +90,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "adapters fetched from an object store and the Hub": {
         "engine": {
             "adapters": {
-                "sources": {"allow": ["s3://adapters/prod/", "hf://my-org/"]},
+                "sources": {"allow": ["hf://my-org/", "s3://adapters/prod/"]},  # the bucket's prefix: once
                 "cache": {"sizeLimit": "8Gi"},
                 "maxMb": 512,
                 "fetchTimeoutSeconds": 120,
@@ -99,6 +100,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "objectStore": {
             "endpoint": "http://minio.storage.svc:9000",
             "region": "eu-west-1",
+            "bucket": "adapters",
+            "prefix": "prod",
             "credentialsSecret": "adapter-store",
             "secretAccessKeyKey": "secret-key",
         },
@@ -284,7 +287,7 @@ def _check_fetching(manifests: list[dict[str, Any]], containers: dict[str, dict[
         "--adapter-load-wait-s": "2.5",
         "--adapter-source-allow": "s3://adapters/prod/",
     }
-    at = args.index("--adapter-source-allow")
+    at = args.index("--adapter-source-allow")  # objectStore.bucket and .prefix first, then sources.allow
     assert args[at + 1 : at + 3] == ["s3://adapters/prod/", "hf://my-org/"] and args[at + 3].startswith("--")
     pod = one(manifests, "StatefulSet", "-engine")["spec"]["template"]["spec"]
     [cache] = [v for v in pod["volumes"] if v["name"] == "adapter-cache"]
@@ -365,6 +368,9 @@ def test_the_chart_refuses_an_adapter_cache_the_kubelet_would_evict(
         (["--set", "engine.adapters.loadWaitSeconds=0"], "engine.adapters.loadWaitSeconds"),
         (["--set", "objectStore.endpoint=minio:9000"], "objectStore.endpoint"),
         (["--set", "objectStore.credentialsSecret=My_Keys"], "objectStore.credentialsSecret"),
+        (["--set", "objectStore.bucket=My_Bucket"], "objectStore.bucket"),
+        (["--set", "objectStore.prefix=team/../other"], "objectStore.prefix"),
+        (["--set", "objectStore.prefix=/team"], "objectStore.prefix"),
         (["--set", "huggingface.token=hf_abc"], "Additional property token is not allowed"),
     ],
 )
@@ -387,8 +393,12 @@ def test_rendered_commands_parse_with_the_cli_and_the_policy_checks(helm: Path, 
         args = parser.parse_args(argv)  # exits (a failure) on an argument the CLI does not know
         assert args.command == container["name"]
         if args.command == "engine":  # the allow-list, whole, as the engine reads it
-            adapters = VALUE_SETS.get(name, {}).get("engine", {}).get("adapters", {})
-            assert args.adapter_source_allow == adapters.get("sources", {}).get("allow", [])
+            values = VALUE_SETS.get(name, {})
+            store = values.get("objectStore", {})
+            bucket = [f"s3://{store['bucket']}/{store['prefix']}/"] if store.get("bucket") else []
+            allow = values.get("engine", {}).get("adapters", {}).get("sources", {}).get("allow", [])
+            assert args.adapter_source_allow == bucket + [a for a in allow if a not in bucket]
+            AllowList(args.adapter_source_allow)  # each one a prefix the engine accepts
         if args.command == "gateway":
             assert args.upstream_dns.endswith(f".{NAMESPACE}.svc.cluster.local:8001") and args.host == "0.0.0.0"
     for config in find(manifests, "ConfigMap", "-policy"):

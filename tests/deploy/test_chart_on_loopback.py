@@ -8,7 +8,8 @@ one completion with an adapter goes through the gateway with a key read from the
 Grafana dashboard's metric names are then checked against what the running gateway and engine export.
 
 A second rendering has no adapters volume at all: the engine starts empty, with `objectStore.endpoint` on a
-real S3-compatible server on loopback (moto_server) and the store's keys from an existing Secret; an
+real S3-compatible server on loopback (moto_server), `objectStore.bucket` and `.prefix` its allow-list, and
+the store's keys from an existing Secret; an
 adapter uploaded there and registered in the gateway's catalog is then fetched and served on first use
 (its first request, with a 10 ms load wait, is usually answered 503 adapter_loading and retried as its
 Retry-After says).
@@ -270,7 +271,9 @@ def fetching_pods(helm: Path, tmp_path: Path, moto: MotoServer) -> Iterator[tupl
         "--set",
         "engine.poolMb=64",
         "--set",
-        f"engine.adapters.sources.allow={{s3://{BUCKET}/tenants/}}",
+        f"objectStore.bucket={BUCKET}",  # s3://adapters/tenants/ is then the engines' allow-list
+        "--set",
+        "objectStore.prefix=tenants",
         "--set",
         "engine.adapters.cache.sizeLimit=1Gi",
         "--set",
@@ -325,6 +328,8 @@ def test_an_empty_engine_fetches_a_catalog_adapter_from_the_object_store(
     engine_pod = one(manifests, "StatefulSet", "-engine")["spec"]["template"]["spec"]
     assert "adapters" not in {v["name"] for v in engine_pod["volumes"]}
     assert "--adapter-dir" not in pods["engine"].argv
+    argv = pods["engine"].argv
+    assert argv[argv.index("--adapter-source-allow") + 1] == f"s3://{BUCKET}/tenants/"
     assert pods["engine"].env["AWS_ENDPOINT_URL"] == moto.url
     assert pods["engine"].env["AWS_ACCESS_KEY_ID"] == STORE_KEYS["AWS_ACCESS_KEY_ID"]  # through secretKeyRef
     adapter = tiny_adapters["all-r4"]
@@ -358,7 +363,6 @@ def test_an_empty_engine_fetches_a_catalog_adapter_from_the_object_store(
     assert card["source"].rstrip("/") == source.rstrip("/") and card["sha256"] == digest
     assert card["state"] in ("host", "device")
     # ... from the rendered cache emptyDir (here a local directory), under its content digest.
-    argv = pods["engine"].argv
     cached = Path(argv[argv.index("--adapter-cache-dir") + 1]) / digest
     for name in ADAPTER_FILES:
         assert (cached / name).read_bytes() == (adapter / name).read_bytes()

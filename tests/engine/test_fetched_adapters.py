@@ -11,6 +11,8 @@ import asyncio
 import hashlib
 import secrets
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -354,7 +356,35 @@ def test_an_engine_killed_mid_download_restarts_with_its_cache_intact(
         proc.wait(timeout=60)
 
 
-def test_a_full_disk_cache_evicts_the_least_recently_used_adapter(
+class _LongStream:
+    """A streamed completion of `max_tokens` tokens read in a thread: `started` once its first token came,
+    `ended_at` (time.monotonic()) once its last did. The engine pins its adapter until the stream ends."""
+
+    def __init__(self, base: str, headers: dict[str, str], max_tokens: int) -> None:
+        self.started = threading.Event()
+        self.ended_at: float | None = None
+        self.status: int | None = None
+        body = {**GREEDY, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True}
+        self._thread = threading.Thread(target=self._read, args=(base, headers, body), daemon=True)
+        self._thread.start()
+
+    def _read(self, base: str, headers: dict[str, str], body: dict[str, Any]) -> None:
+        try:
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=headers, timeout=120) as resp:
+                self.status = resp.status_code
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        self.started.set()
+        finally:
+            self.ended_at = time.monotonic()
+            self.started.set()
+
+    def join(self) -> None:
+        self._thread.join(timeout=120)
+        assert not self._thread.is_alive()
+
+
+def test_a_full_disk_cache_evicts_the_least_recently_used_adapter_never_one_in_use(
     tmp_path: Path,
     adapters: dict[str, Path],
     moto: MotoServer,
@@ -362,7 +392,8 @@ def test_a_full_disk_cache_evicts_the_least_recently_used_adapter(
     files: ArchiveServer,
     tiny_model_dir: Path,
 ) -> None:
-    # Three adapters of ~0.4 MiB each in a 1 MiB cache: the third evicts the least recently used.
+    # Three adapters of ~0.4 MiB each in a 1 MiB cache: the third evicts the least recently used that no
+    # request is using. --metrics-max-adapters 1: the per-adapter series stay bounded however many are fetched.
     dirs = {
         name: make_peft_adapter(
             tiny_model_dir, tmp_path / name, r=24, alpha=24, targets="all-linear", seed=10 + i, b_std=0.5
@@ -371,18 +402,52 @@ def test_a_full_disk_cache_evicts_the_least_recently_used_adapter(
     }
     size = _size(dirs["one"])
     assert 1 << 20 < 3 * size and 2 * size <= 1 << 20, size
-    proc, base, _ = _engine(tmp_path, tmp_path / "cache", moto, hub, files, "--adapter-cache-mb", "1")
+    cache = tmp_path / "cache"
+    extra = ("--adapter-cache-mb", "1", "--max-model-len", "1024", "--metrics-max-adapters", "1")
+    proc, base, _ = _engine(tmp_path, cache, moto, hub, files, *extra)
+    sha = {name: sha256sum_digest(d) for name, d in dirs.items()}
     try:
         headers = {
-            name: _headers(f"{name}@1", moto.put_adapter(BUCKET, f"team/lru/{name}", d), sha256sum_digest(d))
+            name: _headers(f"{name}@1", moto.put_adapter(BUCKET, f"team/lru/{name}", d), sha[name])
             for name, d in dirs.items()
         }
         for name in ("one", "two", "one", "three"):  # "two" is then the least recently used
             assert _complete(base, headers[name]).status_code == 200, name
         registered = {card["id"] for card in _cards(base)}
         assert {"one@1", "three@1"} <= registered and "two@1" not in registered
-        assert not (tmp_path / "cache" / sha256sum_digest(dirs["two"])).exists()
+        assert not (cache / sha["two"]).exists()
         assert _text(_complete(base, headers["two"])) == _peft_text(tiny_model_dir, dirs["two"])  # fetched again
+        assert sorted(p.name for p in cache.iterdir()) == sorted([sha["two"], sha["three"]])  # "one" evicted
+
+        # In use: a long stream on "three" pins it. "two" is used after it, so "three" is the least recently
+        # used when "one" needs room; "two" goes instead, and "three"'s stream runs on to its end.
+        stream = _LongStream(base, headers["three"], max_tokens=900)
+        assert stream.started.wait(60) and stream.ended_at is None
+        assert _complete(base, headers["two"]).status_code == 200
+        assert _text(_complete(base, headers["one"])) == _peft_text(tiny_model_dir, dirs["one"])
+        one_served_at = time.monotonic()
+        assert sorted(p.name for p in cache.iterdir()) == sorted([sha["one"], sha["three"]])
+        stream.join()
+        assert stream.status == 200
+        assert stream.ended_at is not None and stream.ended_at > one_served_at, "the stream ended too soon"
+        assert "three@1" in {card["id"] for card in _cards(base)}
+        # Its stream over, "three" is no longer pinned: the least recently used, it makes room for "two".
+        assert _complete(base, headers["two"]).status_code == 200
+        assert sorted(p.name for p in cache.iterdir()) == sorted([sha["one"], sha["two"]])
+
+        # Prometheus: the disk tier by state only; the per-adapter series name the first adapter seen and
+        # count the rest as "other", however many adapters are fetched.
+        assert _metric(base, "loragate_engine_adapter_cache_evictions_total") == 4
+        assert _metric(base, "loragate_engine_adapter_downloads_total") == 6  # one two three two one two
+        assert _metric(base, "loragate_engine_adapter_cache_bytes") == 2 * size
+        assert _metric(base, "loragate_engine_adapter_cache_limit_bytes") == 1 << 20
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        families = list(text_string_to_metric_families(text))
+        states = {s.labels["state"]: s.value for f in families for s in f.samples if f.name.endswith("cache_entries")}
+        assert states == {"downloading": 0, "disk": 2, "failed": 0}
+        base_model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+        labels = {s.labels["adapter"] for f in families for s in f.samples if "adapter" in s.labels}
+        assert labels == {base_model, "one@1", "other"}, labels
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +171,8 @@ def test_versions_are_numbered_once_and_registration_is_idempotent(engine: Catal
     v1 = out["first"].json()["adapter"]["versions"][0]
     assert (v1["source"], v1["sha256"], v1["size"], v1["revision"]) == (SOURCE, SHA_A, 1234, "main")
     assert v1["published_by"] == "admin:" + hashlib.sha256(ADMIN_KEY.encode()).hexdigest()[:12]
+    published = datetime.strptime(v1["published_at"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    assert abs(published.timestamp() - time.time()) < 120  # when: UTC, to the second
     assert out["again"].status_code == 200 and out["again"].json()["changed"] is False
     assert out["again"].json()["ref"] == "support@1"
     assert out["second"].json()["ref"] == "support@2" and out["back"].json()["ref"] == "support@3"
@@ -431,6 +435,7 @@ def test_a_tenant_publishes_in_its_own_namespace_within_its_quota(engine: Catalo
     own = out["own"].json()
     assert out["own"].status_code == 201 and own["adapter"]["tenant"] == "acme"
     assert own["adapter"]["versions"][0]["published_by"] == "acme"
+    assert own["adapter"]["versions"][0]["published_at"].endswith("Z")
     for key in ("other_ns", "no_ns", "for_other"):
         assert_error(out[key], 403, "permission_denied")
     assert_error(out["no_size"], 400, "invalid_request_error")

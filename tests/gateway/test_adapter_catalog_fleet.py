@@ -13,7 +13,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +118,7 @@ def test_the_cli_against_two_replicas_sharing_redis(
     adapter = synthetic_adapter(tmp_path / "support", payload_bytes=4096, seed=1)
     digest = sha256sum_digest(adapter)
     size = sum((adapter / name).stat().st_size for name in ("adapter_config.json", "adapter_model.safetensors"))
-    engine.cards = [{"id": "support@1", "state": "device", "loads": 1, "evictions": 0}]
+    engine.cards = [{"id": "support@1", "state": "device", "loads": 1, "evictions": 0, "last_used": 1.7e9}]
     one, url_one = start_gateway(tmp_path, "one", fleet_yaml(), [engine.url], "--redis", fresh_redis)
     try:
         two, url_two = start_gateway(tmp_path, "two", fleet_yaml(), [engine.url], "--redis", fresh_redis)
@@ -147,8 +149,34 @@ def test_the_cli_against_two_replicas_sharing_redis(
         assert status == 0 and table.splitlines()[0].split() == ["ID", "VERSION", "STATE", "SOURCE", host]
         assert table.splitlines()[1].split() == ["support", "1", "active", str(adapter), "device"]
         assert table.splitlines()[2].split() == ["support", "2", "active", ARCHIVE, "not", "loaded"]
+        # Then each engine's detail of the versions it holds or failed: the reason, last used, loads, evictions.
+        assert table.splitlines()[3:] == [
+            "on the engines:",
+            f"  support@1 on {host}: device, last used 2023-11-14T22:13:20Z, 1 load, 0 evictions",
+        ]
+        engine.cards.append({"id": "support@2", "state": "failed", "error": "digest_mismatch: expected ab..."})
+        status, table, _ = cli("list", "--url", url_two)
+        assert table.splitlines()[2].split()[-1] == "failed"
+        assert table.splitlines()[-1] == f"  support@2 on {host}: failed: digest_mismatch: expected ab..."
         shown = cli.json("show", "support@2", "--url", url_two)
         assert [v["version"] for v in shown["versions"]] == [2]
+        # Who published each version, and when.
+        published = datetime.strptime(shown["versions"][0]["published_at"], "%Y-%m-%dT%H:%M:%SZ")
+        assert abs(published.replace(tzinfo=timezone.utc).timestamp() - time.time()) < 120
+        assert shown["versions"][0]["published_by"].startswith("admin:")
+        status, text, _ = cli("show", "support@2", "--url", url_two)
+        lines = text.splitlines()
+        assert status == 0 and lines[0].split()[:5] == ["support", "tenant:", "-", "current:", "2"]
+        assert lines[1].split() == ["VERSION", "STATE", "SIZE", "SHA256", "PUBLISHED", "BY", "SOURCE"]
+        assert lines[2].split() == [
+            "2",
+            "active",
+            "ab" * 6,
+            shown["versions"][0]["published_at"],
+            shown["versions"][0]["published_by"],
+            ARCHIVE,
+        ]
+        assert lines[3:] == ["engines:", f"  @2 on {host}: failed: digest_mismatch: expected ab..."]
 
         status, out, _ = cli("deprecate", "support@2", "--url", url_two)
         assert status == 0 and out == "deprecated support@2\n"
@@ -166,6 +194,17 @@ def test_the_cli_against_two_replicas_sharing_redis(
         assert status == 0 and out == "registered acme/bot@1\n", err
         status, _, err = cli("register", "globex/bot", *pinned_archive, key=None, api_key=ACME)
         assert status == 1 and "403" in err
+        status, _, err = cli("register", "acme/x", *pinned_archive, "--tenant", "globex", key=None, api_key=ACME)
+        assert status == 1 and "403" in err and "for itself only" in err
+        # An admin registers for a tenant with --tenant: the id is then that tenant's (its namespace, or none).
+        faq = cli.json("register", "faq", *pinned_archive, "--tenant", "acme")
+        assert (faq["ref"], faq["adapter"]["tenant"]) == ("faq@1", "acme")
+        status, _, err = cli("register", "globex/faq", *pinned_archive, "--tenant", "acme")
+        assert status == 1 and "400" in err and "namespace" in err
+        acme_only = cli.json("list", "--tenant", "acme", "--url", url_two)
+        assert sorted(e["id"] for e in acme_only["data"]) == ["acme/bot", "faq"]
+        bot = cli.json("show", "acme/bot", "--url", url_two)
+        assert (bot["tenant"], bot["versions"][0]["published_by"]) == ("acme", "acme")
         status, _, err = cli("list", "--url", url_two, key=None)
         assert status == 2 and "LORAGATE_ADMIN_KEY" in err
         status, _, err = cli("show", "nothing", "--url", url_two)

@@ -1,6 +1,7 @@
 """The ops page's Adapters section (gateway/ops.html, fed by GET /admin/adapters) in a real headless Chromium
-through Playwright: each catalog adapter's versions with their state on each engine, an engine's hostile error
-text shown as text. Skips without Chromium or Playwright, unless LORAGATE_REQUIRE_TOOLS=1.
+through Playwright: each catalog adapter's versions with their state on each engine (with the failure's
+reason, last use, loads and evictions), an engine's hostile error text shown as text. Skips without Chromium
+or Playwright, unless LORAGATE_REQUIRE_TOOLS=1.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def test_the_adapters_section_shows_each_version_on_each_engine(browser: Any) ->
     text = policies.policy_yaml(tenant_yaml("acme", "acme-secret", '["*"]'))
     with CatalogEngine() as engine, CatalogEngine() as other:
         engine.cards = [
-            {"id": "support@1", "state": "device"},
+            {"id": "support@1", "state": "device", "last_used": 1.7e9, "loads": 3, "evictions": 1},
             {"id": "support@2", "state": "failed", "error": EVIL_ERROR},
         ]
         app = build_app(parse_policy(text), [engine.url, other.url], MemoryRateLimiter(), metrics=GatewayMetrics())
@@ -80,5 +81,9 @@ def test_the_adapters_section_shows_each_version_on_each_engine(browser: Any) ->
     assert header == ["version", "state", "source", "sha256", "published", engine.url, other.url]
     assert [r[0] for r in rows] == ["1", "2"]
     assert [r[1] for r in rows] == ["deprecated", "active"]
-    assert [(r[5], r[6]) for r in rows] == [("device", "not loaded"), ("failed", "not loaded")]
+    # Each engine's state, then the reason of a failure, when it was last used, its loads and evictions.
+    assert [(r[5], r[6]) for r in rows] == [
+        ("device\nused 2023-11-14 22:13:20Z · 3 loads · 1 eviction", "not loaded"),
+        (f"failed\n{EVIL_ERROR}", "not loaded"),
+    ]
     assert rows[0][2] == "s3://models/support" and rows[0][3] == "a" * 12

@@ -1,8 +1,10 @@
-"""The adapter fleet's whole journey while traffic flows, on real processes: a real S3 API (moto_server), two
-`loragate engine` processes that start with empty adapter caches, one `loragate gateway`, and
-`loragate adapters register` (loragate/adapters_cli.py) run as an operator runs it.
+"""The adapter fleet's whole journey while traffic flows, on real processes: a real S3 API (moto_server), a
+Hub-shaped server read through huggingface_hub, two `loragate engine` processes that start with empty
+adapter caches, one `loragate gateway`, and `loragate adapters register` (loragate/adapters_cli.py) run as an
+operator runs it.
 
-publish v1 -> served through a rollout name -> publish v2 -> a progressive rollout v1 -> v2 with an SLO gate
+publish v1 to S3 and to the Hub -> each served on its first request -> served through a rollout name ->
+publish v2 -> a progressive rollout v1 -> v2 with an SLO gate
 -> promoted; then a broken v3 (its source is gone) -> the canary's failures are answered by the stable
 variant (gateway/generate.py, fallback_call) and roll the rollout back. No client request fails at any
 point, and every answer equals PEFT's greedy decoding of the version that served it.
@@ -26,7 +28,7 @@ import pytest
 from engine.model.sources import load_tokenizer
 from loragate.cli import main as loragate_main
 
-from adapter_servers import MotoServer, moto_server_fixture
+from adapter_servers import HubServer, MotoServer, moto_server_fixture
 from lora_fixtures import make_peft_adapter, peft_greedy
 from policies import ADMIN, ADMIN_KEY, bearer, policy_yaml, tenant_yaml
 from polling import poll
@@ -104,11 +106,17 @@ def versions(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> 
 
 
 @pytest.fixture
-def stack(tmp_path: Path, moto: MotoServer) -> Iterator[tuple[str, Path, list[str]]]:
+def hub() -> Iterator[HubServer]:
+    with HubServer() as server:
+        yield server
+
+
+@pytest.fixture
+def stack(tmp_path: Path, moto: MotoServer, hub: HubServer) -> Iterator[tuple[str, Path, list[str]]]:
     """Two engines with empty caches behind one gateway; the gateway's URL, its policy file, the engines."""
     procs = []
     with pytest.MonkeyPatch.context() as mp:
-        for key, value in moto.env().items():
+        for key, value in {**moto.env(), "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"}.items():
             mp.setenv(key, value)
         engines = []
         for k in range(2):
@@ -120,6 +128,7 @@ def stack(tmp_path: Path, moto: MotoServer) -> Iterator[tuple[str, Path, list[st
                 str(tmp_path / f"cache{k}"),
                 "--adapter-source-allow",
                 f"s3://{BUCKET}/",
+                "hf://org/",
                 "--adapter-load-wait-s",
                 "30",
             )
@@ -134,13 +143,15 @@ def stack(tmp_path: Path, moto: MotoServer) -> Iterator[tuple[str, Path, list[st
             stop_process(proc)
 
 
-def register(monkeypatch: pytest.MonkeyPatch, moto: MotoServer, gateway: str, source: str, *extra: str) -> str:
-    """`loragate adapters register support --source SOURCE --json` as an operator runs it; the new ID@N."""
+def register(
+    monkeypatch: pytest.MonkeyPatch, moto: MotoServer, gateway: str, source: str, *extra: str, name: str = "support"
+) -> str:
+    """`loragate adapters register NAME --source SOURCE --json` as an operator runs it; the new ID@N."""
     for key, value in {**moto.env(), "LORAGATE_URL": gateway, "LORAGATE_ADMIN_KEY": ADMIN_KEY}.items():
         monkeypatch.setenv(key, value)
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
-        status = loragate_main(["adapters", "register", "support", "--source", source, *extra, "--json"])
+        status = loragate_main(["adapters", "register", name, "--source", source, *extra, "--json"])
     assert status == 0, buffer.getvalue()
     answer: dict[str, Any] = json.loads(buffer.getvalue())
     return str(answer["ref"])
@@ -161,11 +172,25 @@ def test_publish_roll_out_promote_then_roll_back_a_broken_version_without_a_fail
     stack: tuple[str, Path, list[str]],
     versions: dict[str, tuple[Path, str]],
     moto: MotoServer,
+    hub: HubServer,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     gateway, policy_file, engines = stack
     (v1_dir, v1_text), (v2_dir, v2_text) = versions["v1"], versions["v2"]
     assert register(monkeypatch, moto, gateway, moto.put_adapter(BUCKET, "support/v1", v1_dir)) == "support@1"
+    # The same adapter published to the Hub (`huggingface-cli upload org/support ...`): registered by name and
+    # pinned to its commit, fetched on its first request through huggingface_hub, served with the same output.
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    commit = hub.add_repo("org/support", v1_dir)
+    assert register(monkeypatch, moto, gateway, "hf://org/support", name="support-hub") == "support-hub@1"
+    for adapter in ("support", "support-hub"):  # each one's first request: no engine holds it yet
+        headers = {**bearer(KEY), "X-Adapter-ID": adapter}
+        resp = httpx.post(f"{gateway}/v1/completions", json=BODY, headers=headers, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert (resp.headers["X-Loragate-Adapter"], resp.json()["choices"][0]["text"]) == (f"{adapter}@1", v1_text)
+    shown = httpx.get(f"{gateway}/admin/adapters/support-hub", headers=ADMIN, timeout=10).json()
+    assert shown["versions"][0]["source"] == f"hf://org/support@{commit}"
+    assert hub.count("/org/support/resolve/*/adapter_model.safetensors") == 2  # the CLI's digest, one engine
     reload(gateway, policy_file, policy(single("support@1")))
     with Traffic(gateway) as traffic:
         poll(lambda: len(traffic.answers) >= 5, 120, what="first answers through the rollout name")

@@ -108,3 +108,19 @@ sizeLimit. */}}
 {{- end -}}
 {{- $mb -}}
 {{- end -}}
+
+{{/* The source prefixes the engines may fetch adapters from (--adapter-source-allow), as a JSON array:
+`s3://<objectStore.bucket>/<objectStore.prefix>/` when a bucket is set, then `engine.adapters.sources.allow`
+(a prefix listed in both, once). Empty: the engines fetch nothing. */}}
+{{- define "loragate.adapterSources" -}}
+{{- $os := .Values.objectStore -}}
+{{- $allow := list -}}
+{{- with $os.bucket -}}
+{{- $prefix := trimSuffix "/" $os.prefix -}}
+{{- $allow = append $allow (ternary (printf "s3://%s/%s/" . $prefix) (printf "s3://%s/" .) (ne $prefix "")) -}}
+{{- end -}}
+{{- range .Values.engine.adapters.sources.allow -}}
+{{- if not (has . $allow) -}}{{- $allow = append $allow . -}}{{- end -}}
+{{- end -}}
+{{- toJson $allow -}}
+{{- end -}}
