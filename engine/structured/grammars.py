@@ -36,6 +36,11 @@ CACHE_SIZE = 256
 worker = CompileWorker()
 
 
+class CompileTimeoutError(SchemaError):
+    """A schema whose compile passed its time bound: refused (a 400 like any SchemaError), and never compiled
+    again in parts to locate the fault (each part could take as long)."""
+
+
 class GrammarConstraint:
     """One request's matcher (engine/core/request.py `TokenConstraint`): fills its bitmask row, advances on the
     token the engine accepted, and says when the grammar is complete."""
@@ -190,7 +195,7 @@ def compile_grammar(
     try:
         return cache.get_or_start(digest, build).result()
     except SchemaError as exc:
-        raise SchemaError(exc.path, exc.message) from None  # a fresh error: the cached one is shared
+        raise type(exc)(exc.path, exc.message) from None  # a fresh error: the cached one is shared
 
 
 def _build(kind: str, digest: str, schema: Any, vocab: Vocabulary, path: str, timeout_s: float) -> CompiledGrammar:
@@ -198,7 +203,9 @@ def _build(kind: str, digest: str, schema: Any, vocab: Vocabulary, path: str, ti
         serialized = worker.compile(vocab.key, vocab.info_json, json.dumps(schema), timeout_s=timeout_s)
     except CompileTimeout:
         logger.warning("grammar compile for %s passed %.1f s: refused", path, timeout_s)
-        raise SchemaError(path, f"the schema took longer than {timeout_s:g} s to compile; simplify it") from None
+        raise CompileTimeoutError(
+            path, f"the schema took longer than {timeout_s:g} s to compile; simplify it"
+        ) from None
     except WorkerRefusal as exc:
         where = path if exc.path is None else format_path(path, tuple(exc.path))
         raise SchemaError(where, f"the grammar engine cannot enforce this: {exc.message}") from None

@@ -7,7 +7,9 @@ what it enforces, measured keyword by keyword (tests/engine/test_structured.py h
    check, `multipleOf` off integers, a keyword of one type without that `type` beside it (`minimum` alone),
    `$ref` or `anyOf`/`oneOf` with sibling assertions, `required` names that `properties` lacks, remote `$ref`s,
    and a `oneOf` whose options may overlap (one told apart by a required `const` property is an `anyOf`);
-3. contradictions (`minimum` above `maximum`, an empty `enum`, a `const` outside its own `type`).
+3. contradictions (`minimum` above `maximum`, an empty `enum`, a `const` outside its own `type`), and what the
+   engine would get wrong without a word: `minLength`/`maxLength` beside a `pattern` or `format` (it ignores
+   the length), number bounds with no number of at most 6 decimal places between them (an empty value).
 Each raises `SchemaError` with a path into the request (`response_format.json_schema.schema.properties.age.
 minimum`). Keywords JSON Schema does not define are annotations by the spec, and are ignored.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from decimal import ROUND_CEILING, Decimal, localcontext
 from typing import Any
 
 import jsonschema
@@ -130,6 +133,14 @@ class _Node:
         fmt = self.node.get("format")
         if fmt in FORMAT_PATTERNS and "pattern" in self.node:
             raise self.fail("format", message=f"format {fmt} beside a pattern is not supported; keep one of them")
+        lengths = [key for key in ("minLength", "maxLength") if key in self.node]
+        if lengths and ("pattern" in self.node or fmt in FORMATS):
+            beside = "a pattern" if "pattern" in self.node else f"format {fmt}"
+            raise self.fail(
+                lengths[0],
+                message=f"{' and '.join(lengths)} beside {beside} is not enforced by the grammar engine (it "
+                "ignores the length there); write the length into a pattern, e.g. ^[a-z]{2,5}$",
+            )
         if isinstance(fmt, str) and fmt not in FORMATS:
             raise self.fail("format", message=f"unsupported format {fmt!r}; supported: {', '.join(sorted(FORMATS))}")
 
@@ -143,9 +154,17 @@ class _Node:
         node = self.node
         for low, high in BOUNDS:
             lo, hi = _number(node.get(low)), _number(node.get(high))
-            if lo is not None and hi is not None and (lo > hi or (lo == hi and "exclusive" in low + high)):
+            if lo is None or hi is None:
+                continue
+            if lo > hi or (lo == hi and "exclusive" in low + high):
                 message = f"{low} ({node[low]}) is above {high} ({node[high]}): nothing fits"
                 raise self.fail(low, message=message)
+            if low in NUMBER_BOUNDS and "number" in (self.types or ()) and not _decimal_between(node, low, high):
+                raise self.fail(
+                    low,
+                    message=f"no number with at most {NUMBER_DECIMALS} decimal places lies between {low} "
+                    f"({node[low]}) and {high} ({node[high]}), and the grammar engine writes no more: nothing fits",
+                )
         if node.get("enum") == []:
             raise self.fail("enum", message="an empty enum allows no value")
         values = [("const", node["const"])] if "const" in node else []
@@ -254,4 +273,23 @@ def _const(schema: Any) -> str | None:
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """A JSON number as parsed: an int stays exact (one past a float's range compares as it is, no OverflowError)."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+# The grammar engine writes a bounded "number" with at most this many decimal places (xgrammar 0.2.9's range
+# grammar); a range holding no such number compiles to an empty value, which would make invalid JSON.
+NUMBER_DECIMALS = 6
+NUMBER_BOUNDS = ("minimum", "exclusiveMinimum")
+_DECIMAL_STEP = Decimal(1).scaleb(-NUMBER_DECIMALS)
+
+
+def _decimal_between(node: dict[str, Any], low: str, high: str) -> bool:
+    """Some number with at most NUMBER_DECIMALS decimal places fits node[low] .. node[high] (either exclusive)."""
+    lo, hi = Decimal(repr(node[low])), Decimal(repr(node[high]))  # as written: 1e-07 stays 1E-7
+    with localcontext() as context:
+        context.prec = max(lo.adjusted(), hi.adjusted(), 0) + NUMBER_DECIMALS + 2  # exact: every integer digit
+        first = lo.quantize(_DECIMAL_STEP, rounding=ROUND_CEILING)
+        if first == lo and low.startswith("exclusive"):
+            first += _DECIMAL_STEP
+        return first < hi if high.startswith("exclusive") else first <= hi

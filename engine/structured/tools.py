@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any
 
-from engine.structured.grammars import CompiledGrammar, compile_grammar
+from engine.structured.grammars import CompiledGrammar, CompileTimeoutError, compile_grammar
 from engine.structured.keywords import relocate_refs
 from engine.structured.response_format import check_name
 from engine.structured.schema import SchemaError, check_schema
@@ -98,7 +99,8 @@ def _one_call(name: str, parameters: Any) -> dict[str, Any]:
 def compile_tool_call(tools: Any, tool_choice: Any, tokenizer: Any, *, timeout_s: float = 5.0) -> CompiledGrammar:
     """The grammar of one tool call (`{"name": ..., "arguments": ...}`) for `tool_choice` "required" or a named
     function; SchemaError with a path under `tools` or `tool_choice` for anything wrong, or a compile past
-    `timeout_s`."""
+    `timeout_s` (the whole call's bound: locating a refusal in one tool fits in it too)."""
+    deadline = time.monotonic() + timeout_s
     parsed = validate_tools(tools)
     indices = chosen_tools(parsed, tool_choice)
 
@@ -113,13 +115,20 @@ def compile_tool_call(tools: Any, tool_choice: Any, tokenizer: Any, *, timeout_s
         )
     except SchemaError as exc:
         path = _tool_path(exc.path, indices)
-        if path != "tools" or len(indices) == 1:
-            raise SchemaError(path, exc.message) from None
-        # The engine refused the union as a whole: compile the tools alone to name the one at fault.
+        if path != "tools" or len(indices) == 1 or isinstance(exc, CompileTimeoutError):
+            raise type(exc)(path, exc.message) from None
+        # The engine refused the union as a whole without saying where: compile the tools alone to name the one at
+        # fault, in what is left of the time bound (then the refusal stays on `tools`). Under a salt of their own:
+        # a part cut short by the remaining time must not be a cached timeout for requests naming that tool.
         for i in indices:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             one = call_schema(parsed, [i])
             try:
-                compile_grammar("tool_call", one, tokenizer, path="tools", timeout_s=timeout_s, salt=repr([i]))
+                compile_grammar("tool_call", one, tokenizer, path="tools", timeout_s=left, salt=f"locate {[i]!r}")
+            except CompileTimeoutError:
+                break
             except SchemaError as alone:
                 raise SchemaError(_tool_path(alone.path, [i]), alone.message) from None
         raise
@@ -127,9 +136,12 @@ def compile_tool_call(tools: Any, tool_choice: Any, tokenizer: Any, *, timeout_s
 
 def _tool_path(path: str, indices: list[int]) -> str:
     """A path into the call schema (`tools.anyOf[k].properties.arguments...`) as a path into the request's
-    `tools[i].function.parameters...`."""
+    `tools[i].function.parameters...`; the call schema of one tool as a whole (compiled past its bound, or
+    unsatisfiable) is that tool's parameters."""
     if len(indices) == 1 and path.startswith("tools.properties.arguments"):
         return f"tools[{indices[0]}].function.parameters" + path.removeprefix("tools.properties.arguments")
+    if len(indices) == 1 and path == "tools":
+        return f"tools[{indices[0]}].function.parameters"
     for k, i in enumerate(indices):
         prefix = f"tools.anyOf[{k}].properties.arguments"
         if path.startswith(prefix):

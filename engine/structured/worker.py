@@ -1,9 +1,9 @@
 """The grammar compile worker: a child process that compiles JSON schemas with xgrammar.
 
 xgrammar has no limits of its own and a compile cannot be interrupted in a thread, so compiles run in a child
-process (`main` below) that is killed when one passes its time bound (a pathological pattern such as
-`^(a{1,200}){1,200}$` takes seconds, and grows as n^3); a fresh child starts at once, in the background. The
-parent talks to it over its stdin/stdout in length-prefixed JSON frames:
+process (`main` below) that is killed when one passes its time bound (a pattern such as `^(a{1,200}){1,200}$`
+takes about a second to expand, and a schema may hold any number of them); a fresh child starts at once, in the
+background. The parent talks to it over its stdin/stdout in length-prefixed JSON frames:
 
     {"op": "tokenizer", "key", "info"}  ->  {"ok": true}        (xgrammar's TokenizerInfo, serialized; once per child)
     {"op": "compile", "key", "schema"}  ->  {"ok": true, "grammar": <serialized CompiledGrammar>}

@@ -1,13 +1,18 @@
 """Token constraints (engine/core/request.py TokenConstraint) and logit_bias through the real engine on tiny-random:
 outputs obey the masks, unconstrained rows of the same batch are unchanged, a constraint's state survives
 preemption by recompute and by swap, a complete grammar ends the request with "stop" (streamed too), and a
-biased greedy request follows HF's argmax of the biased logits."""
+biased greedy request follows HF's argmax of the biased logits. Real JSON-schema grammars (engine/structured) too:
+base and adapter rows in one batch, prompts prefilled in chunks, preempted mid-prompt and mid-answer by recompute
+and by swap, each answer the same as without preemption and valid against its schema (`jsonschema`)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+from typing import Any
 
+import jsonschema
 import pytest
 import torch
 
@@ -17,6 +22,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.core.outputs import RequestOutput
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import SchedulerOutput
+from engine.structured import CompiledGrammar, compile_response_format
 
 from lora_fixtures import load_peft_model
 
@@ -277,3 +283,90 @@ def test_logit_bias_greedy_follows_hf_argmax_of_the_biased_logits(tiny_model_dir
     assert tokens(outputs["biased"]) == expected and tokens(outputs["plain"]) == plain
     with pytest.raises(ValueError, match="logit_bias"):
         engine.add_request("too-far", prompt, greedy(2, logit_bias=((engine.vocab_size, 1.0),)))
+
+
+# ---- real grammars: chunked prefill and preemption -------------------------------------------------------
+
+
+def _closed(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+
+
+GRAMMAR_SCHEMAS: list[dict[str, Any]] = [
+    _closed(
+        {
+            "name": {"type": "string", "minLength": 1, "maxLength": 5},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "role": {"enum": ["admin", "user", "guest"]},
+        },
+        ["name", "age", "role"],
+    ),
+    _closed({"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3}}, ["tags"]),
+    _closed({"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}, "ok": {"type": "boolean"}}, ["code"]),
+    _closed({"outer": _closed({"x": {"type": "number", "minimum": -1, "maximum": 1}}, ["x"])}, ["outer"]),
+]
+CHUNKED = dict(max_batch_tokens=32, max_prefill_tokens=12, block_size=4)  # a 40-token prompt: four chunks
+ROW_ADAPTERS = [None, "all-r4", "qv-r8", None]  # base and adapter rows in one batch
+
+
+def _submit_json(engine: LLMEngine, grammars: list[CompiledGrammar], prompts: list[list[int]]) -> list[Request]:
+    requests = []
+    for i, (grammar, adapter) in enumerate(zip(grammars, ROW_ADAPTERS, strict=True)):
+        params = SamplingParams(max_tokens=200, temperature=0.0, constraint=grammar.constraint)
+        requests.append(engine.add_request(f"json{i}", prompts[1 + i % 2], params, adapter_id=adapter))
+    engine.add_request("free", prompts[2], greedy(12), adapter_id="all-r4")  # unconstrained, beside them
+    return requests
+
+
+def _chunked_config(tiny_adapters: dict[str, Any], mode: str) -> EngineConfig:
+    adapter_dir = str(next(iter(tiny_adapters.values())).parent)
+    return EngineConfig(dtype="float32", model="tiny-random", adapter_dir=adapter_dir, preemption=mode, **CHUNKED)
+
+
+@pytest.fixture(scope="module")
+def json_reference(tiny_adapters, prompts) -> tuple[list[CompiledGrammar], dict[str, list[RequestOutput]]]:
+    """The grammars of GRAMMAR_SCHEMAS and their requests' outputs on a chunked engine that preempts nothing."""
+    calm = LLMEngine(_chunked_config(tiny_adapters, "recompute"))
+    grammars = [
+        compile_response_format({"type": "json_schema", "json_schema": {"name": "s", "schema": s}}, calm.tokenizer)
+        for s in GRAMMAR_SCHEMAS
+    ]
+    _submit_json(calm, grammars, prompts)
+    return grammars, run(calm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_schema_grammars_survive_chunked_prefill_and_preemption(tiny_adapters, prompts, json_reference, mode) -> None:
+    grammars, reference = json_reference
+    engine = LLMEngine(_chunked_config(tiny_adapters, mode))
+    requests = _submit_json(engine, grammars, prompts)
+    # Each grammar request is preempted while its prompt is half prefilled, after its 2nd token and after its 6th.
+    done: set[tuple[str, str]] = set()
+    outputs: dict[str, list[RequestOutput]] = {}
+    for _ in range(2000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        for request in requests:
+            if request not in engine.scheduler.running:
+                continue
+            computed, prompt_len = request.num_computed_tokens, request.num_prompt_tokens
+            for when, due in (
+                ("mid-prompt", 0 < computed < prompt_len),
+                ("2 tokens", request.num_output_tokens >= 2),
+                ("6 tokens", request.num_output_tokens >= 6),
+            ):
+                if due and (request.request_id, when) not in done:
+                    done.add((request.request_id, when))
+                    engine.scheduler._preempt(request, SchedulerOutput())
+                    break
+    assert not engine.has_unfinished_requests()
+    assert len(done) == 3 * len(requests)  # every preemption above happened
+    assert engine.scheduler.preemption.counts[mode] == 3 * len(requests)
+    assert tokens(outputs["free"]) == tokens(reference["free"])
+    for request, schema in zip(requests, GRAMMAR_SCHEMAS, strict=True):
+        rid = request.request_id
+        assert tokens(outputs[rid]) == tokens(reference[rid]), rid  # the grammar resumed where it was
+        assert outputs[rid][-1].finish_reason == "stop", rid
+        jsonschema.validate(json.loads("".join(o.new_text for o in outputs[rid])), schema)

@@ -8,7 +8,9 @@ blocks), `echo` + `logprobs` with `max_tokens: 0` (HF transformers' log-softmax 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 
-from engine.entrypoints.guided import ToolChoice, ToolPlan, parse_tools
+from engine.entrypoints.guided import COMPILE_TIMEOUT_S, ToolChoice, ToolPlan, parse_tools
 from engine.entrypoints.tool_calls import ToolCallStream, tool_message
 from engine.model.sources import load_tokenizer
 from engine.structured import parse_tool_call
@@ -520,6 +522,10 @@ _BAD_CHATS: list[tuple[dict[str, Any], str]] = [
     ),
     ({"response_format": _schema_format({"not": {"type": "string"}})}, "response_format.json_schema.schema"),
     (
+        {"response_format": _schema_format({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3})},
+        "response_format.json_schema.schema.maxLength",
+    ),
+    (
         {"response_format": _schema_format({"type": "string", "pattern": "(?=a)b"})},
         "response_format.json_schema.schema",
     ),
@@ -564,3 +570,63 @@ def test_bad_completion_fields_are_400(server: str, body: dict[str, Any], field:
 @pytest.mark.parametrize(("body", "field"), _BAD_CHATS)
 def test_bad_chat_fields_are_400(server: str, body: dict[str, Any], field: str) -> None:
     _assert_400(_post(server, "/v1/chat/completions", {"messages": MESSAGES, **body}), field)
+
+
+# ---- a schema that compiles for too long: a 400 at the bound, and the engine serves on meanwhile ---------------
+
+
+def _pathological(properties: int) -> dict[str, Any]:
+    """One nested counted repetition per property: xgrammar expands each for 0.5 to 2 s (2-core CPU, xgrammar 0.2.9)
+    and has no limit of its own, so this compiles for about `properties` seconds."""
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    pattern = {f"p{c}": {"type": "string", "pattern": f"^({c}{{1,200}}){{1,200}}$"} for c in letters[:properties]}
+    return {"type": "object", "properties": pattern, "required": list(pattern), "additionalProperties": False}
+
+
+SLOW = _pathological(40)  # ~40 s: eight times the bound
+SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"response_format": _schema_format(SLOW)}, "response_format.json_schema.schema"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "slow", "parameters": SLOW}}],
+                "tool_choice": "required",
+            },
+            "tools[0].function.parameters",
+        ),
+    ],
+    ids=["response_format", "tools"],
+)
+def test_a_schema_slower_than_the_bound_is_a_400_while_others_are_served(
+    server: str, client: openai.OpenAI, body: dict[str, Any], field: str
+) -> None:
+    def small(schema: dict[str, Any]) -> Any:
+        response_format: Any = _schema_format(schema)
+        answer = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, response_format=response_format, temperature=0, max_tokens=50
+        )
+        return json.loads(answer.choices[0].message.content or "")
+
+    small(SMALL)  # the compile worker is up (its start is not a schema's time)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        start = time.monotonic()
+        refused = pool.submit(_post, server, "/v1/chat/completions", {"messages": MESSAGES, **body})
+        time.sleep(0.5)  # the compile is under way
+        served = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=4)
+        served_after = time.monotonic() - start
+        resp = refused.result()
+        refused_after = time.monotonic() - start
+    assert served.choices[0].text and served_after < COMPILE_TIMEOUT_S  # answered while the schema compiled
+    _assert_400(resp, field)
+    assert f"longer than {COMPILE_TIMEOUT_S:g} s" in resp.json()["error"]["message"]
+    assert COMPILE_TIMEOUT_S <= refused_after < COMPILE_TIMEOUT_S + 3
+    # The same schema again is refused at once (kept by its digest); the restarted worker compiles the next one.
+    start = time.monotonic()
+    _assert_400(_post(server, "/v1/chat/completions", {"messages": MESSAGES, **body}), field)
+    assert time.monotonic() - start < 1.0
+    fresh = {**SMALL, "properties": {field: {"type": "boolean"}}, "required": [field]}
+    jsonschema.validate(small(fresh), fresh)

@@ -22,6 +22,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+import xgrammar
 
 from engine.model.sources import load_tokenizer
 from engine.structured import (
@@ -36,6 +37,7 @@ from engine.structured import (
     template_supports_tools,
 )
 from engine.structured import grammars as grammars_module
+from engine.structured.worker import CompileTimeout, WorkerRefusal
 
 MAX_STEPS = 3000
 CLOSE_AFTER = 40  # steps after which a walk prefers closing tokens
@@ -483,6 +485,17 @@ REFUSED_SCHEMAS = [
     (obj({"e": {"enum": []}}), f"{S}.properties.e.enum", "enum"),
     (obj({"k": {"type": "string", "const": 3}}), f"{S}.properties.k.const", "does not fit"),
     (False, S, "allows nothing"),
+    # what the engine would get wrong without a word (test_silent_gaps_of_the_engine_are_refused shows it would)
+    (obj({"s": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}}), f"{S}.properties.s.maxLength", "pattern"),
+    (obj({"s": {"type": "string", "format": "uuid", "minLength": 40}}), f"{S}.properties.s.minLength", "format uuid"),
+    (obj({"x": {"type": "number", "minimum": 1e-7, "maximum": 2e-7}}), f"{S}.properties.x.minimum", "6 decimal"),
+    # past a float's range: refused, not an OverflowError
+    (obj({"x": {"type": "number", "minimum": -(10**310), "maximum": 5}}), f"{S}.properties.x.minimum", "cannot"),
+    (
+        obj({"x": {"type": ["number", "null"], "exclusiveMinimum": 0.5, "maximum": 0.5000005}}),
+        f"{S}.properties.x.exclusiveMinimum",
+        "6 decimal",
+    ),
 ]
 
 
@@ -504,6 +517,47 @@ def test_invalid_or_unsupported_schema_names_the_path(tiny_tokenizer, schema, pa
             compile_response_format(json_schema_format(schema), tiny_tokenizer)
         assert info.value.path == path, info.value
         assert words in info.value.message
+
+
+# (schema, a document xgrammar's own grammar for it accepts though the schema does not, or None: accepted by the
+# checks, and every walk fits). The refused ones are what the checks above add to xgrammar: it would ignore a
+# length beside a pattern or format, and write an empty value for number bounds with no 6-decimal number between.
+SILENT_GAPS = [
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, '"abcdef"'),
+    ({"type": "string", "pattern": "^a+$", "minLength": 2}, '"a"'),
+    ({"type": "string", "format": "date", "maxLength": 4}, '"2024-01-31"'),
+    ({"type": "string", "format": "ipv4", "minLength": 10}, '"1.2.3.4"'),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, None),
+    ({"type": "string", "pattern": "^[a-z]{2,3}$"}, None),
+    ({"type": "number", "minimum": 1e-7, "maximum": 2e-7}, ""),
+    ({"type": "number", "minimum": 0.1234567, "maximum": 0.1234568}, ""),
+    ({"type": "number", "exclusiveMinimum": 0.000001, "exclusiveMaximum": 0.000002}, ""),
+    ({"type": "number", "minimum": 0.000001, "maximum": 0.000001}, None),
+    ({"type": "number", "exclusiveMinimum": 0.0000015, "maximum": 0.000002}, None),
+    ({"type": "number", "minimum": 1e-7, "maximum": 1}, None),
+    ({"type": "number", "minimum": -1e30, "maximum": 1e30}, None),
+]
+
+
+@pytest.mark.parametrize("schema,accepted_anyway", SILENT_GAPS, ids=[json.dumps(s) for s, _ in SILENT_GAPS])
+def test_silent_gaps_of_the_engine_are_refused(tiny_tokenizer, schema, accepted_anyway):
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from engine.structured.worker import JSON_OPTIONS
+
+    if accepted_anyway is not None:
+        raw = xgrammar.Grammar.from_json_schema(json.dumps(schema), **JSON_OPTIONS)
+        assert _is_grammar_accept_string(raw, accepted_anyway)  # xgrammar alone lets it through...
+        with pytest.raises((ValueError, jsonschema.ValidationError)):  # ...though not JSON that fits the schema
+            jsonschema.validate(json.loads(accepted_anyway), schema)
+        with pytest.raises(SchemaError) as info:
+            compile_response_format(json_schema_format(schema), tiny_tokenizer)
+        assert info.value.path.startswith(S)
+        return
+    grammar = compile_response_format(json_schema_format(schema), tiny_tokenizer)
+    walker = Walker(tiny_tokenizer)
+    for seed in range(3):
+        validate(walker.walk(grammar, seed), schema)
 
 
 def _tool(name: str, parameters: Any = None) -> dict[str, Any]:
@@ -592,17 +646,80 @@ def test_a_schema_sent_again_shares_the_running_compile(tiny_tokenizer, monkeypa
     assert len(calls) == 1 and len(results) == 3 and results[0] is results[1] is results[2]
 
 
+def pathological_schema(properties: int) -> dict[str, Any]:
+    """Nested counted repetitions, one per property: xgrammar expands each (0.5 to 2 s apiece on a 2-core CPU,
+    xgrammar 0.2.9), with no limit of its own, so the compile takes about `properties` seconds."""
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # distinct patterns: nothing shared
+    return obj(
+        {
+            f"p{i}": {"type": "string", "pattern": f"^({c}{{1,200}}){{1,200}}$"}
+            for i, c in enumerate(letters[:properties])
+        }
+    )
+
+
 def test_a_pathological_schema_returns_within_its_time_bound(tiny_tokenizer):
-    # Nested counted repetitions: xgrammar takes seconds (~n^3) to expand them, with no limit of its own.
-    schema = obj({"p": {"type": "string", "pattern": "^(a{1,200}){1,200}$"}})
+    schema = pathological_schema(12)  # ~12 s to compile: 24 times the bound below
     start = time.monotonic()
     with pytest.raises(SchemaError) as info:
         compile_response_format(json_schema_format(schema), tiny_tokenizer, timeout_s=0.5)
     assert time.monotonic() - start < 0.5 + 1.0
     assert info.value.path == S and "longer than 0.5 s" in info.value.message
+    # The refusal is kept: the same schema again is refused at once, without compiling.
+    start = time.monotonic()
+    with pytest.raises(SchemaError, match="longer than 0.5 s"):
+        compile_response_format(json_schema_format(schema, name="again"), tiny_tokenizer, timeout_s=0.5)
+    assert time.monotonic() - start < 0.25
     # The worker was killed, not left compiling; a fresh one serves the next schema.
     grammar = compile_response_format(json_schema_format(obj({"after": {"type": "boolean"}})), tiny_tokenizer)
     assert Walker(tiny_tokenizer).walk(grammar, 0) in ('{"after": true}', '{"after": false}')
+
+
+def test_tools_that_compile_past_the_bound_together_are_refused_within_it(tiny_tokenizer):
+    """Eight tools of about a second each: their union passes the bound, and is refused on `tools` then; none is
+    compiled again alone to locate a fault (that took eight more seconds, past any bound)."""
+    letters = pathological_schema(8)["properties"]
+    tools = [_tool(f"t{i}", obj({"p": pattern})) for i, pattern in enumerate(letters.values())]
+    start = time.monotonic()
+    with pytest.raises(SchemaError) as info:
+        compile_tool_call(tools, "required", tiny_tokenizer, timeout_s=1.0)
+    assert time.monotonic() - start < 1.0 + 1.0
+    assert info.value.path == "tools" and "longer than 1 s" in info.value.message
+
+
+def test_a_union_refused_as_a_whole_is_located_within_the_bound(tiny_tokenizer, monkeypatch):
+    """When the engine refuses the tools' union without saying where, each tool is compiled alone to find the one
+    at fault, in what is left of the bound; past it the refusal stays on `tools`. (The engine is stood in for: it
+    refuses the union, refuses the tool named "bad" at its "x", and takes 0.3 s for every other tool.)"""
+    real_compile = grammars_module.worker.compile
+
+    def compile_(key: str, info: Any, schema_json: str, *, timeout_s: float) -> str:
+        schema = json.loads(schema_json)
+        if "anyOf" in schema:
+            raise WorkerRefusal("the union is too large", None)
+        if schema["properties"]["name"]["const"].startswith("bad"):
+            raise WorkerRefusal("cannot enforce x", ["properties", "arguments", "properties", "x"])
+        time.sleep(min(0.3, timeout_s))
+        if timeout_s < 0.3:
+            raise CompileTimeout()
+        return real_compile(key, info, schema_json, timeout_s=timeout_s)
+
+    monkeypatch.setattr(grammars_module.worker, "compile", compile_)
+    args = obj({"x": {"type": "integer"}})
+    located = [_tool("loc_a", args), _tool("bad_b", args), _tool("loc_c", args)]
+    with pytest.raises(SchemaError) as info:
+        compile_tool_call(located, "required", tiny_tokenizer)
+    assert info.value.path == "tools[1].function.parameters.properties.x" and "cannot enforce x" in info.value.message
+
+    many = [_tool(f"many_{i}", args) for i in range(6)]  # 1.8 s to compile one by one
+    start = time.monotonic()
+    with pytest.raises(SchemaError) as info:
+        compile_tool_call(many, "required", tiny_tokenizer, timeout_s=1.0)
+    assert time.monotonic() - start < 1.0 + 0.5
+    assert info.value.path == "tools" and "the union is too large" in info.value.message
+    # The tool cut short by what was left of the bound is no cached timeout for a request that names it.
+    choice = {"type": "function", "function": {"name": "many_3"}}
+    assert compile_tool_call(many, choice, tiny_tokenizer).kind == "tool_call"
 
 
 def test_cache_returns_the_same_grammar(tiny_tokenizer, monkeypatch):
