@@ -18,7 +18,10 @@ engine / local ratios. Targets (the issue): the busier engine at most 60% of the
 most 1.2x the baseline's.
 
     python bench/load_routing.py [--requests 160] [--concurrency 6] [--adapters 16] [--tier 8] [--new-tokens 16]
-                                 [--json PATH]
+                                 [--rounds 1] [--per-adapter] [--json PATH]
+
+`--per-adapter` also prints, after each run, every adapter's generated tokens and device loads on each engine
+(where the loads came from: an adapter placed on an engine whose device it does not fit, or a hot one copied).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -79,6 +83,17 @@ async def drive(
     return ttfts
 
 
+def per_adapter(urls: list[str], name: str) -> dict[str, list[float]]:
+    """A per-adapter counter (`loragate_engine_adapter_<name>_total{adapter}`) on each engine, by adapter."""
+    out: dict[str, list[float]] = {}
+    for k, url in enumerate(urls):
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        pattern = rf'^loragate_engine_adapter_{name}_total{{adapter="([^"]*)"}} ([0-9.e+-]+)$'
+        for adapter, value in re.findall(pattern, text, re.MULTILINE):
+            out.setdefault(adapter, [0.0] * len(urls))[k] += float(value)
+    return out
+
+
 def loragate(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "loragate", *args], env=env, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT
@@ -118,6 +133,14 @@ def run_once(
         wall = time.perf_counter() - t0
         loads, evictions, tokens = engine_counts(engines)
         work = [b - a for a, b in zip(tokens0, tokens, strict=True)]
+        if args.per_adapter:
+            by_adapter = per_adapter(engines, "loads")
+            requests = per_adapter(engines, "generation_tokens")
+            for adapter in sorted(requests, key=lambda a: -sum(requests[a])):
+                print(
+                    f"  {adapter:24} tokens {' / '.join(f'{t:5.0f}' for t in requests[adapter])}  device loads "
+                    f"{' / '.join(f'{n:2.0f}' for n in by_adapter.get(adapter, [0.0] * len(engines)))}"
+                )
         return {
             "busier_share": max(work) / max(sum(work), 1),
             "loads": loads - loads0,
@@ -140,6 +163,7 @@ def main() -> None:
     ap.add_argument("--tier", type=int, default=8, help="each engine's --max-device-adapters")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (local, engine, local, ...)")
+    ap.add_argument("--per-adapter", action="store_true", help="print each adapter's tokens and loads per engine")
     ap.add_argument("--json", type=Path, help="also write the figures here as one JSON object")
     args = ap.parse_args()
     adapter_dir, adapters, prompts = zipf_workload(args.adapters, args.requests)

@@ -19,7 +19,10 @@ raises `Shed`:
   too busy for affinity when its load would pass `balance_factor` times the fleet's mean (consistent
   hashing with bounded loads, Mirrokni et al. 2018), so replicas whose requests pile onto one engine see
   it and spread, while each adapter keeps one preferred engine; a spill then prefers an engine that
-  reports the adapter on its device. `spills` counts requests that did not get their
+  reports the adapter on its device. Engines also report how many adapters their device holds: an adapter
+  (unless hot) resident nowhere goes to the first engine in its order with a free device slot, and one
+  resident elsewhere than its preferred engine stays there (`_home`), so adapters are placed where loading
+  them evicts nothing. `spills` counts requests that did not get their
   first healthy choice because it was that busy. An upstream whose breaker is open is skipped, so its
   adapters move to their next choice and come back when it recovers; removing an upstream remaps only the
   adapters it was first choice for (`rendezvous_order` is the pure ranking, shared with admin views).
@@ -130,6 +133,7 @@ class Upstream:
     drained: bool = False  # an operator's drain: no new requests (gateway/overrides.py)
     reported: EngineLoad | None = None  # its last report (gateway/fleet.py polls it; answers carry it too)
     on_device: frozenset[str] = frozenset()  # adapters it last reported resident on its device
+    device_slots: int | None = None  # how many adapters its device holds at once (None: not reported)
 
     def load(self, now: float) -> int:
         """Requests on it as best known: its fresh report, never less than ours in flight there."""
@@ -137,6 +141,10 @@ class Upstream:
         if report is None or now - report.at > LOAD_FRESH_S:
             return self.inflight
         return max(self.inflight, report.running + report.waiting)
+
+    def has_free_slot(self) -> bool:
+        """Whether it can load one more adapter without evicting another, as far as it reported."""
+        return self.device_slots is None or len(self.on_device) < self.device_slots
 
     def can_allow(self) -> bool:
         """Whether it may take a request now, room aside (without taking a half-open probe place)."""
@@ -426,7 +434,8 @@ class AdmissionController:
                 return u.inflight < self.spill_inflight and loads[id(u)] + 1 <= limit
 
             hot = self._is_hot(affinity, len(roomy))
-            warm = [u for u in roomy if fits(u, bound) and (hot or u is healthy[0] or affinity in u.on_device)]
+            home = self._home(affinity, healthy)
+            warm = [u for u in roomy if fits(u, bound) and (hot or u in home)]
             calm = warm + [u for u in roomy if u not in warm and fits(u, cold_bound)]
             busy = sorted(
                 (u for u in roomy if u not in calm), key=lambda u: (affinity not in u.on_device, loads[id(u)])
@@ -441,6 +450,16 @@ class AdmissionController:
                 return upstream
         return None
 
+    @staticmethod
+    def _home(affinity: str, healthy: list[Upstream]) -> list[Upstream]:
+        """Where a cold adapter runs without costing a load that evicts another: the upstreams that report it
+        on their device; where none does, the first in its rendezvous order with a free device slot (its
+        preferred one, unless that one's device is full of other adapters), else its preferred one. So an
+        adapter moved by a spill stays where it went once its preferred upstream has evicted it, and a fleet
+        whose adapters hash unevenly fills every device before any evicts."""
+        resident = [u for u in healthy if affinity in u.on_device]
+        return resident or next(([u] for u in healthy if u.has_free_slot()), healthy[:1])
+
     def _rendezvous(self, affinity: str) -> list[Upstream]:
         """The upstreams in `affinity`'s rendezvous order (the ranking `rendezvous_order` gives urls)."""
         return sorted(self.upstreams, key=lambda u: _rank(affinity, u.url), reverse=True)
@@ -448,6 +467,10 @@ class AdmissionController:
     def _grant(self, upstream: Upstream, wait_s: float, affinity: str | None = None) -> Slot:
         upstream.inflight += 1
         if affinity is not None:
+            if self.load_source == "engine" and affinity not in upstream.on_device:
+                # It will be loaded there: counted as resident until the engine's next report says otherwise,
+                # so the next requests for it (and for adapters looking for a free slot) see it now.
+                upstream.on_device |= {affinity}
             self._recent.append(affinity)
             self._recent_counts[affinity] += 1
             if len(self._recent) > RECENT:

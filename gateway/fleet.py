@@ -101,6 +101,8 @@ class Fleet:
                 data = resp.json()
                 upstream.reported = EngineLoad(int(data["running"]), int(data["waiting"]), time.monotonic())
                 upstream.on_device = frozenset(str(a) for a in data.get("device_adapters", ()))
+                slots = data.get("max_device_adapters")
+                upstream.device_slots = slots if isinstance(slots, int) and slots > 0 else None
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 pass  # the breaker and the catalog notice engines that are down; this is only a hint
 

@@ -145,7 +145,9 @@ class MockUpstream:
         if load is None:
             return JSONResponse({"error": {"type": "not_found", "message": "no /load"}}, status_code=404)
         running, waiting, device = load
-        return JSONResponse({"running": running, "waiting": waiting, "device_adapters": list(device)})
+        return JSONResponse(
+            {"running": running, "waiting": waiting, "device_adapters": list(device), "max_device_adapters": 8}
+        )
 
     def _load_header(self) -> dict[str, str]:
         load = self.behavior.load

@@ -149,6 +149,7 @@ class EngineRoutes:
         self.vocab_size = engine.engine.vocab_size
         self.template_tools = template_supports_tools(self.tokenizer)  # `auto` tool choice works with this model
         self.max_num_seqs = engine.engine.config.max_num_seqs
+        self.max_device_adapters = engine.engine.config.max_device_adapters
         self.created = int(time.time())
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(self._token_text)
 
@@ -395,6 +396,7 @@ class EngineRoutes:
                 "pool_used": round(report.pool_used, 4),
                 "device_adapters": list(report.device_adapters),
                 "max_num_seqs": self.max_num_seqs,
+                "max_device_adapters": self.max_device_adapters,
             }
         )
 

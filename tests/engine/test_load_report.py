@@ -37,7 +37,16 @@ PROMPT = "The quick brown fox"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 ADAPTERS = ("a1", "a2", "a3", "a4")
 HEADER = re.compile(r"running=(\d+), waiting=(\d+), pool=(\d\.\d\d)")
-LOAD_FIELDS = {"running", "waiting", "kv_blocks_used", "kv_blocks_free", "pool_used", "device_adapters", "max_num_seqs"}
+LOAD_FIELDS = {
+    "running",
+    "waiting",
+    "kv_blocks_used",
+    "kv_blocks_free",
+    "pool_used",
+    "device_adapters",
+    "max_num_seqs",
+    "max_device_adapters",
+}
 
 Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -134,7 +143,7 @@ def _parsed(header: str | None) -> EngineLoad:
 
 def test_load_when_idle_and_with_adapters_on_the_device(server: str) -> None:
     idle = _idle(server)
-    assert (idle["kv_blocks_used"], idle["max_num_seqs"]) == (0, 1)
+    assert (idle["kv_blocks_used"], idle["max_num_seqs"], idle["max_device_adapters"]) == (0, 1, 8)
     assert idle["kv_blocks_free"] > 0 and 0 <= idle["pool_used"] < 1
     for adapter in ("a2", "a1"):
         _request(server, "completion", adapter, 2)

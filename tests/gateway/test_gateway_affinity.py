@@ -396,7 +396,7 @@ def test_the_gateway_reads_engine_loads_from_answers_and_get_load() -> None:
             mock.behavior.load = (0, 12, ("a1", "a2"))
             await fleet.poll_loads()  # what the background loop does every second
             assert (upstream.reported.running, upstream.reported.waiting) == (0, 12)
-            assert upstream.on_device == frozenset({"a1", "a2"})
+            assert upstream.on_device == frozenset({"a1", "a2"}) and upstream.device_slots == 8
             [state] = (await gw.get("/admin/policy", headers=ADMIN)).json()["routing"]["upstreams"]
             assert state["reported"] == {"running": 0, "waiting": 12} and state["load"] == 12
             mock.behavior.load = None  # an engine without /load keeps its last report
@@ -424,5 +424,67 @@ def test_a_cold_adapter_moves_only_to_an_engine_that_has_it() -> None:
         assert second.upstream is b
         first.release()
         second.release()
+
+    run(main)
+
+
+def test_a_cold_adapter_resident_nowhere_goes_to_the_first_engine_with_a_free_device_slot() -> None:
+    async def main() -> None:
+        urls = ("http://a", "http://b")
+        ctl = engine_mode(urls)
+        clock = FakeClock()
+        ctl._clock = clock
+        a, b = ctl.upstreams
+        for u in (a, b):
+            u.reported = EngineLoad(running=1, waiting=0, at=clock())
+            u.device_slots = 2
+        a.on_device = frozenset({"x", "y"})  # its preferred engine's device is full of other adapters
+        cold = adapter_preferring("http://a", urls)
+        first = await ctl.acquire(STD, "t", affinity=cold)
+        assert first.upstream is b  # a load on b evicts nothing
+        assert cold in b.on_device  # counted there until b's next report
+        other = adapter_preferring("http://a", urls, skip=1)
+        a.on_device = frozenset({"x"})  # a slot free on a: the preferred engine again
+        second = await ctl.acquire(STD, "t", affinity=other)
+        assert second.upstream is a
+        a.device_slots = b.device_slots = None  # engines that do not report their slots: preferred, as before
+        a.on_device = frozenset({"x", "y"})
+        third = await ctl.acquire(STD, "t", affinity=adapter_preferring("http://a", urls, skip=2))
+        assert third.upstream is a
+        for slot in (first, second, third):
+            slot.release()
+
+    run(main)
+
+
+def test_a_cold_adapter_stays_on_the_engine_it_was_moved_to() -> None:
+    async def main() -> None:
+        urls = ("http://a", "http://b")
+        ctl = engine_mode(urls)
+        clock = FakeClock()
+        ctl._clock = clock
+        a, b = ctl.upstreams
+        cold = adapter_preferring("http://a", urls)
+        a.reported = EngineLoad(running=0, waiting=0, at=clock())  # its preferred engine is idle ...
+        b.reported = EngineLoad(running=1, waiting=0, at=clock())
+        b.on_device = frozenset({cold})  # ... but a spill moved it to b and a has evicted it since
+        slot = await ctl.acquire(STD, "t", affinity=cold)
+        assert slot.upstream is b  # no load on the way back
+        slot.release()
+        a.on_device = frozenset({cold})  # resident on both: its preferred engine
+        slot = await ctl.acquire(STD, "t", affinity=cold)
+        assert slot.upstream is a
+        slot.release()
+
+    run(main)
+
+
+def test_local_load_source_keeps_no_residency_guess() -> None:
+    async def main() -> None:
+        ctl = make(urls=("http://a", "http://b"))
+        cold = adapter_preferring("http://a", ("http://a", "http://b"))
+        slot = await ctl.acquire(STD, "t", affinity=cold)
+        assert slot.upstream.url == "http://a" and slot.upstream.on_device == frozenset()
+        slot.release()
 
     run(main)
