@@ -269,7 +269,7 @@ def test_refusal_memo_does_not_block_other_affinities_or_excludes() -> None:
         ctl = make(urls=urls, cap=1, spill=None)
         held = {url: (await occupy(ctl, url, 1))[0] for url in urls}
         not_a, not_b = frozenset({"http://a"}), frozenset({"http://b"})
-        wants_a = adapter_preferring("http://a", urls)
+        wants_a = adapter_preferring("http://a", TWO)
         blocked = asyncio.create_task(ctl.acquire(CRIT, "t", exclude=not_a, affinity=wants_a))
         await settle()
         wanting_b = [adapter_preferring("http://b", urls, skip=i) for i in range(2)]
@@ -316,6 +316,17 @@ def engine_mode(
     return ctl
 
 
+TWO = ("http://a", "http://b")
+
+
+def two_engines() -> tuple[AdmissionController, FakeClock, list[Upstream]]:
+    """Engines a and b in engine mode, on a fake clock (for fresh load reports)."""
+    ctl = engine_mode(TWO)
+    clock = FakeClock()
+    ctl._clock = clock
+    return ctl, clock, ctl.upstreams
+
+
 def test_engine_load_header_parses_and_refuses_what_it_cannot_read() -> None:
     load = EngineLoad.parse("running=3, waiting=11, pool=0.42, future=x", 5.0)
     assert load == EngineLoad(3, 11, 5.0)
@@ -349,7 +360,7 @@ def test_a_replica_sees_what_other_replicas_put_on_an_engine() -> None:
 def test_bounded_loads_split_a_skewed_adapter_stream_and_keep_adapters_together() -> None:
     async def main() -> None:
         urls = ("http://a", "http://b")
-        hot = adapter_preferring("http://a", urls)
+        hot = adapter_preferring("http://a", TWO)
         keys = [hot] * 6 + [adapter_preferring(u, urls, skip=i) for i in range(1, 3) for u in urls]  # 60% hot
         stream = [keys[i % len(keys)] for i in range(60)]
         shares = {}
@@ -409,12 +420,8 @@ def test_the_gateway_reads_engine_loads_from_answers_and_get_load() -> None:
 
 def test_a_cold_adapter_moves_only_to_an_engine_that_has_it() -> None:
     async def main() -> None:
-        urls = ("http://a", "http://b")
-        ctl = engine_mode(urls)
-        clock = FakeClock()
-        ctl._clock = clock
-        a, b = ctl.upstreams
-        cold = adapter_preferring("http://a", urls)
+        ctl, clock, (a, b) = two_engines()
+        cold = adapter_preferring("http://a", TWO)
         a.reported = EngineLoad(running=8, waiting=0, at=clock())  # over the bound (b idle), not past 1.5x
         b.reported = EngineLoad(running=2, waiting=0, at=clock())
         first = await ctl.acquire(STD, "t", affinity=cold)
@@ -430,26 +437,22 @@ def test_a_cold_adapter_moves_only_to_an_engine_that_has_it() -> None:
 
 def test_a_cold_adapter_resident_nowhere_goes_to_the_first_engine_with_a_free_device_slot() -> None:
     async def main() -> None:
-        urls = ("http://a", "http://b")
-        ctl = engine_mode(urls)
-        clock = FakeClock()
-        ctl._clock = clock
-        a, b = ctl.upstreams
+        ctl, clock, (a, b) = two_engines()
         for u in (a, b):
             u.reported = EngineLoad(running=1, waiting=0, at=clock())
             u.device_slots = 2
         a.on_device = frozenset({"x", "y"})  # its preferred engine's device is full of other adapters
-        cold = adapter_preferring("http://a", urls)
+        cold = adapter_preferring("http://a", TWO)
         first = await ctl.acquire(STD, "t", affinity=cold)
         assert first.upstream is b  # a load on b evicts nothing
         assert cold in b.on_device  # counted there until b's next report
-        other = adapter_preferring("http://a", urls, skip=1)
+        other = adapter_preferring("http://a", TWO, skip=1)
         a.on_device = frozenset({"x"})  # a slot free on a: the preferred engine again
         second = await ctl.acquire(STD, "t", affinity=other)
         assert second.upstream is a
         a.device_slots = b.device_slots = None  # engines that do not report their slots: preferred, as before
         a.on_device = frozenset({"x", "y"})
-        third = await ctl.acquire(STD, "t", affinity=adapter_preferring("http://a", urls, skip=2))
+        third = await ctl.acquire(STD, "t", affinity=adapter_preferring("http://a", TWO, skip=2))
         assert third.upstream is a
         for slot in (first, second, third):
             slot.release()
@@ -459,12 +462,8 @@ def test_a_cold_adapter_resident_nowhere_goes_to_the_first_engine_with_a_free_de
 
 def test_a_cold_adapter_stays_on_the_engine_it_was_moved_to() -> None:
     async def main() -> None:
-        urls = ("http://a", "http://b")
-        ctl = engine_mode(urls)
-        clock = FakeClock()
-        ctl._clock = clock
-        a, b = ctl.upstreams
-        cold = adapter_preferring("http://a", urls)
+        ctl, clock, (a, b) = two_engines()
+        cold = adapter_preferring("http://a", TWO)
         a.reported = EngineLoad(running=0, waiting=0, at=clock())  # its preferred engine is idle ...
         b.reported = EngineLoad(running=1, waiting=0, at=clock())
         b.on_device = frozenset({cold})  # ... but a spill moved it to b and a has evicted it since
