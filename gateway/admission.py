@@ -467,9 +467,14 @@ class AdmissionController:
     def _grant(self, upstream: Upstream, wait_s: float, affinity: str | None = None) -> Slot:
         upstream.inflight += 1
         if affinity is not None:
-            if self.load_source == "engine" and affinity not in upstream.on_device:
+            if (
+                self.load_source == "engine"
+                and upstream.device_slots is not None
+                and affinity not in upstream.on_device
+            ):
                 # It will be loaded there: counted as resident until the engine's next report says otherwise,
-                # so the next requests for it (and for adapters looking for a free slot) see it now.
+                # so the next requests for it (and for adapters looking for a free slot) see it now. Only on an
+                # engine that reports its device: on another, the guess would never be corrected.
                 upstream.on_device |= {affinity}
             self._recent.append(affinity)
             self._recent_counts[affinity] += 1

@@ -453,7 +453,7 @@ def test_a_cold_adapter_resident_nowhere_goes_to_the_first_engine_with_a_free_de
         a.device_slots = b.device_slots = None  # engines that do not report their slots: preferred, as before
         a.on_device = frozenset({"x", "y"})
         third = await ctl.acquire(STD, "t", affinity=adapter_preferring("http://a", TWO, skip=2))
-        assert third.upstream is a
+        assert third.upstream is a and a.on_device == frozenset({"x", "y"})  # and no guess that nothing corrects
         for slot in (first, second, third):
             slot.release()
 
