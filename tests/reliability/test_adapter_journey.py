@@ -178,16 +178,18 @@ def test_publish_roll_out_promote_then_roll_back_a_broken_version_without_a_fail
     gateway, policy_file, engines = stack
     (v1_dir, v1_text), (v2_dir, v2_text) = versions["v1"], versions["v2"]
     assert register(monkeypatch, moto, gateway, moto.put_adapter(BUCKET, "support/v1", v1_dir)) == "support@1"
-    # The same adapter published to the Hub (`huggingface-cli upload org/support ...`): registered by name and
-    # pinned to its commit, fetched on its first request through huggingface_hub, served with the same output.
+    # An adapter published to the Hub (`huggingface-cli upload org/support ...`): registered by name and pinned to
+    # its commit, fetched on its first request through huggingface_hub, served with PEFT's output. Its bytes are
+    # v2's, which no engine holds yet: an engine's disk cache is keyed by digest, so v1's bytes from S3 could
+    # already be there and need no download from the Hub.
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
-    commit = hub.add_repo("org/support", v1_dir)
+    commit = hub.add_repo("org/support", v2_dir)
     assert register(monkeypatch, moto, gateway, "hf://org/support", name="support-hub") == "support-hub@1"
-    for adapter in ("support", "support-hub"):  # each one's first request: no engine holds it yet
+    for adapter, text in (("support", v1_text), ("support-hub", v2_text)):  # first requests: no engine holds them
         headers = {**bearer(KEY), "X-Adapter-ID": adapter}
         resp = httpx.post(f"{gateway}/v1/completions", json=BODY, headers=headers, timeout=120)
         assert resp.status_code == 200, resp.text
-        assert (resp.headers["X-Loragate-Adapter"], resp.json()["choices"][0]["text"]) == (f"{adapter}@1", v1_text)
+        assert (resp.headers["X-Loragate-Adapter"], resp.json()["choices"][0]["text"]) == (f"{adapter}@1", text)
     shown = httpx.get(f"{gateway}/admin/adapters/support-hub", headers=ADMIN, timeout=10).json()
     assert shown["versions"][0]["source"] == f"hf://org/support@{commit}"
     assert hub.count("/org/support/resolve/*/adapter_model.safetensors") == 2  # the CLI's digest, one engine
