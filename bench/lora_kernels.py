@@ -84,17 +84,15 @@ def sgmv_gather_bmm(
     pos = torch.arange(max_len, device=dev)
     valid = pos < lens_t[:, None]  # [S, L]
     rows = torch.tensor([lo for lo, _, _ in segs], device=dev)[:, None] + torch.minimum(pos, lens_t[:, None] - 1)
-    # A padded to max_r rows by reading past its end, B to max_r columns by reading with its own row
-    # stride; the over-read is masked out of h and B (it may be another adapter's data or garbage).
+    # A and B.T (as the pool stores B) padded to max_r rows by reading past their ends; the over-read is masked
+    # out of h and B (it may be another adapter's data or garbage).
     base = pool.storage_offset()
     a = torch.stack([pool.as_strided((max_r, d_in), (d_in, 1), base + a_offsets[k]) for _, _, k in segs])
-    b = torch.stack(
-        [pool.as_strided((d_out, max_r), (r, 1), base + b_offsets[k]) for (_, _, k), r in zip(segs, rs, strict=True)]
-    )
+    b = torch.stack([pool.as_strided((max_r, d_out), (d_out, 1), base + b_offsets[k]) for _, _, k in segs])
     rank_ok = torch.arange(max_r, device=dev) < torch.tensor(rs, device=dev)[:, None]  # [S, R]
     h = torch.bmm(x[rows], a.transpose(1, 2)).masked_fill_(~rank_ok[:, None, :], 0)  # [S, L, R]
-    b = b.masked_fill_(~rank_ok[:, None, :], 0)  # [S, out, R]
-    delta = torch.bmm(h, b.transpose(1, 2))  # [S, L, out]
+    b = b.masked_fill_(~rank_ok[:, :, None], 0)  # [S, R, out]
+    delta = torch.bmm(h, b)  # [S, L, out]
     y.index_add_(0, rows[valid], delta[valid])
 
 

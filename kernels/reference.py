@@ -2,8 +2,9 @@
 
 A step's T token rows are grouped into contiguous segments, one adapter per segment (punica's SGMV);
 rows in no segment have no adapter and are never touched. Adapter weights live in one layer's region
-of the unified page pool (S-LoRA): a flat 1-D `pool` holding, per slot, A `[rank, in_features]` and B
-`[out_features, rank]` row-major at element offsets, the LoRA scale already folded into B. Ranks differ
+of the unified page pool (S-LoRA): a flat 1-D `pool` holding, per slot, A `[rank, in_features]` and B's
+transpose `[rank, out_features]` row-major at element offsets, the LoRA scale already folded into B (B stored
+transposed: an expand adds rows of it to each output row, contiguous reads for kernels/cpu_lora.cpp). Ranks differ
 between slots; rank 0 means the slot does not target this module.
 
 Every segment reads its weights through `as_strided` views of the pool, never a copy. At serving
@@ -57,6 +58,14 @@ def _spans(seg_starts: IntSeq, seg_slots: IntSeq, num_rows: int) -> list[tuple[i
     return [(k, lo, hi) for k, lo, hi in zip(slots, starts, starts[1:], strict=False) if hi > lo]
 
 
+def _view(pool: torch.Tensor, offset: int, rows: int, cols: int) -> torch.Tensor:
+    """The row-major matrix `[rows, cols]` at `offset` in `pool`, a view."""
+    assert 0 <= offset and offset + rows * cols <= pool.numel(), (
+        f"matrix [{rows}, {cols}] at offset {offset} overruns a pool of {pool.numel()} elements"
+    )
+    return pool.as_strided((rows, cols), (cols, 1), pool.storage_offset() + offset)
+
+
 def _view_t(pool: torch.Tensor, offset: int, rows: int, cols: int) -> torch.Tensor:
     """The transpose `[cols, rows]` of the row-major matrix `[rows, cols]` at `offset` in `pool`, a view."""
     assert 0 <= offset and offset + rows * cols <= pool.numel(), (
@@ -90,8 +99,8 @@ def lora_sgmv(
             rows = slice(seg_starts[s], seg_starts[s + 1]); k = seg_slots[s]; r = ranks[k]
             if r == 0: continue
             A = pool[a_offsets[k] : a_offsets[k] + r * in_features].view(r, in_features)
-            B = pool[b_offsets[k] : b_offsets[k] + out_features * r].view(out_features, r)
-            y[rows] += (x[rows] @ A.T) @ B.T
+            B_t = pool[b_offsets[k] : b_offsets[k] + r * out_features].view(r, out_features)
+            y[rows] += (x[rows] @ A.T) @ B_t
         # rows outside every segment are left untouched
 
     Shapes:
@@ -101,7 +110,7 @@ def lora_sgmv(
         seg_slots:  [S]                slot index into a_offsets / b_offsets / ranks
         pool:       [N]                contiguous, same dtype as x and y
         a_offsets:  [num_slots]        element offset of A [rank, in_features]
-        b_offsets:  [num_slots]        element offset of B [out_features, rank], scale folded in
+        b_offsets:  [num_slots]        element offset of B.T [rank, out_features], scale folded in
         ranks:      [num_slots]        0 skips the slot
     """
     _check(y, x, pool)
@@ -109,7 +118,7 @@ def lora_sgmv(
     a_off, b_off = _ints(a_offsets), _ints(b_offsets)
     for k, r, x_rows, y_rows in _segments(seg_starts, seg_slots, ranks, x, y):
         a_t = _view_t(pool, a_off[k], r, d_in)  # [in, r]
-        b_t = _view_t(pool, b_off[k], d_out, r)  # [r, out]
+        b_t = _view(pool, b_off[k], r, d_out)  # [r, out]
         y_rows.addmm_(torch.mm(x_rows, a_t), b_t)
 
 
@@ -164,8 +173,8 @@ def lora_expand(
         for s in range(len(seg_slots)):
             rows = slice(seg_starts[s], seg_starts[s + 1]); k = seg_slots[s]; r = ranks[k]
             if r == 0: continue
-            B = pool[b_offsets[k] : b_offsets[k] + out_features * r].view(out_features, r)
-            y[rows] += h[rows, :r] @ B.T
+            B_t = pool[b_offsets[k] : b_offsets[k] + r * out_features].view(r, out_features)
+            y[rows] += h[rows, :r] @ B_t
         # rows outside every segment are left untouched
 
     Shapes:
@@ -181,7 +190,7 @@ def lora_expand(
     d_out = y.shape[1]
     b_off = _ints(b_offsets)
     for k, r, h_rows, y_rows in _segments(seg_starts, seg_slots, ranks, h, y):
-        y_rows.addmm_(h_rows[:, :r], _view_t(pool, b_off[k], d_out, r))
+        y_rows.addmm_(h_rows[:, :r], _view(pool, b_off[k], r, d_out))
 
 
 def lora_sgmv_group(
@@ -212,8 +221,8 @@ def lora_sgmv_group(
             for m in modules:
                 r = ranks[m][k]
                 if r == 0: continue
-                B = pool[b_offsets[m][k] : ... + out_m * r].view(out_m, r)
-                y[rows, out_cols[m] : out_cols[m + 1]] += h[:, c : c + r] @ B.T
+                B_t = pool[b_offsets[m][k] : ... + r * out_m].view(r, out_m)
+                y[rows, out_cols[m] : out_cols[m + 1]] += h[:, c : c + r] @ B_t
                 c += r
         # rows outside every segment, and modules a slot does not target, are left untouched
 
@@ -224,7 +233,7 @@ def lora_sgmv_group(
         pool:       [N]                 contiguous, same dtype as x and y
         a_offsets:  [num_slots]         element offset of the stacked A [R, in_features]
         ranks:      [M][num_slots]      rank of module m for each slot; 0: not targeted
-        b_offsets:  [M][num_slots]      element offset of module m's B [out_m, rank]
+        b_offsets:  [M][num_slots]      element offset of module m's B.T [rank, out_m]
         out_cols:   [M + 1]             column boundaries of the modules in y
     """
     _check(y, x, pool)
@@ -252,7 +261,7 @@ def lora_sgmv_group(
         for m, r in enumerate(module_ranks):
             if r:
                 out = out_blocks[m][s]
-                out.addmm_(h[:, c : c + r], _view_t(pool, b_off[m][k], out.shape[1], r))
+                out.addmm_(h[:, c : c + r], _view(pool, b_off[m][k], r, out.shape[1]))
                 c += r
 
 

@@ -7,7 +7,8 @@ per-slot tables (a device mirror kept by the tier), and only the in-register til
 block. Two kernels, as in the torch twin (kernels/reference.py `lora_sgmv_group`, the oracle):
 
     shrink:  h[rows, :R_k]            = x[rows] @ A_stack_k.T          (fp32 accumulator buffer)
-    expand:  y[rows, out_cols[m] + j] += h[rows, c_mk : c_mk + r_mk] @ B_mk.T   for every module m
+    expand:  y[rows, out_cols[m] + j] += h[rows, c_mk : c_mk + r_mk] @ B_mk.T   for every module m (B_mk.T is
+             what the pool stores: [r, out_m] row-major)
 
 Tiles cover only segment rows, so rows outside every segment and rank-0 modules are never touched. The
 per-step metadata (`SgmvPlan`: which segment and first row each row tile has) is built once per step and
@@ -202,18 +203,18 @@ def _expand_kernel(
             other=0.0,
         )
         b = tl.load(
-            pool_ptr + b_base + js[:, None].to(tl.int64) * r + ks[None, :],
-            mask=j_ok[:, None] & k_ok[None, :],
+            pool_ptr + b_base + ks[:, None].to(tl.int64) * out_m + js[None, :],
+            mask=k_ok[:, None] & j_ok[None, :],
             other=0.0,
-        )  # B [out_m, r] of this slot only
+        )  # B.T [r, out_m] of this slot only
         if IEEE:  # fp32 weights: an fp32 product in IEEE precision
-            acc += tl.dot(h, tl.trans(b), input_precision="ieee")
+            acc += tl.dot(h, b, input_precision="ieee")
         else:  # bf16/fp16 weights: h rounded to their dtype, on the tensor cores, accumulated in fp32
             h = h.to(b.dtype)
             if CAST_FP32:
                 h = h.to(tl.float32)
                 b = b.to(tl.float32)
-            acc += tl.dot(h, tl.trans(b))
+            acc += tl.dot(h, b)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_y + out_lo + js[None, :]
     mask = row_ok[:, None] & j_ok[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
@@ -255,8 +256,8 @@ def lora_sgmv_group_triton(
             for m in modules:
                 r = tables.ranks[m, k]; c = tables.h_cols[m, k]
                 if r == 0: continue
-                B = pool[tables.b_offsets[m, k] : + out_m * r].view(out_m, r)
-                y[rows, out_cols[m] : out_cols[m + 1]] += (h[rows, c : c + r] @ B.float().T).to(y.dtype)
+                B_t = pool[tables.b_offsets[m, k] : + r * out_m].view(r, out_m)   # B stored transposed
+                y[rows, out_cols[m] : out_cols[m + 1]] += (h[rows, c : c + r] @ B_t.float()).to(y.dtype)
 
     Shapes:
         y:         [T, out_cols[-1]]   row stride arbitrary, columns contiguous

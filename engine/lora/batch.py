@@ -26,7 +26,7 @@ class SlotTables:
     """Per layer, indexed by slot: each group's stacked-A offset, each module's rank and B offset.
 
     A slot's region in a layer holds, group by group (GROUPS order), the A [r, in] of every module it
-    targets stacked in module order, then those modules' B [out, r]. Rank 0 means the slot's adapter does
+    targets stacked in module order, then those modules' B transposed, [r, out] (kernels/reference.py). Rank 0 means the slot's adapter does
     not target that module in that layer, or the slot is empty (always so for the null slot).
     """
 

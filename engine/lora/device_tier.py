@@ -3,7 +3,7 @@
 An adapter on the device owns one run of consecutive pages. In every layer that run is one contiguous
 region of `kv_cache[layer]` holding, module group by module group (q/k/v, o, gate/up, down: the model's
 fused projections), the A ([r, in]) of every targeted module of the group stacked in module order, then
-their scale-folded B ([out, r]), row-major at element offsets recorded in slot tables (engine/lora/batch.py
+their scale-folded B transposed ([r, out]), row-major at element offsets recorded in slot tables (engine/lora/batch.py
 SlotTables). The batched-LoRA kernels read the weights straight from the pool through those tables, never
 copying them; one shrink serves a whole group. For the Triton kernels the tier also keeps a device mirror
 of the tables (`DeviceMirror`), updated when an adapter is loaded or evicted, never rebuilt per step.
@@ -239,9 +239,9 @@ class DeviceAdapterTier:
                     if module not in modules:
                         self.tables.ranks[layer][module][slot] = 0
                         continue
-                    a, b = modules[module]  # b: [out, r] with the scale folded in
+                    a, b = modules[module]  # b: [out, r] with the scale folded in, stored transposed
                     self.tables.b_offsets[layer][module][slot] = offset
-                    layer_pieces.append(b.reshape(-1))
+                    layer_pieces.append(b.t().reshape(-1))
                     offset += b.numel()
                     self.tables.ranks[layer][module][slot] = a.shape[0]
                 total = sum(self.tables.ranks[layer][m][slot] for m in names)

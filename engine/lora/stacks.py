@@ -148,7 +148,7 @@ class LoraStacks:
                         b_off = tables.b_offsets[i][module][slot]
                         b = bs[m]
                         assert b is not None
-                        b[u, :r] = pool[b_off : b_off + out * r].view(out, r).t()
+                        b[u, :r] = pool[b_off : b_off + r * out].view(r, out)
                 a_layer[group], b_layer[group] = a, bs
             a_all.append(a_layer)
             b_all.append(b_layer)

@@ -97,9 +97,9 @@ def oracle(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if r == 0:
             continue
         a = case.pool[case.a_offsets[k] : case.a_offsets[k] + r * d_in].double().reshape(r, d_in)
-        b = case.pool[case.b_offsets[k] : case.b_offsets[k] + case.out * r].double().reshape(case.out, r)
+        b_t = case.pool[case.b_offsets[k] : case.b_offsets[k] + r * case.out].double().reshape(r, case.out)
         h[row, :r] = a @ case.x[row].double()
-        delta[row] = b @ h[row, :r]
+        delta[row] = h[row, :r] @ b_t  # the pool stores B transposed
         touched[row] = True
     return delta, h, touched
 

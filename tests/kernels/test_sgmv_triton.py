@@ -104,8 +104,8 @@ def oracle(case: GroupCase) -> tuple[torch.Tensor, torch.Tensor]:
                 if r == 0:
                     continue
                 lo, hi = case.out_cols[m], case.out_cols[m + 1]
-                b = pool[case.b_offsets[m][k] : case.b_offsets[m][k] + (hi - lo) * r].reshape(hi - lo, r)
-                delta[row, lo:hi] = b @ (a_all[c : c + r] @ case.x[row].double())
+                b_t = pool[case.b_offsets[m][k] : case.b_offsets[m][k] + r * (hi - lo)].reshape(r, hi - lo)
+                delta[row, lo:hi] = (a_all[c : c + r] @ case.x[row].double()) @ b_t  # the pool stores B.T
                 touched[row, lo:hi] = True
                 c += r
     return delta, touched
