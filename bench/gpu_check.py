@@ -393,7 +393,8 @@ def child_kernels(rec: Recorder, ctx: ChildContext) -> None:
     def group_case(t: int) -> dict[str, Any]:
         # bench/lora_kernels.py `make_case` with rank 3r and out width sum(outs) / 3 lays out, per slot, the stacked
         # A [3r, d_in] the group's one shrink reads, then a B region of sum(outs) * r elements: module m's B
-        # (stored transposed, [r, out_m]) sits at cols[m] * r in it. x, the pool and its unaligned offsets are all make_case's.
+        # (stored transposed, [r, out_m]) sits at cols[m] * r in it. x, the pool and its unaligned offsets are all
+        # make_case's.
         assert (cols[-1] * r) % big_r == 0
         _, x, starts, slots, pool, a_off, b_region, _ = make_case(
             d_in, cols[-1] * r // big_r, [big_r] * t, [1] * t, dtype

@@ -86,9 +86,9 @@ class GroupTables:
     """Where a group's weights sit for every slot, on the device (engine/lora/device_tier.py updates the
     column of a slot when an adapter is loaded or evicted).
 
-    a_offsets [num_slots] int64: the stacked A; ranks [M, num_slots] int32; b_offsets [M, num_slots] int64;
-    h_cols [M, num_slots] int32: where module m's rank block starts in h (the sum of the ranks before it);
-    rank_total [num_slots] int32.
+    a_offsets [num_slots]: the stacked A; ranks [M, num_slots]; b_offsets [M, num_slots]; h_cols [M, num_slots]:
+    where module m's rank block starts in h (the sum of the ranks before it); rank_total [num_slots]. Integer
+    tensors (the tier's are int64 views of one table, which the CPU's C++ op requires; the kernels take int32 too).
     """
 
     a_offsets: torch.Tensor

@@ -115,7 +115,7 @@ class LLMEngine:
             config.max_device_adapters,
             self.host_adapters,
             reclaim=kv.evict_cached,
-            mirror=lora_backend(device) == "triton",
+            mirror=lora_backend(device) in ("triton", "cpp"),
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -26,8 +26,9 @@ class SlotTables:
     """Per layer, indexed by slot: each group's stacked-A offset, each module's rank and B offset.
 
     A slot's region in a layer holds, group by group (GROUPS order), the A [r, in] of every module it
-    targets stacked in module order, then those modules' B transposed, [r, out] (kernels/reference.py). Rank 0 means the slot's adapter does
-    not target that module in that layer, or the slot is empty (always so for the null slot).
+    targets stacked in module order, then those modules' B transposed, [r, out] (kernels/reference.py). Rank 0
+    means the slot's adapter does not target that module in that layer, or the slot is empty (always so for the
+    null slot).
     """
 
     a_offsets: list[dict[str, list[int]]]  # [layer][group][slot]
@@ -79,7 +80,8 @@ class LoraBatch:
     """One step's adapter segments: rows [seg_starts[s], seg_starts[s+1]) use slot seg_slots[s].
 
     `plan` is set when the Triton kernels run: the step's row tiles, built once and shared by all layers.
-    `stacked` is set on the CPU path when the step's adapters are computed all at once (engine/lora/stacks.py).
+    `segments` is set when the CPU's C++ op runs (kernels/cpu_lora.py), `stacked` on the CPU's torch path when the
+    step's adapters are computed all at once (engine/lora/stacks.py).
     """
 
     seg_starts: list[int]
@@ -87,6 +89,7 @@ class LoraBatch:
     weights: PoolWeights
     plan: Any = None  # kernels.sgmv.SgmvPlan
     stacked: Any = None  # engine.lora.stacks.StackPlan
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None  # the C++ op's (seg_starts, seg_slots), int64
     # the Triton kernels' rank bound per group (None: weights.max_rank); a captured graph's is larger
     max_rank: dict[str, int] | None = None
 
@@ -116,6 +119,12 @@ class LayerLora:
                 mirror.n_tiles[group],
                 (w.max_rank if batch.max_rank is None else batch.max_rank)[group],
             )
+            return
+        if batch.segments is not None:  # CPU, the C++ op (kernels/cpu_lora.py)
+            from kernels.cpu_lora import lora_sgmv_group_cpu
+
+            starts, slots = batch.segments
+            lora_sgmv_group_cpu(y, x, starts, slots, w.layer_pools[i], w.mirror.tables[i][group], w.out_cols[group])
             return
         if batch.stacked is not None:
             stack = batch.stacked.stack

@@ -3,10 +3,11 @@
 An adapter on the device owns one run of consecutive pages. In every layer that run is one contiguous
 region of `kv_cache[layer]` holding, module group by module group (q/k/v, o, gate/up, down: the model's
 fused projections), the A ([r, in]) of every targeted module of the group stacked in module order, then
-their scale-folded B transposed ([r, out]), row-major at element offsets recorded in slot tables (engine/lora/batch.py
-SlotTables). The batched-LoRA kernels read the weights straight from the pool through those tables, never
-copying them; one shrink serves a whole group. For the Triton kernels the tier also keeps a device mirror
-of the tables (`DeviceMirror`), updated when an adapter is loaded or evicted, never rebuilt per step.
+their scale-folded B transposed ([r, out]), row-major at element offsets recorded in slot tables
+(engine/lora/batch.py SlotTables). The batched-LoRA kernels read the weights straight from the pool through those
+tables, never copying them; one shrink serves a whole group. For the Triton kernels and the CPU's C++ op the tier
+also keeps a mirror of the tables (`DeviceMirror`), updated when an adapter is loaded or evicted, never rebuilt
+per step.
 Pages taken are proportional to the adapter's own ranks, never padded to a maximum rank.
 
 Residency changes only between engine steps, in the engine thread. An adapter is pinned while a running
@@ -141,7 +142,8 @@ class DeviceAdapterTier:
         reclaim: Callable[[], bool] | None = None,
         mirror: bool = False,
     ) -> None:
-        """`mirror`: keep a device copy of the slot tables (the Triton kernels read it)."""
+        """`mirror`: keep a tensor copy of the slot tables on the pool's device (the Triton kernels and the CPU's C++
+        op read it)."""
         self.pool = pool
         # Frees one idle page held elsewhere (a cached KV block); False when there is none. Tried before
         # evicting idle adapters when no run of free pages is long enough.

@@ -69,7 +69,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = device
-        self.lora_backend = lora_backend(device)  # "torch" (CPU) or "triton" (CUDA), kernels/__init__.py
+        self.lora_backend = lora_backend(device)  # "cpp" or "torch" (CPU), "triton" (CUDA): kernels/__init__.py
         max_len = max_model_len or model.config.max_position_embeddings
         self.batch = InputBatch(max_num_seqs, -(-max_len // block_size), model.config.vocab_size, device)
         self.staging = HostStaging(device) if device.type == "cuda" else None
@@ -219,14 +219,17 @@ class ModelRunner:
         tier = self._tier()
         null = tier.null_slot
         starts, seg_slots = segments
-        plan = stacked = None
+        plan = stacked = op_segments = None
         if self.lora_backend == "triton":  # the step's row tiles, once for every layer and group
             from kernels.sgmv import plan_segments
 
             plan = plan_segments(starts, seg_slots, self.device, skip_slot=null)
-        elif tier.stacks is not None:  # CPU: a decoding step's adapters all at once (engine/lora/stacks.py)
+        elif self.lora_backend == "cpp":  # the C++ op reads the segments as tensors, made once for every layer
+            table = torch.tensor(starts + seg_slots, dtype=torch.int64)
+            op_segments = (table[: len(starts)], table[len(starts) :])
+        elif tier.stacks is not None:  # the torch path: a decoding step's adapters at once (engine/lora/stacks.py)
             stacked = tier.stacks.plan(starts, seg_slots, null)
-        return LoraBatch(starts, seg_slots, tier.weights, plan, stacked)
+        return LoraBatch(starts, seg_slots, tier.weights, plan, stacked, op_segments)
 
     def _prepare(self, requests: list[Request], num_tokens: list[int], rows: list[int]) -> StepInputs | GraphStep:
         """The step's inputs. Every integer input is written into one list and becomes one tensor (one copy

@@ -97,9 +97,16 @@ def test_mixed_batch_matches_peft(tiny_adapter_dir, prompts, reference) -> None:
     assert engine.device_adapters.counters.loads == len(TINY_ADAPTERS)
 
 
+@pytest.fixture
+def torch_lora_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's torch path (where the C++ op cannot be built), which stacks decoding steps' adapters."""
+    monkeypatch.setenv("LORAGATE_LORA_BACKEND", "torch")
+
+
+@pytest.mark.usefixtures("torch_lora_path")
 def test_stacked_decode_lora_matches_peft_and_the_per_segment_path(tiny_adapter_dir, prompts, reference) -> None:
-    """The CPU path stacks a decoding step's adapters for batched matmuls (engine/lora/stacks.py): uneven request
-    counts per adapter (padded stacks) and base rows among them still give PEFT's tokens, and every layer's and
+    """The CPU's torch path stacks a decoding step's adapters for batched matmuls (engine/lora/stacks.py): uneven
+    request counts per adapter (padded stacks) and base rows among them still give PEFT's tokens, and every layer's and
     group's deltas equal the per-segment path's (kernels/reference.py lora_sgmv_group) on the same pool."""
     engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", adapter_dir=str(tiny_adapter_dir)))
     jobs = [(name, i) for k, name in enumerate(TINY_ADAPTERS) for i in range(k % 3 + 1)] + [(None, 1)]
@@ -110,6 +117,7 @@ def test_stacked_decode_lora_matches_peft_and_the_per_segment_path(tiny_adapter_
     _check_stacked_deltas(engine)
 
 
+@pytest.mark.usefixtures("torch_lora_path")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stacked_deltas_equal_per_segment_deltas(tiny_adapter_dir, prompts, dtype) -> None:
     engine = LLMEngine(EngineConfig(dtype=dtype, model="tiny-random", adapter_dir=str(tiny_adapter_dir)))
@@ -170,7 +178,7 @@ def test_warm_up_runs_base_and_lora_shapes_and_leaves_nothing_behind(tiny_adapte
     assert engine.warm_up() > 0
     tier = engine.device_adapters
     assert not engine.has_unfinished_requests() and engine.scheduler.kv.num_evictable_blocks == 0
-    assert tier.counters.loads == 1 and tier.stacks is not None and tier.stacks.builds >= 1
+    assert tier.counters.loads == 1
     assert all(res.pins == 0 for res in tier.resident.values())
     assert engine.pool.num_free + tier.num_pages == engine.pool.num_pages
     ours = run_all(engine, ALL_JOBS, prompts)

@@ -1,7 +1,7 @@
-"""The engine with the Triton SGMV kernels forced (LORAGATE_LORA_BACKEND=triton; for CPU tensors they run under
-Triton's interpreter, on a host with or without a GPU): the same logits as the torch path for a mixed-adapter
-step, and greedy outputs equal to PEFT's for every adapter in one batch. The Triton run also loads adapters as a
-GPU engine does (one staged copy per load, the slot tables' mirror in one copy)."""
+"""The engine with each LoRA backend forced (LORAGATE_LORA_BACKEND): the Triton SGMV kernels (for CPU tensors they
+run under Triton's interpreter, on a host with or without a GPU) and the CPU's C++ op give the same logits as the
+torch path for a mixed-adapter step, and greedy outputs equal to PEFT's for every adapter in one batch. The Triton
+run also loads adapters as a GPU engine does (one staged copy per load, the slot tables' mirror in one copy)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _run(engine: LLMEngine, jobs: list[tuple[str | None, list[int]]]) -> tuple[l
     return [r.output_token_ids for r in requests], logits[0]
 
 
-def test_triton_path_equals_the_torch_path_and_peft(
+def test_triton_and_cpp_paths_equal_the_torch_path_and_peft(
     tiny_model_dir: Path, tiny_adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rng = random.Random(5)
@@ -49,19 +49,21 @@ def test_triton_path_equals_the_torch_path_and_peft(
     jobs = [(names[i % 3] if i < 3 else None, p) for i, p in enumerate(prompts)]
     adapter_dir = str(next(iter(tiny_adapters.values())).parent)
     results = {}
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "cpp"):
         monkeypatch.setenv("LORAGATE_LORA_BACKEND", backend)
         engine = LLMEngine(
             EngineConfig(dtype="float32", model="tiny-random", adapter_dir=adapter_dir, max_model_len=256)
         )
         assert engine.runner.lora_backend == backend
-        assert (engine.device_adapters.mirror is not None) == (backend == "triton")
+        assert (engine.device_adapters.mirror is not None) == (backend != "torch")
         # The GPU's way of loading an adapter (one staged table copied into every layer at once), on the CPU.
         engine.device_adapters.stage_copies = backend == "triton"
         results[backend] = _run(engine, jobs)
-    (torch_tokens, torch_logits), (triton_tokens, triton_logits) = results["torch"], results["triton"]
+    torch_tokens, torch_logits = results["torch"]
     scale = torch_logits.abs().max().item()
-    torch.testing.assert_close(triton_logits, torch_logits, rtol=0, atol=1e-4 * scale)
     expected = [peft_greedy(tiny_model_dir, None if a is None else tiny_adapters[a], p, NEW_TOKENS) for a, p in jobs]
-    assert triton_tokens == expected
     assert torch_tokens == expected
+    for backend in ("triton", "cpp"):
+        tokens, logits = results[backend]
+        torch.testing.assert_close(logits, torch_logits, rtol=0, atol=1e-4 * scale, msg=backend)
+        assert tokens == expected, backend

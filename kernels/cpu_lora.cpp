@@ -1,0 +1,237 @@
+// The CPU path's batched LoRA for one module group (q/k/v, o, gate/up or down) of one layer: every segment of a
+// step in one call, reading each adapter's A and B.T straight from the unified page pool through the slot tables
+// (the same arguments and result as kernels/reference.py `lora_sgmv_group`, the oracle; kernels/cpu_lora.py
+// builds this file and documents the op).
+//
+//   shrink:  h[rows, c_k : c_k + R_k] = x[rows] @ A_k.T            per segment, A_k [R_k, in] (the group's stack)
+//   expand:  y[rows, out_cols[m] : out_cols[m + 1]] += h[rows, c_mk : c_mk + r_mk] @ B_mk.T
+//            where the pool holds B_mk.T as [r_mk, out_m] row-major: an output row gains r_mk scaled rows of it
+//
+// Products and sums in fp32 whatever the weights' dtype (fp32, bf16 or fp16); y is read, added to and rounded
+// once. Work is split over (segment, rank row) for the shrink and (segment, module, 64 output columns) for the
+// expand, through ATen's intra-op thread pool (torch.set_num_threads applies). Each weight is read once per
+// step (rows go four at a time through the shrink and two at a time through the expand, so a prefill chunk reads
+// each weight once per few rows): at serving sizes a memory-bound loop over the adapters' bytes, with no padding
+// to a common rank and no copy of the weights.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_f(float v) { return v; }
+inline float to_f(c10::Half v) { return static_cast<float>(v); }
+inline float to_f(c10::BFloat16 v) {  // the bits, shifted: vectorizes (c10's conversion does not always)
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void store(float* p, float v) { *p = v; }
+inline void store(c10::Half* p, float v) { *p = c10::Half(v); }
+inline void store(c10::BFloat16* p, float v) {  // round to nearest even, as c10; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    p->x = static_cast<uint16_t>((bits >> 16) | 0x40u);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  p->x = static_cast<uint16_t>(bits >> 16);
+}
+
+constexpr int64_t kCols = 64;  // output columns per expand work item
+
+struct ExpandItem {
+  int64_t seg, module, col0;
+};
+
+template <typename T>
+void group_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& pool, const int64_t* starts,
+                const int64_t* slots, int64_t num_segs, const int64_t* a_off, const int64_t* ranks,
+                const int64_t* b_off, const int64_t* h_cols, const int64_t* rank_total, int64_t num_slots,
+                const std::vector<int64_t>& out_cols) {
+  const int64_t d = x.size(1), num_modules = static_cast<int64_t>(out_cols.size()) - 1;
+  const int64_t x_stride = x.stride(0), y_stride = y.stride(0), pool_size = pool.numel();
+  const T* xp = x.data_ptr<T>();
+  const T* pp = pool.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+
+  int64_t h_width = 0;
+  std::vector<std::pair<int64_t, int64_t>> shrink;  // (segment, rank row)
+  std::vector<ExpandItem> expand;
+  for (int64_t s = 0; s < num_segs; ++s) {
+    const int64_t k = slots[s], rows = starts[s + 1] - starts[s];
+    TORCH_CHECK(k >= 0 && k < num_slots, "segment ", s, " names slot ", k, " of ", num_slots);
+    const int64_t big_r = rank_total[k];
+    if (rows == 0 || big_r == 0) continue;
+    TORCH_CHECK(a_off[k] >= 0 && a_off[k] + big_r * d <= pool_size, "slot ", k, "'s A overruns the pool");
+    h_width = std::max(h_width, big_r);
+    for (int64_t j = 0; j < big_r; ++j) shrink.emplace_back(s, j);
+    for (int64_t m = 0; m < num_modules; ++m) {
+      const int64_t r = ranks[m * num_slots + k], out = out_cols[m + 1] - out_cols[m];
+      if (r == 0) continue;
+      TORCH_CHECK(h_cols[m * num_slots + k] >= 0 && h_cols[m * num_slots + k] + r <= big_r,
+                  "slot ", k, "'s rank columns exceed its group rank");
+      TORCH_CHECK(b_off[m * num_slots + k] >= 0 && b_off[m * num_slots + k] + r * out <= pool_size,
+                  "slot ", k, "'s B overruns the pool");
+      for (int64_t c = 0; c < out; c += kCols) expand.push_back({s, m, c});
+    }
+  }
+  if (shrink.empty()) return;
+  const int64_t row0 = starts[0];
+  std::vector<float> h(static_cast<size_t>(starts[num_segs] - row0) * h_width);
+
+  at::parallel_for(0, static_cast<int64_t>(shrink.size()), 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const auto [s, j] = shrink[i];
+      const T* a = pp + a_off[slots[s]] + j * d;
+      int64_t t = starts[s];
+      for (; t + 4 <= starts[s + 1]; t += 4) {  // four rows per read of the A row
+        const T *x0 = xp + t * x_stride, *x1 = x0 + x_stride, *x2 = x1 + x_stride, *x3 = x2 + x_stride;
+        float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
+#pragma omp simd reduction(+ : c0, c1, c2, c3)
+        for (int64_t e = 0; e < d; ++e) {
+          const float ae = to_f(a[e]);
+          c0 += ae * to_f(x0[e]);
+          c1 += ae * to_f(x1[e]);
+          c2 += ae * to_f(x2[e]);
+          c3 += ae * to_f(x3[e]);
+        }
+        float* hp = h.data() + (t - row0) * h_width + j;
+        hp[0] = c0;
+        hp[h_width] = c1;
+        hp[2 * h_width] = c2;
+        hp[3 * h_width] = c3;
+      }
+      for (; t < starts[s + 1]; ++t) {
+        const T* xr = xp + t * x_stride;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t e = 0; e < d; ++e) acc += to_f(a[e]) * to_f(xr[e]);
+        h[(t - row0) * h_width + j] = acc;
+      }
+    }
+  });
+
+  at::parallel_for(0, static_cast<int64_t>(expand.size()), 4, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const ExpandItem item = expand[i];
+      const int64_t k = slots[item.seg], m = item.module;
+      const int64_t r = ranks[m * num_slots + k], out = out_cols[m + 1] - out_cols[m];
+      const int64_t width = std::min(kCols, out - item.col0), h_col = h_cols[m * num_slots + k];
+      const T* b_t = pp + b_off[m * num_slots + k] + item.col0;  // column col0 of B.T [r, out]
+      int64_t t = starts[item.seg];
+      if (width == kCols) {
+        for (; t + 2 <= starts[item.seg + 1]; t += 2) {  // two rows per read of each B row
+          float acc0[kCols] = {0.f}, acc1[kCols] = {0.f};
+          const float* h0 = h.data() + (t - row0) * h_width + h_col;
+          const float* h1 = h0 + h_width;
+          for (int64_t q = 0; q < r; ++q) {
+            const float hq0 = h0[q], hq1 = h1[q];
+            const T* row = b_t + q * out;
+#pragma omp simd
+            for (int64_t c = 0; c < kCols; ++c) {
+              const float bc = to_f(row[c]);
+              acc0[c] += bc * hq0;
+              acc1[c] += bc * hq1;
+            }
+          }
+          T* y0 = yp + t * y_stride + out_cols[m] + item.col0;
+          T* y1 = y0 + y_stride;
+#pragma omp simd
+          for (int64_t c = 0; c < kCols; ++c) {
+            store(y0 + c, to_f(y0[c]) + acc0[c]);
+            store(y1 + c, to_f(y1[c]) + acc1[c]);
+          }
+        }
+      }
+      for (; t < starts[item.seg + 1]; ++t) {
+        float acc[kCols] = {0.f};
+        const float* ht = h.data() + (t - row0) * h_width + h_col;
+        T* yr = yp + t * y_stride + out_cols[m] + item.col0;
+        if (width == kCols) {
+          for (int64_t q = 0; q < r; ++q) {
+            const float hq = ht[q];
+            const T* row = b_t + q * out;
+#pragma omp simd
+            for (int64_t c = 0; c < kCols; ++c) acc[c] += to_f(row[c]) * hq;
+          }
+#pragma omp simd
+          for (int64_t c = 0; c < kCols; ++c) store(yr + c, to_f(yr[c]) + acc[c]);
+        } else {
+          for (int64_t q = 0; q < r; ++q) {
+            const float hq = ht[q];
+            const T* row = b_t + q * out;
+            for (int64_t c = 0; c < width; ++c) acc[c] += to_f(row[c]) * hq;
+          }
+          for (int64_t c = 0; c < width; ++c) store(yr + c, to_f(yr[c]) + acc[c]);
+        }
+      }
+    }
+  });
+}
+
+const int64_t* ints(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.device().is_cpu(), name,
+              " must be a contiguous int64 CPU tensor");
+  return t.data_ptr<int64_t>();
+}
+
+void lora_sgmv_group(at::Tensor y, const at::Tensor& x, const at::Tensor& seg_starts, const at::Tensor& seg_slots,
+                     const at::Tensor& pool, const at::Tensor& a_offsets, const at::Tensor& ranks,
+                     const at::Tensor& b_offsets, const at::Tensor& h_cols, const at::Tensor& rank_total,
+                     at::IntArrayRef out_cols) {
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), "y and x must be [T, *] with equal T");
+  TORCH_CHECK(y.device().is_cpu() && x.device().is_cpu() && pool.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(y.scalar_type() == x.scalar_type() && x.scalar_type() == pool.scalar_type(),
+              "y, x and pool must share a dtype");
+  TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1, "y and x need contiguous columns");
+  TORCH_CHECK(pool.dim() == 1 && pool.is_contiguous(), "pool must be a contiguous 1-D tensor");
+  TORCH_CHECK(out_cols.size() >= 2 && out_cols.front() == 0 && out_cols.back() == y.size(1),
+              "out_cols must run from 0 to y's width");
+  const int64_t num_segs = seg_slots.numel(), num_slots = a_offsets.numel(), num_modules = out_cols.size() - 1;
+  TORCH_CHECK(seg_starts.numel() == num_segs + 1, "seg_starts must have one more entry than seg_slots");
+  TORCH_CHECK(ranks.numel() == num_modules * num_slots && b_offsets.numel() == num_modules * num_slots &&
+                  h_cols.numel() == num_modules * num_slots && rank_total.numel() == num_slots,
+              "tables must be [modules, slots] (ranks, b_offsets, h_cols) and [slots] (a_offsets, rank_total)");
+  const int64_t* starts = ints(seg_starts, "seg_starts");
+  for (int64_t s = 0; s < num_segs; ++s)
+    TORCH_CHECK(starts[s] >= 0 && starts[s] <= starts[s + 1] && starts[s + 1] <= x.size(0),
+                "seg_starts must be nondecreasing within [0, ", x.size(0), "]");
+  for (size_t m = 0; m + 1 < out_cols.size(); ++m) TORCH_CHECK(out_cols[m] <= out_cols[m + 1], "out_cols must rise");
+  if (num_segs == 0) return;
+  const std::vector<int64_t> cols(out_cols.begin(), out_cols.end());
+  const int64_t* slots = ints(seg_slots, "seg_slots");
+  const int64_t *a = ints(a_offsets, "a_offsets"), *r = ints(ranks, "ranks"), *b = ints(b_offsets, "b_offsets");
+  const int64_t *hc = ints(h_cols, "h_cols"), *rt = ints(rank_total, "rank_total");
+  switch (y.scalar_type()) {
+    case at::kFloat:
+      return group_impl<float>(y, x, pool, starts, slots, num_segs, a, r, b, hc, rt, num_slots, cols);
+    case at::kBFloat16:
+      return group_impl<c10::BFloat16>(y, x, pool, starts, slots, num_segs, a, r, b, hc, rt, num_slots, cols);
+    case at::kHalf:
+      return group_impl<c10::Half>(y, x, pool, starts, slots, num_segs, a, r, b, hc, rt, num_slots, cols);
+    default:
+      TORCH_CHECK(false, "float32, bfloat16 or float16 only, not ", y.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(loragate_cpu, m) {
+  m.def(
+      "lora_sgmv_group(Tensor(a!) y, Tensor x, Tensor seg_starts, Tensor seg_slots, Tensor pool, Tensor a_offsets, "
+      "Tensor ranks, Tensor b_offsets, Tensor h_cols, Tensor rank_total, int[] out_cols) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(loragate_cpu, CPU, m) { m.impl("lora_sgmv_group", &lora_sgmv_group); }

@@ -1,0 +1,147 @@
+"""The CPU's C++ LoRA op (kernels/cpu_lora.cpp) against the per-row float64 oracle and the torch twin
+(kernels/reference.py `lora_sgmv_group`), on the cases tests/kernels/test_sgmv_triton.py builds: mixed ranks
+{1, 4, 8, 16, 64}, a module some slots skip, a rank-0 slot, empty and repeated segments, rows in no segment,
+unaligned shuffled offsets and NaN in every pool element no adapter owns (reading outside a slot's weights
+turns the result into NaN); y a column slice of a wider tensor. Also: the op refuses tables that point outside
+the pool, and the backend seam falls back to the torch path when the op cannot be built.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_sgmv_triton import DTYPES, LAYOUTS, GroupCase, assert_update, make_group_case, oracle
+
+import kernels
+from kernels import cpu_lora, lora_backend
+from kernels.reference import lora_sgmv_group
+from kernels.sgmv import GroupTables
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert cpu_lora.load(), f"the CPU LoRA op did not build: {cpu_lora.unavailable_reason()}"
+
+
+def tables_of(case: GroupCase) -> GroupTables:
+    """The tables as the device tier's mirror holds them: int64, [modules, slots]."""
+    ranks = torch.tensor(case.ranks, dtype=torch.int64)
+    return GroupTables(
+        torch.tensor(case.a_offsets, dtype=torch.int64),
+        ranks,
+        torch.tensor(case.b_offsets, dtype=torch.int64),
+        torch.cumsum(ranks, dim=0) - ranks,
+        ranks.sum(0),
+    )
+
+
+def run_op(case: GroupCase, tables: GroupTables | None = None) -> None:
+    cpu_lora.lora_sgmv_group_cpu(
+        case.y,
+        case.x,
+        torch.tensor(case.seg_starts, dtype=torch.int64),
+        torch.tensor(case.seg_slots, dtype=torch.int64),
+        case.pool,
+        tables or tables_of(case),
+        case.out_cols,
+    )
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("outs", [[40, 24, 24], [130, 64, 7]], ids=["narrow", "wide"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_op_matches_the_oracle(layout: str, dtype: torch.dtype, outs: list[int], threads: int) -> None:
+    # "wide" has modules over 64 columns (the op's vectorized column blocks) and one of 7 (a partial block)
+    seed = 10 * LAYOUTS.index(layout) + DTYPES.index(dtype)
+    case = make_group_case(48, outs, layout, dtype, seed=seed)
+    delta, touched = oracle(case)
+    before = case.y_wide.clone()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        run_op(case)
+    finally:
+        torch.set_num_threads(previous)
+    assert not torch.isnan(case.y).any()  # no pool element outside a slot's weights was read
+    assert_update(case, before, delta, touched)
+
+
+@pytest.mark.parametrize("outs", [[40, 24, 24], [72], [56, 56]], ids=["qkv", "one-module", "gate-up"])
+def test_the_op_equals_the_torch_twin_in_fp32(outs: list[int]) -> None:
+    twin = make_group_case(32, outs, "mixed", torch.float32, seed=7)
+    ours = make_group_case(32, outs, "mixed", torch.float32, seed=7)
+    lora_sgmv_group(
+        twin.y,
+        twin.x,
+        twin.seg_starts,
+        twin.seg_slots,
+        twin.pool,
+        twin.a_offsets,
+        twin.ranks,
+        twin.b_offsets,
+        twin.out_cols,
+    )
+    run_op(ours)
+    torch.testing.assert_close(ours.y, twin.y, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_rounds_once_from_fp32_sums() -> None:
+    """bf16 weights and activations: the op's result is the fp32 computation on the same values, rounded once."""
+    ours = make_group_case(48, [130, 64, 7], "mixed", torch.bfloat16, seed=5)
+    wide = make_group_case(48, [130, 64, 7], "mixed", torch.bfloat16, seed=5)
+    for name in ("y_wide", "x", "pool"):
+        setattr(wide, name, getattr(wide, name).float())
+    run_op(ours)
+    run_op(wide)
+    # at most one bf16 rounding of the fp32 result (half an ulp, 2^-8 relative) plus fp32 summation order
+    torch.testing.assert_close(ours.y.float(), wide.y, rtol=2**-8, atol=1e-6)
+
+
+def test_the_op_refuses_tables_outside_the_pool() -> None:
+    case = make_group_case(48, [40, 24, 24], "mixed", torch.float32, seed=1)
+    good = tables_of(case)
+    past_end = case.pool.numel() - 10
+    bad_a = GroupTables(
+        good.a_offsets.clone().fill_(past_end), good.ranks, good.b_offsets, good.h_cols, good.rank_total
+    )
+    bad_b = GroupTables(
+        good.a_offsets, good.ranks, good.b_offsets.clone().fill_(past_end), good.h_cols, good.rank_total
+    )
+    negative = GroupTables(good.a_offsets.clone().fill_(-1), good.ranks, good.b_offsets, good.h_cols, good.rank_total)
+    before = case.y.clone()
+    for tables, message in ((bad_a, "A overruns"), (bad_b, "B overruns"), (negative, "A overruns")):
+        with pytest.raises(RuntimeError, match=message):
+            run_op(case, tables)
+    starts, slots = torch.tensor(case.seg_starts), torch.tensor(case.seg_slots)
+    with pytest.raises(RuntimeError, match="names slot"):
+        cpu_lora.lora_sgmv_group_cpu(case.y, case.x, starts, slots + 100, case.pool, good, case.out_cols)
+    with pytest.raises(RuntimeError, match="nondecreasing"):
+        cpu_lora.lora_sgmv_group_cpu(case.y, case.x, starts.flip(0), slots, case.pool, good, case.out_cols)
+    with pytest.raises(RuntimeError, match="out_cols"):
+        cpu_lora.lora_sgmv_group_cpu(case.y, case.x, starts, slots, case.pool, good, [0, 40, 64])
+    with pytest.raises(RuntimeError, match="int64"):
+        cpu_lora.lora_sgmv_group_cpu(case.y, case.x, starts.int(), slots, case.pool, good, case.out_cols)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_lora.lora_sgmv_group_cpu(case.y, case.x.double(), starts, slots, case.pool, good, case.out_cols)
+    assert torch.equal(case.y, before)  # refused before writing anything
+
+
+def test_the_backend_seam_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("LORAGATE_LORA_BACKEND", raising=False)
+    assert lora_backend(cpu) == "cpp"
+    monkeypatch.setenv("LORAGATE_LORA_BACKEND", "torch")
+    assert lora_backend(cpu) == "torch"
+    monkeypatch.delenv("LORAGATE_LORA_BACKEND")
+    # where the op cannot be built the torch path serves, and forcing the op says why it cannot
+    monkeypatch.setattr(cpu_lora, "_state", {"ok": False, "reason": "no compiler"})
+    assert kernels.lora_backend(cpu) == "torch"
+    monkeypatch.setenv("LORAGATE_LORA_BACKEND", "cpp")
+    with pytest.raises(ValueError, match="no compiler"):
+        lora_backend(cpu)
+
+
+def test_the_build_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAGATE_CPU_OPS", "0")
+    assert cpu_lora._build() == (False, "LORAGATE_CPU_OPS=0")
