@@ -58,7 +58,8 @@ def main() -> None:
         f"W1 ({args.requests} x {args.new_tokens} tokens), {args.dtype}, {args.threads} threads, LoRA path "
         f"{engines['lora'].runner.lora_backend}, {args.adapters} adapters; steps interleaved one for one"
     )
-    ratios, figures = [], {"base": [], "lora": []}
+    ratios: list[float] = []
+    figures: dict[str, list[float]] = {"base": [], "lora": []}
     for k in range(args.rounds + 1):  # round 0 warms both engines (first calls, adapter loads) and is not counted
         seconds = {"base": 0.0, "lora": 0.0}
         tokens = {"base": 0, "lora": 0}
@@ -80,7 +81,10 @@ def main() -> None:
         ratios.append(rates["lora"] / rates["base"])
         for name in engines:
             figures[name].append(rates[name])
-        print(f"round {k}: base {rates['base']:.1f} tok/s, mixed LoRA {rates['lora']:.1f} tok/s, LoRA/base {ratios[-1]:.2f}")
+        print(
+            f"round {k}: base {rates['base']:.1f} tok/s, mixed LoRA {rates['lora']:.1f} tok/s, "
+            f"LoRA/base {ratios[-1]:.2f}"
+        )
     print(
         f"median of {args.rounds}: base {statistics.median(figures['base']):.1f} tok/s, mixed LoRA "
         f"{statistics.median(figures['lora']):.1f} tok/s, LoRA/base {statistics.median(ratios):.2f}"
