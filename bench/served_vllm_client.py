@@ -9,7 +9,7 @@ under vLLM's interpreter: random 128-token prompts, 64 new tokens (EOS ignored),
 first burst / warm.
 
     python bench/served_vllm_client.py --vllm-python VENV/bin/python [--dtype float32] [--prompts 64]
-                                       [--concurrency 32] [--json PATH]
+                                       [--concurrency 32] [--systems loragate,vllm] [--json PATH]
 """
 
 from __future__ import annotations
@@ -92,11 +92,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--systems", default="loragate,vllm", help="comma-separated: loragate, vllm (both by default)")
     args = ap.parse_args()
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not systems or set(systems) - {"loragate", "vllm"}:
+        ap.error("--systems takes loragate, vllm or both")
     model_dir = resolve_model("smollm2").path
     work = Path(tempfile.mkdtemp(prefix="served-vllm-client-"))
     figures: dict[str, Any] = {"dtype": args.dtype, "prompts": args.prompts, "concurrency": args.concurrency}
-    for system in ("loragate", "vllm"):
+    for system in systems:
         port = free_port()
         proc = serve(system, args.vllm_python, model_dir, args.dtype, port, work / f"{system}.log")
         try:
@@ -112,8 +116,9 @@ def main() -> None:
                 flush=True,
             )
         print(f"{system:8s} first burst / warm {first['output_throughput'] / warm['output_throughput']:.2f}")
-    ratio = figures["loragate"]["warm"]["output_throughput"] / figures["vllm"]["warm"]["output_throughput"]
-    print(f"warm output tok/s, loragate / vLLM: {ratio:.2f}x ({args.dtype}, 2 threads)")
+    if len(systems) == 2:
+        ratio = figures["loragate"]["warm"]["output_throughput"] / figures["vllm"]["warm"]["output_throughput"]
+        print(f"warm output tok/s, loragate / vLLM: {ratio:.2f}x ({args.dtype}, 2 threads)")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

@@ -37,7 +37,7 @@ from engine.lora.files import load_weights
 from engine.lora.peft_config import AdapterError, AdapterSpec
 from engine.lora.registry import AdapterRegistry, HostAdapterCache
 from engine.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
-from engine.model.cpu_gemm import auto_cpu_dtype
+from engine.model.cpu_gemm import auto_cpu_dtype, warm_up_gemms
 from engine.model.llama import StepInterrupted
 from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
@@ -300,11 +300,18 @@ class LLMEngine:
         and the same with LoRA rows when an adapter is registered (it is loaded into the device tier, as its first
         request would); the grammar engine's tokenizer tables are built too. Returns the seconds it took.
 
-        First calls are what it pays for: oneDNN picks kernels per GEMM shape, the allocator grows its pools,
+        First calls are what it pays for: oneDNN builds a kernel per GEMM shape and row count (on the CPU every row
+        count a step can give is run first, engine/model/cpu_gemm.py `warm_up_gemms`), the allocator grows its pools,
         the LoRA stacks and the attention paths meet their shapes. Nothing of it stays: every warm-up request
         finishes, and the prefix cache is emptied."""
         start = time.perf_counter()
         prepare_tokenizer(self.tokenizer)
+        # every GEMM row count a step can give (engine/model/cpu_gemm.py; nothing on CUDA): the decode widths, and
+        # the padded prefill steps up to a full prefill chunk beside a full decode batch
+        step_rows = min(
+            self.config.max_batch_tokens, (self.config.max_prefill_tokens or 512) + self.config.max_num_seqs
+        )
+        gemms = warm_up_gemms(self.model, step_rows, self.config.max_num_seqs)
         vocab, room = self.model.config.vocab_size, self.max_model_len
         if room < 2:  # no prompt and new token fit
             return 0.0
@@ -331,8 +338,10 @@ class LLMEngine:
         graphs = 0 if self.runner.graphs is None else self.runner.graphs.capture_all()
         seconds = time.perf_counter() - start
         logger.info(
-            "warmed up in %.1f s (prefill chunk %d, decode width %d, LoRA %s, CUDA graphs captured %d)",
+            "warmed up in %.1f s (GEMM row counts %d, prefill chunk %d, decode width %d, LoRA %s, CUDA graphs "
+            "captured %d)",
             seconds,
+            gemms,
             chunk,
             width,
             adapter,

@@ -23,7 +23,15 @@ from engine.model.attention import (
     kv_cache_bytes_per_block,
 )
 from engine.model.config import load_model_config, parse_model_config
-from engine.model.cpu_gemm import PackedLinear, auto_cpu_dtype, onednn_available
+from engine.model.cpu_gemm import (
+    EXACT_ROWS,
+    ROW_BUCKET,
+    PackedLinear,
+    auto_cpu_dtype,
+    gemm_rows,
+    onednn_available,
+    warm_up_gemms,
+)
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.model.sources import build_tiny_random, load_tokenizer, resolve_model
@@ -189,9 +197,10 @@ def test_prepacked_gemms_match_plain_linear(tmp_path: Path, dtype: torch.dtype, 
     x = torch.randn(7, plain.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(packed.compute_logits(x), plain.compute_logits(x), atol=tol, rtol=tol)
-    for name in linears:  # every projection on inputs of its own width, 1 and 33 rows (not the pack's hint)
+    for name in linears:  # every projection on inputs of its own width
         ours, ref = packed.get_submodule(name), plain.get_submodule(name)
-        for rows in (1, 33):
+        # 1 and 33 rows, not the pack's hint; 64 and 65 either side of EXACT_ROWS; 97 and 200 padded to a bucket
+        for rows in (1, 33, EXACT_ROWS, EXACT_ROWS + 1, 97, 200):
             inp = torch.randn(rows, ref.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
             torch.testing.assert_close(
                 ours(inp), torch.nn.functional.linear(inp, ref.weight, ref.bias), atol=tol, rtol=tol
@@ -202,6 +211,36 @@ def test_prepacked_gemms_match_plain_linear(tmp_path: Path, dtype: torch.dtype, 
         Seq(random_tokens(9, plain.config.vocab_size, seed=3)),
     )
     torch.testing.assert_close(got.step([(seq_a, 9)])[0], want.step([(seq_b, 9)])[0], atol=tol * 10, rtol=tol * 10)
+
+
+def test_gemm_row_counts_are_bounded_and_warmed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row counts past EXACT_ROWS run padded to a ROW_BUCKET multiple (never fewer rows, fewer than a bucket more),
+    so a step meets a bounded set of GEMM shapes; warm_up_gemms runs each distinct shape once at each of them."""
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    for rows in range(1, 700):
+        padded = gemm_rows(rows)
+        assert (
+            padded == rows if rows <= EXACT_ROWS else (padded % ROW_BUCKET == 0 and rows <= padded < rows + ROW_BUCKET)
+        )
+    model = load_model(build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=2), torch.float32, CPU)
+    seen: set[tuple[int, int, int]] = set()
+    calls: list[tuple[int, int, int]] = []
+    forward = PackedLinear.forward
+
+    def recording(self: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        calls.append((self.in_features, self.out_features, x.shape[0]))
+        seen.add(calls[-1])
+        return forward(self, x)
+
+    monkeypatch.setattr(PackedLinear, "forward", recording)
+    count = warm_up_gemms(model, max_rows=200, max_head_rows=40)
+    assert count == len(calls) == len(seen)  # no shape twice
+    layer_shapes = {(m.in_features, m.out_features) for m in model.layers.modules() if isinstance(m, PackedLinear)}
+    head = (model.config.hidden_size, model.config.vocab_size)
+    for rows in range(1, 201):  # every count a 200-row step can give each layer shape, the head's up to 40
+        assert all((*shape, gemm_rows(rows)) in seen for shape in layer_shapes)
+        assert (*head, gemm_rows(rows)) in seen or rows > 40
 
 
 def test_auto_dtype_follows_the_cpu_flags() -> None:
