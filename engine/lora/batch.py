@@ -80,7 +80,7 @@ class LoraBatch:
     """One step's adapter segments: rows [seg_starts[s], seg_starts[s+1]) use slot seg_slots[s].
 
     `plan` is set when the Triton kernels run: the step's row tiles, built once and shared by all layers.
-    `segments` is set when the CPU's C++ op runs (kernels/cpu_lora.py), `stacked` on the CPU's torch path when the
+    `segments` is set when the CPU's C++ op runs (kernels/cpu_ops.py), `stacked` on the CPU's torch path when the
     step's adapters are computed all at once (engine/lora/stacks.py).
     """
 
@@ -120,8 +120,8 @@ class LayerLora:
                 (w.max_rank if batch.max_rank is None else batch.max_rank)[group],
             )
             return
-        if batch.segments is not None:  # CPU, the C++ op (kernels/cpu_lora.py)
-            from kernels.cpu_lora import lora_sgmv_group_cpu
+        if batch.segments is not None:  # CPU, the C++ op (kernels/cpu_ops.py)
+            from kernels.cpu_ops import lora_sgmv_group_cpu
 
             starts, slots = batch.segments
             lora_sgmv_group_cpu(y, x, starts, slots, w.layer_pools[i], w.mirror.tables[i][group], w.out_cols[group])

@@ -15,10 +15,11 @@ prefill chunks (sequences computing several tokens, possibly a chunk of a longer
 `plan_attention` turns a step's metadata into gather indices and masks once; `paged_attention` then
 runs one layer (write K/V, attend) with that plan.
 
-Two ways to attend for decodes, chosen by the cache's device (kernels/__init__.py `attention_backend`):
-"torch" (CPU) gathers each decode's context into [D, kv_heads, max_ctx, head_dim] once per layer, which is
-fastest on a CPU at serving sizes; "triton" (CUDA) runs kernels/paged_attention.py, which reads K/V through
-the block tables with no copy and needs nothing from the host (CUDA graphs capture it). Prefill chunks go
+Three ways to attend for decodes, chosen by the cache's device (kernels/__init__.py `attention_backend`):
+"cpp" (CPU, where kernels/cpu_ops.py built its ops) runs kernels/cpu_attention.cpp and "triton" (CUDA) runs
+kernels/paged_attention.py, both reading K/V through the block tables with no copy (the Triton kernel needs
+nothing from the host: CUDA graphs capture it); "torch" (a CPU without the C++ ops) gathers each decode's context
+into [D, kv_heads, max_ctx, head_dim] once per layer and attends with grouped matmuls. Prefill chunks go
 through SDPA with 4-D inputs (torch's fused kernels only take those), causal from the lower right for a
 chunk after cached context.
 """
@@ -94,17 +95,19 @@ class AttentionPlan:
     decode_bias: torch.Tensor | None  # [D, 1, 1, max_ctx]: 0 where position < context_len, else -inf
     max_decode_ctx: int
     prefills: tuple[PrefillPlan, ...]
-    # the "triton" decode path reads the metadata's block tables and lengths as they are (no gather rows)
+    # the "triton" and "cpp" decode paths read the metadata's block tables and lengths as they are (no gather rows)
     decode_block_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
+    decode_backend: str = "torch"  # kernels/__init__.py `attention_backend`
 
 
 def plan_attention(attn: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> AttentionPlan:
     """Precompute gather indices and masks for a step; `dtype` is the dtype of the attention scores."""
     decode_k = decode_v = decode_bias = tables = lens = None
     max_ctx = attn.max_decode_context_len
+    backend = attention_backend(attn.slot_mapping.device)
     if attn.num_decode_tokens > 0:
-        if attention_backend(attn.slot_mapping.device) == "triton":
+        if backend != "torch":
             tables, lens = attn.decode_block_tables, attn.decode_context_lens
         else:
             decode_k, decode_bias = _plan_decodes(attn, block_size, num_kv_heads, max_ctx, dtype)
@@ -128,6 +131,7 @@ def plan_attention(attn: AttentionMetadata, block_size: int, num_kv_heads: int, 
         tuple(prefills),
         tables,
         lens,
+        backend,
     )
 
 
@@ -184,10 +188,14 @@ def paged_attention(
     flat_cache.index_copy_(0, plan.v_rows, v)
     parts = []
     if plan.decode_block_tables is not None and plan.decode_context_lens is not None:
-        from kernels.paged_attention import paged_decode_attention
+        if plan.decode_backend == "cpp":
+            from kernels.cpu_ops import paged_decode_attention_cpu as decode
+        else:
+            from kernels.paged_attention import paged_decode_attention as decode
 
-        q_decode = q[: plan.num_decode_tokens]
-        parts.append(paged_decode_attention(q_decode, layer_cache, plan.decode_block_tables, plan.decode_context_lens))
+        parts.append(
+            decode(q[: plan.num_decode_tokens], layer_cache, plan.decode_block_tables, plan.decode_context_lens)
+        )
     elif plan.num_decode_tokens > 0:
         parts.append(_decode_attention(q[: plan.num_decode_tokens], flat_cache, plan))
     for seq in plan.prefills:

@@ -13,14 +13,14 @@ import torch
 from test_sgmv_triton import DTYPES, LAYOUTS, GroupCase, assert_update, make_group_case, oracle
 
 import kernels
-from kernels import cpu_lora, lora_backend
+from kernels import cpu_ops, lora_backend
 from kernels.reference import lora_sgmv_group
 from kernels.sgmv import GroupTables
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    assert cpu_lora.load(), f"the CPU LoRA op did not build: {cpu_lora.unavailable_reason()}"
+    assert cpu_ops.load(), f"the CPU LoRA op did not build: {cpu_ops.unavailable_reason()}"
 
 
 def tables_of(case: GroupCase) -> GroupTables:
@@ -36,7 +36,7 @@ def tables_of(case: GroupCase) -> GroupTables:
 
 
 def run_op(case: GroupCase, tables: GroupTables | None = None) -> None:
-    cpu_lora.lora_sgmv_group_cpu(
+    cpu_ops.lora_sgmv_group_cpu(
         case.y,
         case.x,
         torch.tensor(case.seg_starts, dtype=torch.int64),
@@ -115,15 +115,15 @@ def test_the_op_refuses_tables_outside_the_pool() -> None:
             run_op(case, tables)
     starts, slots = torch.tensor(case.seg_starts), torch.tensor(case.seg_slots)
     with pytest.raises(RuntimeError, match="names slot"):
-        cpu_lora.lora_sgmv_group_cpu(case.y, case.x, starts, slots + 100, case.pool, good, case.out_cols)
+        cpu_ops.lora_sgmv_group_cpu(case.y, case.x, starts, slots + 100, case.pool, good, case.out_cols)
     with pytest.raises(RuntimeError, match="nondecreasing"):
-        cpu_lora.lora_sgmv_group_cpu(case.y, case.x, starts.flip(0), slots, case.pool, good, case.out_cols)
+        cpu_ops.lora_sgmv_group_cpu(case.y, case.x, starts.flip(0), slots, case.pool, good, case.out_cols)
     with pytest.raises(RuntimeError, match="out_cols"):
-        cpu_lora.lora_sgmv_group_cpu(case.y, case.x, starts, slots, case.pool, good, [0, 40, 64])
+        cpu_ops.lora_sgmv_group_cpu(case.y, case.x, starts, slots, case.pool, good, [0, 40, 64])
     with pytest.raises(RuntimeError, match="int64"):
-        cpu_lora.lora_sgmv_group_cpu(case.y, case.x, starts.int(), slots, case.pool, good, case.out_cols)
+        cpu_ops.lora_sgmv_group_cpu(case.y, case.x, starts.int(), slots, case.pool, good, case.out_cols)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        cpu_lora.lora_sgmv_group_cpu(case.y, case.x.double(), starts, slots, case.pool, good, case.out_cols)
+        cpu_ops.lora_sgmv_group_cpu(case.y, case.x.double(), starts, slots, case.pool, good, case.out_cols)
     assert torch.equal(case.y, before)  # refused before writing anything
 
 
@@ -135,7 +135,7 @@ def test_the_backend_seam_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert lora_backend(cpu) == "torch"
     monkeypatch.delenv("LORAGATE_LORA_BACKEND")
     # where the op cannot be built the torch path serves, and forcing the op says why it cannot
-    monkeypatch.setattr(cpu_lora, "_state", {"ok": False, "reason": "no compiler"})
+    monkeypatch.setattr(cpu_ops, "_state", {"ok": False, "reason": "no compiler"})
     assert kernels.lora_backend(cpu) == "torch"
     monkeypatch.setenv("LORAGATE_LORA_BACKEND", "cpp")
     with pytest.raises(ValueError, match="no compiler"):
@@ -144,4 +144,4 @@ def test_the_backend_seam_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_build_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAGATE_CPU_OPS", "0")
-    assert cpu_lora._build() == (False, "LORAGATE_CPU_OPS=0")
+    assert cpu_ops._build() == (False, "LORAGATE_CPU_OPS=0")

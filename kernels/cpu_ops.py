@@ -1,17 +1,20 @@
-"""The CPU path's batched LoRA as a C++ op (kernels/cpu_lora.cpp): one call per module group and layer serves
-every segment of a step, reading A and B.T straight from the page pool through the device tier's slot tables.
+"""The CPU path's C++ ops, built once per machine: batched LoRA (kernels/cpu_lora.cpp) and paged decode attention
+(kernels/cpu_attention.cpp), registered as `torch.ops.loragate_cpu.*`.
 
 Why C++: a step of 32 decodes over 8 adapters is, on SmolLM2, ~2,600 tiny matmuls per step as torch ops
 (`lora_sgmv_group`, the twin), and ~330 batched ones over per-step weight copies padded to the step's largest
 rank (engine/lora/stacks.py). Either way the cost is dispatch, conversions and the padded copies' bytes, not
-FLOPs. The op reads each adapter's weights once, unpadded, in the model's dtype (half of fp32's bytes in bf16),
-with fp32 products and sums (`python bench/lora_kernels.py --cpu-op` compares the three).
+FLOPs. The LoRA op reads each adapter's weights once, unpadded, in the model's dtype (half of fp32's bytes in
+bf16), with fp32 products and sums. Decode attention in torch gathers every sequence's context into a batch-shaped
+copy per layer, then runs five ops over it; the attention op reads K and V through the block tables where they lie.
+`python bench/lora_cost.py` and `python bench/step_profile.py` measure both in a W1 step.
 
-`load()` builds the op the first time a process asks (torch.utils.cpp_extension with ninja and the system C++
-compiler, ~10-20 s on 2 cores; later processes reuse the build), for this CPU (`-march=native`; the build's name
-carries a digest of the CPU's flags so a build directory shared by different CPUs never runs the wrong one).
-Where it cannot be built (no compiler, as in the slim engine image), `load()` returns False once with the reason
-logged, and the engine keeps the torch path (kernels/__init__.py `lora_backend`).
+`load()` builds the ops the first time a process asks (torch.utils.cpp_extension with ninja and the system C++
+compiler, ~20 s on 2 cores; later processes reuse the build), for this CPU (`-march=native`; the build's name
+carries a digest of the sources, the CPU's flags and torch's version, so a build directory shared by different
+CPUs never runs the wrong one; LORAGATE_TORCH_EXTENSIONS sets where builds go). Where they cannot be built (no
+compiler, as in the slim engine image), `load()` returns False once with the reason logged, and the engine keeps
+its torch paths (kernels/__init__.py `lora_backend`, `attention_backend`). LORAGATE_CPU_OPS=0 skips the build.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_lora.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_lora.cpp", "cpu_attention.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "reason": str
 
@@ -39,19 +42,19 @@ _state: dict[str, object] = {}  # "ok": bool, "reason": str
 def _build_name() -> str:
     from engine.model.cpu_gemm import cpu_flags
 
-    digest = hashlib.blake2b(SOURCE.read_bytes(), digest_size=6)
+    digest = hashlib.blake2b(b"".join(source.read_bytes() for source in SOURCES), digest_size=6)
     digest.update(" ".join(sorted(cpu_flags())).encode())
     digest.update(torch.__version__.encode())
-    return f"loragate_cpu_lora_{digest.hexdigest()}"
+    return f"loragate_cpu_ops_{digest.hexdigest()}"
 
 
 def load() -> bool:
-    """Build (or reuse) and register `torch.ops.loragate_cpu.lora_sgmv_group`; False where it cannot be built."""
+    """Build (or reuse) and register `torch.ops.loragate_cpu.*`; False where they cannot be built."""
     with _lock:
         if "ok" not in _state:
             _state["ok"], _state["reason"] = _build()
             if not _state["ok"]:
-                logger.warning("CPU LoRA op unavailable, the torch path serves LoRA: %s", _state["reason"])
+                logger.warning("CPU ops unavailable, the torch paths serve LoRA and attention: %s", _state["reason"])
         return bool(_state["ok"])
 
 
@@ -71,7 +74,7 @@ def _build() -> tuple[bool, str]:
             Path(build_dir).mkdir(parents=True, exist_ok=True)
         load_extension(
             name=_build_name(),
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             # libgomp.so.1 resolves to the copy torch already loaded: one OpenMP runtime, torch's thread count
             extra_ldflags=["-fopenmp"],
@@ -118,3 +121,22 @@ def lora_sgmv_group_cpu(
         tables.rank_total,
         out_cols,
     )
+
+
+def paged_decode_attention_cpu(
+    q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+) -> torch.Tensor:
+    """One-token attention of every decode sequence over its context in one layer's paged KV cache: the semantics
+    of kernels/paged_attention.py `paged_decode_attention` (the Triton kernel; the new token's K/V must already be
+    in the cache), on CPU tensors.
+
+    Shapes:
+        q:             [D, num_heads, hd]                             head dim contiguous
+        layer_cache:   [num_pages, 2, block_size, num_kv_heads, hd]   q's dtype (fp32, bf16 or fp16)
+        block_tables:  [D, W] int64, W >= ceil(max(context_lens) / block_size); entries past a row's length unread
+        context_lens:  [D] int64 (a row with 0 gets zeros)
+        returns        [D, num_heads, hd], a new tensor
+    Raises RuntimeError on a table entry that is not a page, or a length past its table.
+    """
+    scale = q.shape[-1] ** -0.5
+    return torch.ops.loragate_cpu.paged_decode_attention(q, layer_cache, block_tables, context_lens, scale)

@@ -1,0 +1,163 @@
+// The CPU path's paged decode attention: one new token per sequence attending over its context in one layer's
+// paged KV cache, reading K and V through the block tables where they lie (no gather of the context into a
+// batch-shaped copy, as the torch path does; kernels/cpu_ops.py documents the op, kernels/paged_attention.py is the
+// GPU's Triton twin and states the same semantics).
+//
+// One work item per (sequence, kv head) serves the `group = num_heads / num_kv_heads` query heads that share the kv
+// head (GQA), so each K/V row is read once per step. Scores, the softmax and the output accumulate in fp32;
+// probabilities are rounded to the cache's dtype before the product with V, as the torch path and the Triton kernel
+// do. Positions at or past a sequence's context length are never read (the tail of its last block and the pages
+// its table's padding names may hold another request's NaN/inf); a row with context length 0 gets zeros.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float as_float(float v) { return v; }
+inline float as_float(c10::Half v) { return static_cast<float>(v); }
+inline float as_float(c10::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline float round_to(float v) {  // v as the cache's dtype would hold it
+  return as_float(static_cast<T>(v));
+}
+template <>
+inline float round_to<float>(float v) {
+  return v;
+}
+
+template <typename T>
+void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
+                 int64_t table_stride, const int64_t* lens, double scale) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = cache.size(2), num_kv_heads = cache.size(3), group = num_heads / num_kv_heads;
+  const int64_t s_page = cache.stride(0), s_kv = cache.stride(1), s_tok = cache.stride(2), s_head = cache.stride(3);
+  const int64_t q_d = q.stride(0), q_h = q.stride(1), o_d = out.stride(0), o_h = out.stride(1);
+  const T* qp = q.data_ptr<T>();
+  const T* cp = cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t d = item / num_kv_heads, g = item % num_kv_heads, n = lens[d];
+      if (n <= 0) {
+        for (int64_t h = 0; h < group; ++h)
+          std::fill_n(op + d * o_d + (g * group + h) * o_h, head_dim, static_cast<T>(0.f));
+        continue;
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        const T* src = qp + d * q_d + (g * group + h) * q_h;
+        for (int64_t e = 0; e < head_dim; ++e) qf[h * head_dim + e] = as_float(src[e]) * fscale;
+      }
+      scores.resize(group * n);
+      const int64_t* table = tables + d * table_stride;
+      for (int64_t p = 0; p < n; ++p) {
+        const T* k = cp + table[p / block_size] * s_page + (p % block_size) * s_tok + g * s_head;
+        for (int64_t h = 0; h < group; ++h) {
+          const float* qh = qf.data() + h * head_dim;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t e = 0; e < head_dim; ++e) s += qh[e] * as_float(k[e]);
+          scores[h * n + p] = s;
+        }
+      }
+      std::vector<float> sums(group);
+      for (int64_t h = 0; h < group; ++h) {
+        float* s = scores.data() + h * n;
+        const float top = *std::max_element(s, s + n);
+        float sum = 0.f;
+        for (int64_t p = 0; p < n; ++p) {
+          s[p] = std::exp(s[p] - top);
+          sum += s[p];
+        }
+        for (int64_t p = 0; p < n; ++p) s[p] = round_to<T>(s[p] / sum);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < n; ++p) {
+        const T* v = cp + table[p / block_size] * s_page + s_kv + (p % block_size) * s_tok + g * s_head;
+        for (int64_t h = 0; h < group; ++h) {
+          const float w = scores[h * n + p];
+          float* a = acc.data() + h * head_dim;
+#pragma omp simd
+          for (int64_t e = 0; e < head_dim; ++e) a[e] += w * as_float(v[e]);
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        T* dst = op + d * o_d + (g * group + h) * o_h;
+        for (int64_t e = 0; e < head_dim; ++e) dst[e] = static_cast<T>(acc[h * head_dim + e]);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && layer_cache.dim() == 5 && layer_cache.size(1) == 2,
+              "q must be [D, heads, head_dim] and layer_cache [pages, 2, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(q.device().is_cpu() && layer_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == layer_cache.scalar_type(), "q and the cache must share a dtype");
+  TORCH_CHECK(q.stride(2) == 1 && layer_cache.stride(4) == 1, "q and the cache need a contiguous head dim");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_pages = layer_cache.size(0), block_size = layer_cache.size(2), num_kv_heads = layer_cache.size(3);
+  TORCH_CHECK(layer_cache.size(4) == head_dim, "q's head_dim differs from the cache's");
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && block_tables.stride(1) == 1,
+              "block_tables must be [D, W] with contiguous rows");
+  const at::Tensor lens_c = context_lens.contiguous();
+  TORCH_CHECK(lens_c.dim() == 1 && lens_c.size(0) == num_seqs, "context_lens must be [D]");
+  const int64_t* lens = lens_c.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t width = block_tables.size(1), table_stride = block_tables.stride(0);
+  for (int64_t d = 0; d < num_seqs; ++d) {  // every page a row will read, checked before any is read
+    TORCH_CHECK(lens[d] >= 0 && lens[d] <= width * block_size, "context_lens[", d, "] = ", lens[d],
+                " does not fit its block table of ", width, " entries");
+    for (int64_t b = 0; b * block_size < lens[d]; ++b) {
+      const int64_t page = tables[d * table_stride + b];
+      TORCH_CHECK(page >= 0 && page < num_pages, "block_tables[", d, ", ", b, "] = ", page, " is not a page of ",
+                  num_pages);
+    }
+  }
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      decode_impl<float>(out, q, layer_cache, tables, table_stride, lens, scale);
+      break;
+    case at::kBFloat16:
+      decode_impl<c10::BFloat16>(out, q, layer_cache, tables, table_stride, lens, scale);
+      break;
+    case at::kHalf:
+      decode_impl<c10::Half>(out, q, layer_cache, tables, table_stride, lens, scale);
+      break;
+    default:
+      TORCH_CHECK(false, "float32, bfloat16 or float16 only, not ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(loragate_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor layer_cache, Tensor block_tables, Tensor context_lens, float scale) "
+        "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(loragate_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,107 @@
+"""The CPU's C++ paged decode attention (kernels/cpu_attention.cpp) against the float64 oracle and the engine's torch
+decode path, on tests/kernels/test_paged_attention.py's cases: ragged contexts (1, bs-1, bs, bs+1, several blocks),
+permuted non-contiguous pages, and NaN/+inf/-inf in every cache slot no sequence owns (a read at or past a context
+length turns a row into NaN). Also: the engine sends its decodes to the op by default on a CPU, rows of length 0
+give zeros, and tables naming pages outside the cache are refused before anything is read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_paged_attention import (
+    DTYPE_IDS,
+    DTYPES,
+    HEAD_IDS,
+    HEADS,
+    assert_close,
+    make_case,
+    oracle,
+    ragged_lens,
+    run_engine,
+)
+
+from kernels import attention_backend, cpu_ops
+from kernels.cpu_ops import paged_decode_attention_cpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert cpu_ops.load(), f"the CPU ops did not build: {cpu_ops.unavailable_reason()}"
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_the_op_matches_the_oracle_and_the_torch_path(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed = 100 * DTYPES.index(dtype) + 10 * HEADS.index((num_heads, num_kv_heads)) + block_size
+    case = make_case(
+        ragged_lens(block_size),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        dtype=dtype,
+        seed=seed,
+    )
+    out = paged_decode_attention_cpu(case.q, case.cache_after_write(), case.block_tables, case.context_lens)
+    assert out.dtype == dtype and out.shape == case.q.shape
+    assert_close(out, oracle(case), dtype)
+    monkeypatch.setenv("LORAGATE_ATTENTION_BACKEND", "torch")
+    torch_out, _ = run_engine(case)
+    monkeypatch.setenv("LORAGATE_ATTENTION_BACKEND", "cpp")
+    cpp_out, cpp_cache = run_engine(case)  # through plan_attention and paged_attention, as a step runs it
+    torch.testing.assert_close(cpp_cache, case.cache_after_write(), rtol=0, atol=0, equal_nan=True)
+    assert_close(cpp_out, torch_out, dtype)
+    assert_close(cpp_out, oracle(case), dtype)
+
+
+def test_a_cpu_engine_attends_with_the_op_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LORAGATE_ATTENTION_BACKEND", raising=False)
+    assert attention_backend(torch.device("cpu")) == "cpp"
+    monkeypatch.setattr(cpu_ops, "_state", {"ok": False, "reason": "no compiler"})
+    assert attention_backend(torch.device("cpu")) == "torch"
+
+
+def test_peaked_scores_and_strided_q() -> None:
+    """Scores ~100 apart (the softmax must subtract its max), and q a view into a wider projection output."""
+    case = make_case([37, 2], num_heads=4, num_kv_heads=2, block_size=8, dtype=torch.float32, seed=5)
+    case.q *= 6.0
+    page = case.block_tables[0, 30 // 8]
+    case.cache[page, 0, 30 % 8, 0] = case.q[0, 0] * 0.5
+    wide = torch.randn(2, 6, 40)
+    wide[:, 1:5, 4:36] = case.q
+    out = paged_decode_attention_cpu(wide[:, 1:5, 4:36], case.cache_after_write(), case.block_tables, case.context_lens)
+    assert_close(out, oracle(case), torch.float32)
+
+
+def test_zero_context_rows_give_zeros() -> None:
+    case = make_case([5, 12], num_heads=4, num_kv_heads=2, block_size=4, dtype=torch.float32, seed=9)
+    q = torch.cat([case.q[:1], torch.randn(1, 4, 32), case.q[1:]])
+    tables = torch.cat([case.block_tables[:1], torch.zeros_like(case.block_tables[:1]), case.block_tables[1:]])
+    out = paged_decode_attention_cpu(q, case.cache_after_write(), tables, torch.tensor([5, 0, 12]))
+    assert (out[1] == 0).all()
+    assert_close(out[[0, 2]], oracle(case), torch.float32)
+
+
+def test_tables_outside_the_cache_are_refused() -> None:
+    case = make_case([5, 12], num_heads=4, num_kv_heads=2, block_size=4, dtype=torch.float32, seed=9)
+    cache, tables, lens = case.cache_after_write(), case.block_tables.clone(), case.context_lens
+    bad = tables.clone()
+    bad[1, 2] = cache.shape[0]  # a page past the cache, inside row 1's length
+    with pytest.raises(RuntimeError, match="is not a page"):
+        paged_decode_attention_cpu(case.q, cache, bad, lens)
+    bad[1, 2] = -1
+    with pytest.raises(RuntimeError, match="is not a page"):
+        paged_decode_attention_cpu(case.q, cache, bad, lens)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        paged_decode_attention_cpu(case.q, cache, tables, torch.tensor([5, tables.shape[1] * 4 + 1]))
+    with pytest.raises(RuntimeError, match="int64"):
+        paged_decode_attention_cpu(case.q, cache, tables.int(), lens)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        paged_decode_attention_cpu(case.q.double(), cache, tables, lens)
+    # padding entries past a row's length are never read, whatever they hold
+    padded = tables.clone()
+    padded[0, 2:] = 10**9
+    assert_close(paged_decode_attention_cpu(case.q, cache, padded, lens), oracle(case), torch.float32)
