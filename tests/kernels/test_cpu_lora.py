@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sgmv_triton import DTYPES, LAYOUTS, GroupCase, assert_update, make_group_case, oracle
+from test_sgmv_triton import DTYPES, LAYOUTS, GroupCase, assert_update, make_group_case, oracle, run_twin
 
 import kernels
 from kernels import cpu_ops, lora_backend
-from kernels.reference import lora_sgmv_group
 from kernels.sgmv import GroupTables
 
 
@@ -71,17 +70,7 @@ def test_the_op_matches_the_oracle(layout: str, dtype: torch.dtype, outs: list[i
 def test_the_op_equals_the_torch_twin_in_fp32(outs: list[int]) -> None:
     twin = make_group_case(32, outs, "mixed", torch.float32, seed=7)
     ours = make_group_case(32, outs, "mixed", torch.float32, seed=7)
-    lora_sgmv_group(
-        twin.y,
-        twin.x,
-        twin.seg_starts,
-        twin.seg_slots,
-        twin.pool,
-        twin.a_offsets,
-        twin.ranks,
-        twin.b_offsets,
-        twin.out_cols,
-    )
+    run_twin(twin)
     run_op(ours)
     torch.testing.assert_close(ours.y, twin.y, rtol=1e-5, atol=1e-5)
 

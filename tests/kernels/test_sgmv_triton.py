@@ -120,6 +120,21 @@ def assert_update(case: GroupCase, before: torch.Tensor, delta: torch.Tensor, to
     assert torch.equal(case.y_wide.cpu()[:, 2 + case.out_cols[-1] :], before[:, 2 + case.out_cols[-1] :])
 
 
+def run_twin(case: GroupCase) -> None:
+    """The torch twin (kernels/reference.py `lora_sgmv_group`) on the case, in place."""
+    lora_sgmv_group(
+        case.y,
+        case.x,
+        case.seg_starts,
+        case.seg_slots,
+        case.pool,
+        case.a_offsets,
+        case.ranks,
+        case.b_offsets,
+        case.out_cols,
+    )
+
+
 def run_triton(case: GroupCase) -> None:
     """Move the case to the device and run the Triton kernels with tables built as the tier builds them."""
     for name in ("y_wide", "x", "pool"):
@@ -159,17 +174,7 @@ def test_triton_group_kernels_match_the_oracle(dtype: torch.dtype, layout: str) 
 def test_triton_equals_the_torch_twin(outs: list[int]) -> None:
     twin = make_group_case(32, outs, "mixed", torch.float32, seed=7)
     triton_case = make_group_case(32, outs, "mixed", torch.float32, seed=7)
-    lora_sgmv_group(
-        twin.y,
-        twin.x,
-        twin.seg_starts,
-        twin.seg_slots,
-        twin.pool,
-        twin.a_offsets,
-        twin.ranks,
-        twin.b_offsets,
-        twin.out_cols,
-    )
+    run_twin(twin)
     run_triton(triton_case)
     torch.testing.assert_close(triton_case.y.cpu(), twin.y, rtol=1e-4, atol=1e-4)
 
@@ -179,17 +184,7 @@ def test_the_torch_twin_matches_the_oracle(layout: str) -> None:
     case = make_group_case(48, [40, 24, 24], layout, torch.float32, seed=3)
     delta, touched = oracle(case)
     before = case.y_wide.clone()
-    lora_sgmv_group(
-        case.y,
-        case.x,
-        case.seg_starts,
-        case.seg_slots,
-        case.pool,
-        case.a_offsets,
-        case.ranks,
-        case.b_offsets,
-        case.out_cols,
-    )
+    run_twin(case)
     assert not torch.isnan(case.y).any()
     assert_update(case, before, delta, touched)
 
