@@ -308,9 +308,8 @@ class LLMEngine:
         prepare_tokenizer(self.tokenizer)
         # every GEMM row count a step can give (engine/model/cpu_gemm.py; nothing on CUDA): the decode widths, and
         # the padded prefill steps up to a full prefill chunk beside a full decode batch
-        step_rows = min(
-            self.config.max_batch_tokens, (self.config.max_prefill_tokens or 512) + self.config.max_num_seqs
-        )
+        prefill_budget = self.config.max_prefill_tokens or self.config.max_batch_tokens  # the scheduler's
+        step_rows = min(self.config.max_batch_tokens, prefill_budget + self.config.max_num_seqs)
         gemms = warm_up_gemms(self.model, step_rows, self.config.max_num_seqs)
         vocab, room = self.model.config.vocab_size, self.max_model_len
         if room < 2:  # no prompt and new token fit
