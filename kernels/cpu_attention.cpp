@@ -21,44 +21,13 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_common.h"
+
 namespace {
 
-inline float as_float(float v) { return v; }
-inline float as_float(c10::Half v) { return static_cast<float>(v); }
-inline float as_float(c10::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// e^x for x <= 0 (scores minus their row's maximum) in a form the compiler vectorizes (std::exp is a scalar call,
-// and was most of this op's time): 2^(x log2 e) split into an integer power, set in the exponent bits, and 2^f for
-// f in [0, 1) by a degree-6 polynomial (relative error < 2e-7). Below -87 the result is 0 (e^-87 ~ 1.6e-38).
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.f) * 1.4426950408889634f;
-  const float whole = std::floor(t), f = t - whole;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(whole) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.f ? 0.f : p * scale;
-}
-
-template <typename T>
-inline float round_to(float v) {  // v as the cache's dtype would hold it
-  return as_float(static_cast<T>(v));
-}
-template <>
-inline float round_to<float>(float v) {
-  return v;
-}
+using loragate_cpu::exp_nonpositive;
+using loragate_cpu::round_to;
+using loragate_cpu::to_f;
 
 template <typename T>
 void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
@@ -84,7 +53,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, 
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         const T* src = qp + d * q_d + h * q_h;
-        for (int64_t e = 0; e < head_dim; ++e) qf[h * head_dim + e] = as_float(src[e]) * fscale;
+        for (int64_t e = 0; e < head_dim; ++e) qf[h * head_dim + e] = to_f(src[e]) * fscale;
       }
       scores.resize(num_heads * n);
       const int64_t* table = tables + d * table_stride;
@@ -98,7 +67,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, 
               const float* qh = qf.data() + h * head_dim;
               float s = 0.f;
 #pragma omp simd reduction(+ : s)
-              for (int64_t e = 0; e < head_dim; ++e) s += qh[e] * as_float(k[e]);
+              for (int64_t e = 0; e < head_dim; ++e) s += qh[e] * to_f(k[e]);
               scores[h * n + p0 + o] = s;
             }
           }
@@ -129,7 +98,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, 
               const float w = scores[h * n + p0 + o];
               float* a = acc.data() + h * head_dim;
 #pragma omp simd
-              for (int64_t e = 0; e < head_dim; ++e) a[e] += w * as_float(v[e]);
+              for (int64_t e = 0; e < head_dim; ++e) a[e] += w * to_f(v[e]);
             }
           }
         }

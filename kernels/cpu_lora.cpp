@@ -26,30 +26,12 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_common.h"
+
 namespace {
 
-inline float to_f(float v) { return v; }
-inline float to_f(c10::Half v) { return static_cast<float>(v); }
-inline float to_f(c10::BFloat16 v) {  // the bits, shifted: vectorizes (c10's conversion does not always)
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline void store(float* p, float v) { *p = v; }
-inline void store(c10::Half* p, float v) { *p = c10::Half(v); }
-inline void store(c10::BFloat16* p, float v) {  // round to nearest even, as c10; NaN stays NaN
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    p->x = static_cast<uint16_t>((bits >> 16) | 0x40u);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  p->x = static_cast<uint16_t>(bits >> 16);
-}
-
+using loragate_cpu::store;
+using loragate_cpu::to_f;
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>

@@ -1,5 +1,6 @@
-"""The CPU path's C++ ops, built once per machine: batched LoRA (kernels/cpu_lora.cpp) and paged decode attention
-(kernels/cpu_attention.cpp), registered as `torch.ops.loragate_cpu.*`.
+"""The CPU path's C++ ops, built once per machine: batched LoRA (kernels/cpu_lora.cpp), paged decode attention
+(kernels/cpu_attention.cpp) and a decoder layer's fused elementwise ops (kernels/cpu_layer.cpp: RMSNorm with the
+residual add, SiLU-and-mul, RoPE with the K/V cache write), registered as `torch.ops.loragate_cpu.*`.
 
 Why C++: a step of 32 decodes over 8 adapters is, on SmolLM2, ~2,600 tiny matmuls per step as torch ops
 (`lora_sgmv_group`, the twin), and ~330 batched ones over per-step weight copies padded to the step's largest
@@ -7,6 +8,8 @@ rank (engine/lora/stacks.py). Either way the cost is dispatch, conversions and t
 FLOPs. The LoRA op reads each adapter's weights once, unpadded, in the model's dtype (half of fp32's bytes in
 bf16), with fp32 products and sums. Decode attention in torch gathers every sequence's context into a batch-shaped
 copy per layer, then runs five ops over it; the attention op reads K and V through the block tables where they lie.
+Around the GEMMs, a layer in torch is ~20 small ops (RMSNorm alone is six on a CPU), each a dispatch and a
+tensor; the layer ops make it five passes over the rows (engine/model/layer_ops.py).
 `python bench/lora_cost.py` and `python bench/step_profile.py` measure both in a W1 step.
 
 `load()` builds the ops the first time a process asks (torch.utils.cpp_extension with ninja and the system C++
@@ -34,7 +37,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_lora.cpp", "cpu_attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_lora.cpp", "cpu_attention.cpp", "cpu_layer.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_common.h")]
+# -fno-trapping-math lets GCC vectorize the float -> int conversion in the ops' e^x (no value changes).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "reason": str
 
@@ -42,9 +48,9 @@ _state: dict[str, object] = {}  # "ok": bool, "reason": str
 def _build_name() -> str:
     from engine.model.cpu_gemm import cpu_flags
 
-    digest = hashlib.blake2b(b"".join(source.read_bytes() for source in SOURCES), digest_size=6)
+    digest = hashlib.blake2b(b"".join(source.read_bytes() for source in SOURCES + HEADERS), digest_size=6)
     digest.update(" ".join(sorted(cpu_flags())).encode())
-    digest.update(torch.__version__.encode())
+    digest.update(" ".join([torch.__version__, *CFLAGS]).encode())
     return f"loragate_cpu_ops_{digest.hexdigest()}"
 
 
@@ -75,7 +81,7 @@ def _build() -> tuple[bool, str]:
         load_extension(
             name=_build_name(),
             sources=[str(source) for source in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=CFLAGS,
             # libgomp.so.1 resolves to the copy torch already loaded: one OpenMP runtime, torch's thread count
             extra_ldflags=["-fopenmp"],
             build_directory=build_dir,
@@ -140,3 +146,42 @@ def paged_decode_attention_cpu(
     """
     scale = q.shape[-1] ** -0.5
     return torch.ops.loragate_cpu.paged_decode_attention(q, layer_cache, block_tables, context_lens, scale)
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, n] (columns contiguous) -> x * rsqrt(mean(x^2) + eps) * weight, a new [T, n]; fp32 inside, rounded
+    once to x's dtype."""
+    return torch.ops.loragate_cpu.rms_norm(x, weight, eps)
+
+
+def add_rms_norm_cpu(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x in place (rounded to its dtype), then `rms_norm_cpu(residual, ...)`: the residual stream's
+    add fused with the next norm. Both [T, n] of one dtype."""
+    return torch.ops.loragate_cpu.add_rms_norm(residual, x, weight, eps)
+
+
+def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate | up) -> silu(gate) * up, a new [T, I]; fp32 inside, rounded once."""
+    return torch.ops.loragate_cpu.silu_mul(gate_up)
+
+
+def rope_write_kv_cpu(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layer_cache: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    num_heads: int,
+) -> None:
+    """Rotate qkv's q and k heads in place (x * cos + roll(x, hd/2) * sin, engine/model/llama.py `apply_rope`; fp32
+    inside, rounded once), then write each token's k and v into the cache rows k_rows / v_rows.
+
+    Shapes:
+        qkv:          [T, (num_heads + 2 * kvh) * hd]  q | k | v, columns contiguous
+        cos, sin:     [T, 1, hd] or [T, hd] float32, contiguous (engine/model/llama.py `RotaryEmbedding`)
+        layer_cache:  [num_pages, 2, block_size, kvh, hd] contiguous, qkv's dtype
+        k_rows, v_rows: [T] int64 rows of the cache viewed as [rows, kvh, hd] (engine/model/attention.py `key_rows`)
+    Raises RuntimeError on a row outside the cache (checked before anything is written).
+    """
+    torch.ops.loragate_cpu.rope_write_kv(qkv, cos, sin, layer_cache, k_rows, v_rows, num_heads)

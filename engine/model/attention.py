@@ -168,13 +168,25 @@ def _plan_prefill(seq: PrefillSeq, block_size: int) -> PrefillPlan:
     return PrefillPlan(seq.token_start, seq.query_len, rows, rows + block_size)
 
 
+def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> None:
+    """cache.view(-1, kvh, hd)[plan.k_rows] = k; cache.view(-1, kvh, hd)[plan.v_rows] = v (k, v: [T, kvh, hd])."""
+    flat_cache = layer_cache.view(-1, *layer_cache.shape[-2:])  # [rows, kvh, hd]
+    flat_cache.index_copy_(0, plan.k_rows, k)
+    flat_cache.index_copy_(0, plan.v_rows, v)
+
+
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, plan: AttentionPlan
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_cache: torch.Tensor,
+    plan: AttentionPlan,
+    kv_written: bool = False,
 ) -> torch.Tensor:
-    """Write this step's K/V into one layer's cache, then attend over each sequence's context.
+    """Write this step's K/V into one layer's cache (`write_kv`, unless the caller has: `kv_written`), then attend
+    over each sequence's context.
 
     Semantics:
-        cache.view(-1, kvh, hd)[plan.k_rows] = k; cache.view(-1, kvh, hd)[plan.v_rows] = v
         for each sequence: out[rows] = softmax(q[rows] @ K_ctx.T / sqrt(hd) + causal_mask) @ V_ctx
         where query head h reads kv head h // (num_heads // num_kv_heads) (GQA).
     Shapes:
@@ -182,10 +194,9 @@ def paged_attention(
         layer_cache: [num_pages, 2, block_size, num_kv_heads, hd]
         returns [T, num_heads, hd]
     """
-    num_kv_heads, head_dim = layer_cache.shape[-2:]
-    flat_cache = layer_cache.view(-1, num_kv_heads, head_dim)  # [rows, kvh, hd]
-    flat_cache.index_copy_(0, plan.k_rows, k)
-    flat_cache.index_copy_(0, plan.v_rows, v)
+    if not kv_written:
+        write_kv(layer_cache, k, v, plan)
+    flat_cache = layer_cache.view(-1, *layer_cache.shape[-2:])  # [rows, kvh, hd]
     parts = []
     if plan.decode_block_tables is not None and plan.decode_context_lens is not None:
         if plan.decode_backend == "cpp":

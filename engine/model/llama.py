@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 from engine.model.cpu_gemm import PackedLinear, prepack_linears
+from engine.model.layer_ops import LayerOps, TorchLayerOps, layer_ops
 
 if TYPE_CHECKING:
     from engine.model.config import ModelConfig
@@ -53,9 +54,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op at every dtype: in bf16 it accumulates in fp32 and rounds once, where HF rounds the normed
-        # value before scaling it (eight ops a norm; within a bf16 ulp of each other).
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return TorchLayerOps.norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
@@ -112,11 +111,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, hd], cos/sin [T, 1, hd] -> rotated x (a new tensor)."""
-    return x * cos + torch.roll(x, shifts=x.shape[-1] // 2, dims=-1) * sin
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -136,17 +130,15 @@ class LlamaAttention(nn.Module):
         layer_cache: torch.Tensor,
         plan: AttentionPlan,
         lora: LayerLoraDelta | None,
+        ops: LayerOps,
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes this step's K/V into layer_cache."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]: q | k | v
         if lora is not None:
             lora.apply("qkv", qkv, x)  # q, k and v deltas into their columns: one shrink for the three
-        # q and k are adjacent in qkv, so one RoPE call rotates both: [T, H + kvh, hd].
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, layer_cache, plan).reshape(num_tokens, self.q_size)
+        q, k, v = ops.rope_write_kv(qkv, cos, sin, layer_cache, plan, self.num_heads)
+        out = paged_attention(q, k, v, layer_cache, plan, kv_written=True).reshape(num_tokens, self.q_size)
         y = self.o_proj(out)  # [T, hidden]
         if lora is not None:
             lora.apply("o", y, out)
@@ -161,12 +153,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, lora: LayerLoraDelta | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LayerLoraDelta | None, ops: LayerOps) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]: gate | up
         if lora is not None:
             lora.apply("gate_up", gate_up, x)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        act = F.silu(gate) * up  # [T, intermediate]
+        act = ops.silu_mul(gate_up)  # [T, intermediate]
         y = self.down_proj(act)
         if lora is not None:
             lora.apply("down", y, act)
@@ -184,14 +175,24 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         layer_cache: torch.Tensor,
         plan: AttentionPlan,
         lora: LayerLoraDelta | None,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer_cache, plan, lora)
-        return h + self.mlp(self.post_attention_layernorm(h), lora)
+        ops: LayerOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the stream is h + every earlier layer's
+        outputs; the next layer (or the final norm) adds this output to it, fused with its norm."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:  # the first layer: h is the embeddings
+            residual, x = h, ops.norm(h, norm1.weight, norm1.eps)
+        else:
+            x, residual = ops.add_norm(residual, h, norm1.weight, norm1.eps)
+        attended = self.self_attn(x, cos, sin, layer_cache, plan, lora, ops)
+        x, residual = ops.add_norm(residual, attended, norm2.weight, norm2.eps)
+        return self.mlp(x, lora, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -227,14 +228,18 @@ class LlamaForCausalLM(nn.Module):
         interrupt: when given and set, the pass stops before its next layer with StepInterrupted.
         """
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary(positions, h.dtype)
+        ops = layer_ops(h.device)
+        cos, sin = self.rotary(positions, ops.rope_dtype or h.dtype)
         # Gather indices and masks once per step, shared by all layers.
         plan = plan_attention(attn, kv_cache.shape[3], self.config.num_kv_heads, h.dtype)
+        residual = None
         for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache, strict=True)):
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted
-            h = layer(h, cos, sin, layer_cache, plan, None if lora is None else lora.layer(i))
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, layer_cache, plan, None if lora is None else lora.layer(i), ops)
+        if residual is None:  # no layers
+            return ops.norm(h, self.norm.weight, self.norm.eps)
+        return ops.add_norm(residual, h, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab]; call it only on the rows that are sampled (the head is wide)."""

@@ -1,0 +1,70 @@
+// Scalar helpers the CPU ops share (kernels/cpu_lora.cpp, cpu_attention.cpp, cpu_layer.cpp): conversions between
+// the model's dtypes and fp32, and e^x, each written so the compiler vectorizes the loops that call them.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace loragate_cpu {
+
+inline float to_f(float v) { return v; }
+inline float to_f(c10::Half v) { return static_cast<float>(v); }
+inline float to_f(c10::BFloat16 v) {  // the bits, shifted: vectorizes (c10's conversion does not always)
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void store(float* p, float v) { *p = v; }
+inline void store(c10::Half* p, float v) { *p = c10::Half(v); }
+inline void store(c10::BFloat16* p, float v) {  // round to nearest even, as c10; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    p->x = static_cast<uint16_t>((bits >> 16) | 0x40u);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  p->x = static_cast<uint16_t>(bits >> 16);
+}
+
+// v as a T would hold it (stored and read back).
+template <typename T>
+inline float round_to(float v) {
+  T t;
+  store(&t, v);
+  return to_f(t);
+}
+template <>
+inline float round_to<float>(float v) {
+  return v;
+}
+
+// e^x for x <= 0 in a form the compiler vectorizes (std::exp is a scalar call): x = n ln2 + r with |r| <= ln2 / 2
+// (Cody-Waite: ln2 in two parts, the first exact in a few bits, so n ln2 loses nothing), e^r by Cephes' expf
+// polynomial, and 2^n set in the exponent bits. Relative error ~1e-7 (fp32 rounding); below -87 the result is 0
+// (e^-87 ~ 1.6e-38).
+inline float exp_nonpositive(float x) {
+  const float c = std::max(x, -87.f);
+  const float n = std::floor(c * 1.4426950408889634f + 0.5f);
+  const float r = (c - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : p * scale;
+}
+
+}  // namespace loragate_cpu
