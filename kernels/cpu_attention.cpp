@@ -23,10 +23,15 @@
 
 #include "cpu_common.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using loragate_cpu::exp_nonpositive;
 using loragate_cpu::round_to;
+using loragate_cpu::store;
 using loragate_cpu::to_f;
 
 template <typename T>
@@ -111,6 +116,109 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, 
   });
 }
 
+#if defined(__AVX512F__)
+// The same computation with AVX-512 intrinsics for head dims of 32, 64 and 128 (NC = head_dim / 16 vectors of 16
+// floats): a query head's 16-float chunks stay in registers while it meets every key of a page (a dot product is
+// NC fused multiply-adds and one horizontal sum), and its output accumulates in NC registers across the context
+// (no load and store of the sum per position, as the loop above has). K and V rows are converted to fp32 as they
+// are loaded. A page's rows of one kv head are read once per query head of its group, from L1 after the first.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename T, int NC>
+void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
+                   int64_t table_stride, const int64_t* lens, double scale) {
+  constexpr int64_t head_dim = NC * 16;
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1);
+  const int64_t block_size = cache.size(2), num_kv_heads = cache.size(3), group = num_heads / num_kv_heads;
+  const int64_t s_page = cache.stride(0), s_kv = cache.stride(1), s_tok = cache.stride(2), s_head = cache.stride(3);
+  const int64_t q_d = q.stride(0), q_h = q.stride(1), o_d = out.stride(0), o_h = out.stride(1);
+  const T* qp = q.data_ptr<T>();
+  const T* cp = cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+
+  at::parallel_for(0, num_seqs, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores;
+    alignas(64) float row[head_dim];
+    for (int64_t d = lo; d < hi; ++d) {
+      const int64_t n = lens[d];
+      if (n <= 0) {
+        for (int64_t h = 0; h < num_heads; ++h) std::fill_n(op + d * o_d + h * o_h, head_dim, static_cast<T>(0.f));
+        continue;
+      }
+      scores.resize(n);
+      const int64_t* table = tables + d * table_stride;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const int64_t g = h / group;
+        __m512 qv[NC];
+        for (int c = 0; c < NC; ++c) qv[c] = _mm512_mul_ps(load16(qp + d * q_d + h * q_h + 16 * c), vscale);
+        float top = -INFINITY;
+        for (int64_t p0 = 0; p0 < n; p0 += block_size) {  // page by page: no division per position
+          const T* k = cp + table[p0 / block_size] * s_page + g * s_head;
+          const int64_t count = std::min(block_size, n - p0);
+          for (int64_t o = 0; o < count; ++o, k += s_tok) {
+            __m512 acc = _mm512_mul_ps(qv[0], load16(k));
+            for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), acc);
+            const float v = _mm512_reduce_add_ps(acc);
+            scores[p0 + o] = v;
+            top = std::max(top, v);
+          }
+        }
+        float* s = scores.data();
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t p = 0; p < n; ++p) {
+          s[p] = exp_nonpositive(s[p] - top);
+          sum += s[p];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t p = 0; p < n; ++p) s[p] = round_to<T>(s[p] * inv);
+        __m512 acc[NC];
+        for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
+        for (int64_t p0 = 0; p0 < n; p0 += block_size) {
+          const T* v = cp + table[p0 / block_size] * s_page + s_kv + g * s_head;
+          const int64_t count = std::min(block_size, n - p0);
+          for (int64_t o = 0; o < count; ++o, v += s_tok) {
+            const __m512 w = _mm512_set1_ps(s[p0 + o]);
+            for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(w, load16(v + 16 * c), acc[c]);
+          }
+        }
+        for (int c = 0; c < NC; ++c) _mm512_store_ps(row + 16 * c, acc[c]);
+        T* dst = op + d * o_d + h * o_h;
+        for (int64_t e = 0; e < head_dim; ++e) store(dst + e, row[e]);
+      }
+    }
+  });
+}
+#endif
+
+// The AVX-512 loop where the CPU has it and the head dim is one of its sizes; the portable loop elsewhere.
+template <typename T>
+void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
+            int64_t table_stride, const int64_t* lens, double scale) {
+#if defined(__AVX512F__)
+  switch (q.size(2)) {
+    case 32:
+      return decode_avx512<T, 2>(out, q, cache, tables, table_stride, lens, scale);
+    case 64:
+      return decode_avx512<T, 4>(out, q, cache, tables, table_stride, lens, scale);
+    case 128:
+      return decode_avx512<T, 8>(out, q, cache, tables, table_stride, lens, scale);
+    default:
+      break;
+  }
+#endif
+  decode_impl<T>(out, q, cache, tables, table_stride, lens, scale);
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && layer_cache.dim() == 5 && layer_cache.size(1) == 2,
@@ -143,13 +251,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_c
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   switch (q.scalar_type()) {
     case at::kFloat:
-      decode_impl<float>(out, q, layer_cache, tables, table_stride, lens, scale);
+      decode<float>(out, q, layer_cache, tables, table_stride, lens, scale);
       break;
     case at::kBFloat16:
-      decode_impl<c10::BFloat16>(out, q, layer_cache, tables, table_stride, lens, scale);
+      decode<c10::BFloat16>(out, q, layer_cache, tables, table_stride, lens, scale);
       break;
     case at::kHalf:
-      decode_impl<c10::Half>(out, q, layer_cache, tables, table_stride, lens, scale);
+      decode<c10::Half>(out, q, layer_cache, tables, table_stride, lens, scale);
       break;
     default:
       TORCH_CHECK(false, "float32, bfloat16 or float16 only, not ", q.scalar_type());

@@ -30,13 +30,20 @@ def built() -> None:
     assert cpu_ops.load(), f"the CPU ops did not build: {cpu_ops.unavailable_reason()}"
 
 
+# 32, 64, 128: the AVX-512 loop's sizes (where the CPU has AVX-512); 24: the portable loop
+@pytest.mark.parametrize("head_dim", [24, 32, 64, 128])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_the_op_matches_the_oracle_and_the_torch_path(
-    dtype: torch.dtype, num_heads: int, num_kv_heads: int, block_size: int, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    seed = 100 * DTYPES.index(dtype) + 10 * HEADS.index((num_heads, num_kv_heads)) + block_size
+    seed = 1000 * DTYPES.index(dtype) + 100 * HEADS.index((num_heads, num_kv_heads)) + block_size + head_dim
     case = make_case(
         ragged_lens(block_size),
         num_heads=num_heads,
@@ -44,6 +51,7 @@ def test_the_op_matches_the_oracle_and_the_torch_path(
         block_size=block_size,
         dtype=dtype,
         seed=seed,
+        head_dim=head_dim,
     )
     out = paged_decode_attention_cpu(case.q, case.cache_after_write(), case.block_tables, case.context_lens)
     assert out.dtype == dtype and out.shape == case.q.shape
