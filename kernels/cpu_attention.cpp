@@ -23,9 +23,6 @@
 
 #include "cpu_common.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -122,14 +119,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, 
 // NC fused multiply-adds and one horizontal sum), and its output accumulates in NC registers across the context
 // (no load and store of the sum per position, as the loop above has). K and V rows are converted to fp32 as they
 // are loaded. A page's rows of one kv head are read once per query head of its group, from L1 after the first.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using loragate_cpu::load16;
 
 template <typename T, int NC>
 void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,

@@ -68,6 +68,35 @@ constexpr bool kBf16Dots = false;
 
 constexpr int64_t kCols = 64;  // output columns per expand work item
 
+#if defined(__AVX512F__)
+using loragate_cpu::load16;
+using loragate_cpu::store16;
+
+// y[R rows, 64 columns] += h[R rows, r] @ B.T[r, 64 columns] with the 4 x R sums in registers: each B.T row is
+// converted once for the R rows, and each y row is read, added to and rounded once.
+template <typename T, int R>
+inline void expand_rows(const T* b_t, int64_t out, int64_t r, const float* h, int64_t h_width, T* y,
+                        int64_t y_stride) {
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < r; ++q) {
+    const T* row = b_t + q * out;
+    __m512 b[4];
+    for (int c = 0; c < 4; ++c) b[c] = load16(row + 16 * c);
+    for (int i = 0; i < R; ++i) {
+      const __m512 hv = _mm512_set1_ps(h[i * h_width + q]);
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_fmadd_ps(b[c], hv, acc[i][c]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    T* yr = y + i * y_stride;
+    for (int c = 0; c < 4; ++c) store16(yr + 16 * c, _mm512_add_ps(load16(yr + 16 * c), acc[i][c]));
+  }
+}
+static_assert(kCols == 64, "expand_rows holds 64 columns in four registers");
+#endif
+
 struct ExpandItem {
   int64_t seg, module, col0;
 };
@@ -156,6 +185,16 @@ void group_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& pool, cons
       const int64_t width = std::min(kCols, out - item.col0), h_col = h_cols[m * num_slots + k];
       const T* b_t = pp + b_off[m * num_slots + k] + item.col0;  // column col0 of B.T [r, out]
       int64_t t = starts[item.seg];
+#if defined(__AVX512F__)
+      if (width == kCols) {
+        const float* ht = h.data() + (t - row0) * h_width + h_col;
+        T* yt = yp + t * y_stride + out_cols[m] + item.col0;
+        for (; t + 4 <= starts[item.seg + 1]; t += 4, ht += 4 * h_width, yt += 4 * y_stride)
+          expand_rows<T, 4>(b_t, out, r, ht, h_width, yt, y_stride);
+        for (; t < starts[item.seg + 1]; ++t, ht += h_width, yt += y_stride)
+          expand_rows<T, 1>(b_t, out, r, ht, h_width, yt, y_stride);
+      }
+#endif
       if (width == kCols) {
         for (; t + 2 <= starts[item.seg + 1]; t += 2) {  // two rows per read of each B row
           float acc0[kCols] = {0.f}, acc1[kCols] = {0.f};
