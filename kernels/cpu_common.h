@@ -96,4 +96,23 @@ inline void store16(c10::Half* p, __m512 v) {
 }
 #endif
 
+// A row of n elements to fp32 and back (rounded to nearest even), 16 at a time where the CPU has AVX-512.
+template <typename T>
+inline void to_float_row(const T* src, float* dst, int64_t n) {
+  int64_t e = 0;
+#if defined(__AVX512F__)
+  for (; e + 16 <= n; e += 16) _mm512_storeu_ps(dst + e, load16(src + e));
+#endif
+  for (; e < n; ++e) dst[e] = to_f(src[e]);
+}
+
+template <typename T>
+inline void from_float_row(const float* src, T* dst, int64_t n) {
+  int64_t e = 0;
+#if defined(__AVX512F__)
+  for (; e + 16 <= n; e += 16) store16(dst + e, _mm512_loadu_ps(src + e));
+#endif
+  for (; e < n; ++e) store(dst + e, src[e]);
+}
+
 }  // namespace loragate_cpu

@@ -22,9 +22,8 @@
 namespace {
 
 using loragate_cpu::exp_nonpositive;
-using loragate_cpu::round_to;
-using loragate_cpu::store;
-using loragate_cpu::to_f;
+using loragate_cpu::from_float_row;
+using loragate_cpu::to_float_row;
 
 // Rows per task: enough elements that a task outweighs handing it to a thread.
 int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
@@ -37,28 +36,27 @@ void check_rows(const at::Tensor& t, const char* name) {
 template <typename T>
 void norm_rows(const T* in, int64_t in_stride, const T* add, int64_t add_stride, T* res, int64_t res_stride,
                const T* w, T* out, int64_t out_stride, int64_t rows, int64_t n, float eps) {
+  std::vector<float> wf(n);
+  to_float_row(w, wf.data(), n);
   at::parallel_for(0, rows, grain(n), [&](int64_t lo, int64_t hi) {
-    std::vector<float> row(n);
+    std::vector<float> row(n), other(n);
+    float* r = row.data();
     for (int64_t t = lo; t < hi; ++t) {
-      float* r = row.data();
-      const T* a = in + t * in_stride;
+      to_float_row(in + t * in_stride, r, n);
       if (add != nullptr) {  // residual (in) += add, rounded as the residual's dtype holds it
-        const T* b = add + t * add_stride;
-        T* dst = res + t * res_stride;
-        for (int64_t e = 0; e < n; ++e) {
-          store(dst + e, to_f(a[e]) + to_f(b[e]));
-          r[e] = to_f(dst[e]);
-        }
-      } else {
+        to_float_row(add + t * add_stride, other.data(), n);
 #pragma omp simd
-        for (int64_t e = 0; e < n; ++e) r[e] = to_f(a[e]);
+        for (int64_t e = 0; e < n; ++e) r[e] += other[e];
+        from_float_row(r, res + t * res_stride, n);
+        to_float_row(res + t * res_stride, r, n);
       }
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t e = 0; e < n; ++e) ss += r[e] * r[e];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-      T* o = out + t * out_stride;
-      for (int64_t e = 0; e < n; ++e) store(o + e, r[e] * inv * to_f(w[e]));
+#pragma omp simd
+      for (int64_t e = 0; e < n; ++e) r[e] = r[e] * inv * wf[e];
+      from_float_row(r, out + t * out_stride, n);
     }
   });
 }
@@ -140,10 +138,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       for (int64_t t = lo; t < hi; ++t) {
         const T* g = in + t * in_stride;
         T* dst = o + t * n;
-        for (int64_t e = 0; e < n; ++e) gate[e] = to_f(g[e]);
-        for (int64_t e = 0; e < n; ++e) up[e] = to_f(g[n + e]);
+        to_float_row(g, gate.data(), n);
+        to_float_row(g + n, up.data(), n);
         silu_mul_f32(gate.data(), up.data(), n);
-        for (int64_t e = 0; e < n; ++e) store(dst + e, gate[e]);
+        from_float_row(gate.data(), dst, n);
       }
     });
   });
@@ -185,18 +183,19 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
     const int64_t* vr = v_rows.data_ptr<int64_t>();
     const int64_t stride = qkv.stride(0);
     at::parallel_for(0, tokens, grain(qkv.size(1)), [&](int64_t lo, int64_t hi) {
-      std::vector<float> x(hd);
+      std::vector<float> x(hd), y(hd);
       for (int64_t t = lo; t < hi; ++t) {
         T* row = base + t * stride;
         const float* c = cp + t * hd;
         const float* s = sp + t * hd;
         for (int64_t h = 0; h < rotated; ++h) {
           T* head = row + h * hd;
-          for (int64_t e = 0; e < hd; ++e) x[e] = to_f(head[e]);
+          to_float_row(head, x.data(), hd);
 #pragma omp simd
-          for (int64_t e = 0; e < half; ++e) store(head + e, x[e] * c[e] + x[e + half] * s[e]);
+          for (int64_t e = 0; e < half; ++e) y[e] = x[e] * c[e] + x[e + half] * s[e];
 #pragma omp simd
-          for (int64_t e = half; e < hd; ++e) store(head + e, x[e] * c[e] + x[e - half] * s[e]);
+          for (int64_t e = half; e < hd; ++e) y[e] = x[e] * c[e] + x[e - half] * s[e];
+          from_float_row(y.data(), head, hd);
         }
         std::memcpy(cache + kr[t] * row_elems, row + num_heads * hd, row_elems * sizeof(T));
         std::memcpy(cache + vr[t] * row_elems, row + rotated * hd, row_elems * sizeof(T));
