@@ -19,7 +19,10 @@ from engine.core.scheduler import SchedulerOutput
 
 from lora_fixtures import load_peft_model, peft_greedy
 
-TOL = 1e-4
+# Against HF's fp32 logprobs on the tiny random model, which carries last-bit differences far: the CPU's C++ layer
+# ops sum in another order than torch (~1e-4 here; one ulp of noise on a norm moves its logits by ~1.7e-4,
+# tests/engine/test_model.py `hf_atol`). A wrong position or adapter is off by more than 1e-2.
+TOL = 3e-4
 K = 4
 # Small steps: a 75-token prompt takes ten prefill chunks.
 CHUNKED = dict(max_batch_tokens=16, max_prefill_tokens=8, block_size=4)
@@ -114,7 +117,7 @@ def test_adapters_match_peft(tiny_model_dir, tiny_adapters, prompts) -> None:
     for name, adapter_dir in [(None, None), *tiny_adapters.items()]:
         reference = hf_logprobs(tiny_model_dir, adapter_dir, prompts[4])
         if adapter_dir is not None:
-            assert (reference - base).abs().max() > 100 * TOL  # the adapter changes the logprobs
+            assert (reference - base).abs().max() > 1e-2  # the adapter changes the logprobs
         assert_matches(outputs[f"{name}"][0].prompt_logprobs, reference, prompts[4], K)
 
 
