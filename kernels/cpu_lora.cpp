@@ -35,34 +35,29 @@ using loragate_cpu::to_f;
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
-// bf16 x bf16 dot products on the CPU's bf16 units (vdpbf16ps: pairs multiplied exactly, summed in fp32).
-inline void dot4_bf16(const c10::BFloat16* a, const c10::BFloat16* x0, int64_t stride, int64_t d, float* out) {
-  __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps(), c2 = _mm512_setzero_ps(), c3 = _mm512_setzero_ps();
-  const c10::BFloat16 *x1 = x0 + stride, *x2 = x1 + stride, *x3 = x2 + stride;
+// bf16 x bf16 dot products on the CPU's bf16 units (vdpbf16ps: pairs multiplied exactly, summed in fp32): one A
+// row against N rows of x, `stride` elements apart.
+template <int N>
+inline void dot_bf16(const c10::BFloat16* a, const c10::BFloat16* x0, int64_t stride, int64_t d, float* out) {
+  __m512 c[N];
+  for (int i = 0; i < N; ++i) c[i] = _mm512_setzero_ps();
   int64_t e = 0;
   for (; e + 32 <= d; e += 32) {
     const __m512bh av = (__m512bh)_mm512_loadu_si512(a + e);
-    c0 = _mm512_dpbf16_ps(c0, av, (__m512bh)_mm512_loadu_si512(x0 + e));
-    c1 = _mm512_dpbf16_ps(c1, av, (__m512bh)_mm512_loadu_si512(x1 + e));
-    c2 = _mm512_dpbf16_ps(c2, av, (__m512bh)_mm512_loadu_si512(x2 + e));
-    c3 = _mm512_dpbf16_ps(c3, av, (__m512bh)_mm512_loadu_si512(x3 + e));
+    for (int i = 0; i < N; ++i) c[i] = _mm512_dpbf16_ps(c[i], av, (__m512bh)_mm512_loadu_si512(x0 + i * stride + e));
   }
   if (e < d) {
     const __mmask32 k = (__mmask32)((1ull << (d - e)) - 1);
     const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(k, a + e);
-    c0 = _mm512_dpbf16_ps(c0, av, (__m512bh)_mm512_maskz_loadu_epi16(k, x0 + e));
-    c1 = _mm512_dpbf16_ps(c1, av, (__m512bh)_mm512_maskz_loadu_epi16(k, x1 + e));
-    c2 = _mm512_dpbf16_ps(c2, av, (__m512bh)_mm512_maskz_loadu_epi16(k, x2 + e));
-    c3 = _mm512_dpbf16_ps(c3, av, (__m512bh)_mm512_maskz_loadu_epi16(k, x3 + e));
+    for (int i = 0; i < N; ++i)
+      c[i] = _mm512_dpbf16_ps(c[i], av, (__m512bh)_mm512_maskz_loadu_epi16(k, x0 + i * stride + e));
   }
-  out[0] = _mm512_reduce_add_ps(c0);
-  out[1] = _mm512_reduce_add_ps(c1);
-  out[2] = _mm512_reduce_add_ps(c2);
-  out[3] = _mm512_reduce_add_ps(c3);
+  for (int i = 0; i < N; ++i) out[i] = _mm512_reduce_add_ps(c[i]);
 }
 constexpr bool kBf16Dots = true;
 #else
-inline void dot4_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, float*) {}
+template <int N>
+inline void dot_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, float*) {}
 constexpr bool kBf16Dots = false;
 #endif
 
@@ -145,10 +140,11 @@ void group_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& pool, cons
       if constexpr (std::is_same_v<T, c10::BFloat16> && kBf16Dots) {
         for (; t + 4 <= starts[s + 1]; t += 4) {
           float c[4];
-          dot4_bf16(a, xp + t * x_stride, x_stride, d, c);
+          dot_bf16<4>(a, xp + t * x_stride, x_stride, d, c);
           float* hp = h.data() + (t - row0) * h_width + j;
           for (int q = 0; q < 4; ++q) hp[q * h_width] = c[q];
         }
+        for (; t < starts[s + 1]; ++t) dot_bf16<1>(a, xp + t * x_stride, x_stride, d, &h[(t - row0) * h_width + j]);
       }
       for (; t + 4 <= starts[s + 1]; t += 4) {  // four rows per read of the A row
         const T *x0 = xp + t * x_stride, *x1 = x0 + x_stride, *x2 = x1 + x_stride, *x3 = x2 + x_stride;
