@@ -31,6 +31,20 @@ using loragate_cpu::round_to;
 using loragate_cpu::store;
 using loragate_cpu::to_f;
 
+// s[0, n) <- the softmax of s (whose maximum is top), each probability rounded to the cache's dtype T.
+template <typename T>
+inline void softmax_row(float* s, int64_t n, float top) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t p = 0; p < n; ++p) {
+    s[p] = exp_nonpositive(s[p] - top);
+    sum += s[p];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t p = 0; p < n; ++p) s[p] = round_to<T>(s[p] * inv);
+}
+
 template <typename T>
 void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
                  int64_t table_stride, const int64_t* lens, double scale) {
@@ -80,14 +94,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, 
         float top = s[0];
 #pragma omp simd reduction(max : top)
         for (int64_t p = 0; p < n; ++p) top = std::max(top, s[p]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < n; ++p) {
-          s[p] = exp_nonpositive(s[p] - top);
-          sum += s[p];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t p = 0; p < n; ++p) s[p] = round_to<T>(s[p] * inv);
+        softmax_row<T>(s, n, top);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p0 = 0; p0 < n; p0 += block_size) {
@@ -162,15 +169,7 @@ void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache
           }
         }
         float* s = scores.data();
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < n; ++p) {
-          s[p] = exp_nonpositive(s[p] - top);
-          sum += s[p];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t p = 0; p < n; ++p) s[p] = round_to<T>(s[p] * inv);
+        softmax_row<T>(s, n, top);
         __m512 acc[NC];
         for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
         for (int64_t p0 = 0; p0 < n; p0 += block_size) {
