@@ -7,9 +7,9 @@ twins are in engine/model/layer_ops.py). `cpu_ops.py` builds the C++ ops.
 `lora_backend(device)` and `attention_backend(device)` are the seams: "triton" for CUDA tensors; for CPU ones "cpp"
 where kernels/cpu_ops.py could build its ops, else "torch". The environment variables LORAGATE_LORA_BACKEND and
 LORAGATE_ATTENTION_BACKEND (torch|triton|cpp) force one: the tests run the Triton kernels on CPU tensors this way,
-under Triton's interpreter (kernels/triton_jit.py), and the torch paths. `layer_backend(device)` is the layer ops'
-seam ("cpp" or "torch"; CUDA runs torch's; LORAGATE_LAYER_BACKEND forces one). Importing triton is left to the caller
-that needs it.
+under Triton's interpreter (kernels/triton_jit.py), and the torch paths. `layer_backend(device)` is the seam of the
+layer ops and the sampler's greedy pick ("cpp" or "torch"; CUDA runs torch's; LORAGATE_LAYER_BACKEND forces one).
+Importing triton is left to the caller that needs it.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def attention_backend(device: torch.device) -> str:
 
 
 def layer_backend(device: torch.device) -> str:
-    """How a decoder layer's norms, RoPE and activation run (engine/model/layer_ops.py): "cpp" on a CPU where the
-    C++ ops build, else "torch" (CUDA included); LORAGATE_LAYER_BACKEND=torch|cpp forces one."""
+    """How a decoder layer's norms, RoPE and activation run (engine/model/layer_ops.py), and the sampler's greedy
+    pick (engine/worker/sampler.py): "cpp" on a CPU where the C++ ops build, else "torch" (CUDA included);
+    LORAGATE_LAYER_BACKEND=torch|cpp forces one."""
     return _backend("LORAGATE_LAYER_BACKEND", device, gpu="torch", choices=("torch", "cpp"))

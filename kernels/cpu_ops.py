@@ -1,6 +1,7 @@
 """The CPU path's C++ ops, built once per machine: batched LoRA (kernels/cpu_lora.cpp), paged decode attention
-(kernels/cpu_attention.cpp) and a decoder layer's fused elementwise ops (kernels/cpu_layer.cpp: RMSNorm with the
-residual add, SiLU-and-mul, RoPE with the K/V cache write), registered as `torch.ops.loragate_cpu.*`.
+(kernels/cpu_attention.cpp), a decoder layer's fused elementwise ops (kernels/cpu_layer.cpp: RMSNorm with the
+residual add, SiLU-and-mul, RoPE with the K/V cache write) and the greedy pick (kernels/cpu_sampling.cpp),
+registered as `torch.ops.loragate_cpu.*`.
 
 Why C++: a step of 32 decodes over 8 adapters is, on SmolLM2, ~2,600 tiny matmuls per step as torch ops
 (`lora_sgmv_group`, the twin), and ~330 batched ones over per-step weight copies padded to the step's largest
@@ -37,7 +38,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_lora.cpp", "cpu_attention.cpp", "cpu_layer.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("cpu_lora.cpp", "cpu_attention.cpp", "cpu_layer.cpp", "cpu_sampling.cpp")
+]
 HEADERS = [Path(__file__).with_name("cpu_common.h")]
 # -fno-trapping-math lets GCC vectorize the float -> int conversion in the ops' e^x (no value changes).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
@@ -185,3 +188,15 @@ def rope_write_kv_cpu(
     Raises RuntimeError on a row outside the cache (checked before anything is written).
     """
     torch.ops.loragate_cpu.rope_write_kv(qkv, cos, sin, layer_cache, k_rows, v_rows, num_heads)
+
+
+def greedy_rows_cpu(logits: torch.Tensor, banned: torch.Tensor, non_finite: int, no_token: int) -> list[int]:
+    """Each row's first maximal index over the columns not in `banned`, in one pass: `non_finite` for a row with
+    a NaN or infinite logit (banned columns included), `no_token` where every column is banned.
+
+    Shapes:
+        logits: [B, V]  fp32, bf16 or fp16, columns contiguous, rows any stride
+        banned: [n]     int64 column ids within [0, V) (duplicates allowed); empty for none
+    Raises RuntimeError on a banned id outside the vocabulary.
+    """
+    return torch.ops.loragate_cpu.greedy_rows(logits, banned, non_finite, no_token).tolist()

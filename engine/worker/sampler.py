@@ -27,6 +27,8 @@ import torch
 
 from engine.core.request import Request, TokenLogprob
 from engine.worker.token_masks import apply_logit_bias, constrained_copy
+from kernels import layer_backend
+from kernels.cpu_ops import greedy_rows_cpu
 
 _NEG_INF = float("-inf")
 # Top-p looks for the nucleus among this many most likely tokens before falling back to a full sort.
@@ -105,6 +107,10 @@ class Sampler:
         plain = all(map(_is_plain_greedy, requests))
         if plain and logits.device.type != "cpu":  # one wait for the device, not two
             return SamplerOutput(greedy_one_copy(logits), [None] * len(requests))
+        if all(r.sampling_params.plain_greedy for r in requests):
+            picked = self._greedy_cpp(logits, requests, plain)
+            if picked is not None:
+                return SamplerOutput(picked, [None] * len(requests))
         ok = finite_rows(logits)  # [B]
         if plain:
             # Hot path: one batched argmax, no copies.
@@ -188,6 +194,23 @@ class Sampler:
         rows, cols = self._banned(requests, logits.shape[1])
         if rows:
             logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
+
+    def _greedy_cpp(self, logits: torch.Tensor, requests: Sequence[Request], plain: bool) -> list[int] | None:
+        """Greedy rows' tokens in one pass of kernels/cpu_sampling.cpp (argmax, finiteness and the EOS mask of
+        min_tokens together), where the CPU's C++ ops run and every row is plain or masks EOS alone (W1's rows);
+        None otherwise. The same tokens as the torch path below (`finite_rows`, `argmax_list`, `_greedy_masked`)."""
+        if logits.device.type != "cpu" or layer_backend(logits.device) != "cpp":
+            return None
+        if plain:
+            banned = torch.empty(0, dtype=torch.long)
+        elif all(
+            r.num_output_tokens < r.sampling_params.min_tokens and not r.sampling_params.stop_token_ids
+            for r in requests
+        ):
+            banned = self._eos_columns(logits.shape[1], logits.device)
+        else:
+            return None
+        return greedy_rows_cpu(logits, banned, NON_FINITE, NO_TOKEN)
 
     def _greedy_masked(self, logits: torch.Tensor, requests: Sequence[Request], finite: list[bool]) -> list[int]:
         """Argmax per row after the min_tokens mask; NON_FINITE for a row whose logits are not all finite, NO_TOKEN
