@@ -4,10 +4,11 @@
 // GPU's Triton twin and states the same semantics).
 //
 // One work item per sequence serves all its heads: each K/V row is read once per step, for the `group = num_heads /
-// num_kv_heads` query heads that share its kv head (GQA), and a page is read front to back. Scores, the softmax and the output accumulate in fp32;
-// probabilities are rounded to the cache's dtype before the product with V, as the torch path and the Triton kernel
-// do. Positions at or past a sequence's context length are never read (the tail of its last block and the pages
-// its table's padding names may hold another request's NaN/inf); a row with context length 0 gets zeros.
+// num_kv_heads` query heads that share its kv head (GQA), and a page is read front to back. Scores, the softmax and
+// the output accumulate in fp32; probabilities are rounded to the cache's dtype before the product with V, as the
+// torch path and the Triton kernel do. Positions at or past a sequence's context length are never read (the tail of
+// its last block and the pages its table's padding names may hold another request's NaN/inf); a row with context
+// length 0 gets zeros.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -10,9 +10,9 @@
 // Products and sums in fp32 whatever the weights' dtype (fp32, bf16 or fp16); y is read, added to and rounded
 // once. Work is split over (segment, rank row) for the shrink and (segment, module, 64 output columns) for the
 // expand, through ATen's intra-op thread pool (torch.set_num_threads applies). Each weight is read once per
-// step (rows go four at a time through the shrink and two at a time through the expand, so a prefill chunk reads
-// each weight once per few rows): at serving sizes a memory-bound loop over the adapters' bytes, with no padding
-// to a common rank and no copy of the weights.
+// step (rows go four at a time through the shrink and the expand, so a prefill chunk reads each weight once per few
+// rows): at serving sizes a memory-bound loop over the adapters' bytes, with no padding to a common rank and no copy
+// of the weights, each work item prefetching the next one's.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,16 +33,27 @@ namespace {
 using loragate_cpu::store;
 using loragate_cpu::to_f;
 
+// Ask for `bytes` from p ahead of their use. An adapter's rows are short, strided (B.T's column blocks) and
+// scattered over the pool, and the step's GEMMs have pushed them out of the caches since the last step: the
+// hardware prefetchers follow them poorly. Each work item asks for the next one's weights (the shrink: the A row two
+// rows ahead, within its dot loop; the expand: the next item's B.T block).
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(static_cast<const char*>(p) + l, 0, 3);
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 // bf16 x bf16 dot products on the CPU's bf16 units (vdpbf16ps: pairs multiplied exactly, summed in fp32): one A
-// row against N rows of x, `stride` elements apart.
+// row against N rows of x, `stride` elements apart, into out[0], out[out_stride], ...; the A row two rows ahead is
+// prefetched as this one is read.
 template <int N>
-inline void dot_bf16(const c10::BFloat16* a, const c10::BFloat16* x0, int64_t stride, int64_t d, float* out) {
+inline void dot_bf16(const c10::BFloat16* a, const c10::BFloat16* x0, int64_t stride, int64_t d, float* out,
+                     int64_t out_stride) {
   __m512 c[N];
   for (int i = 0; i < N; ++i) c[i] = _mm512_setzero_ps();
   int64_t e = 0;
   for (; e + 32 <= d; e += 32) {
+    __builtin_prefetch(a + e + 2 * d, 0, 3);
     const __m512bh av = (__m512bh)_mm512_loadu_si512(a + e);
     for (int i = 0; i < N; ++i) c[i] = _mm512_dpbf16_ps(c[i], av, (__m512bh)_mm512_loadu_si512(x0 + i * stride + e));
   }
@@ -52,12 +63,12 @@ inline void dot_bf16(const c10::BFloat16* a, const c10::BFloat16* x0, int64_t st
     for (int i = 0; i < N; ++i)
       c[i] = _mm512_dpbf16_ps(c[i], av, (__m512bh)_mm512_maskz_loadu_epi16(k, x0 + i * stride + e));
   }
-  for (int i = 0; i < N; ++i) out[i] = _mm512_reduce_add_ps(c[i]);
+  for (int i = 0; i < N; ++i) out[i * out_stride] = _mm512_reduce_add_ps(c[i]);
 }
 constexpr bool kBf16Dots = true;
 #else
 template <int N>
-inline void dot_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, float*) {}
+inline void dot_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, float*, int64_t) {}
 constexpr bool kBf16Dots = false;
 #endif
 
@@ -66,6 +77,25 @@ constexpr int64_t kCols = 64;  // output columns per expand work item
 #if defined(__AVX512F__)
 using loragate_cpu::load16;
 using loragate_cpu::store16;
+
+// The same dot products for any dtype, converted to fp32 as loaded (fp32 and fp16 weights; bf16 ones on CPUs
+// without the bf16 dot instructions), with the same prefetch.
+template <typename T, int N>
+inline void dot_rows(const T* a, const T* x0, int64_t stride, int64_t d, float* out, int64_t out_stride) {
+  __m512 c[N];
+  for (int i = 0; i < N; ++i) c[i] = _mm512_setzero_ps();
+  int64_t e = 0;
+  for (; e + 16 <= d; e += 16) {
+    __builtin_prefetch(a + e + 2 * d, 0, 3);
+    const __m512 av = load16(a + e);
+    for (int i = 0; i < N; ++i) c[i] = _mm512_fmadd_ps(av, load16(x0 + i * stride + e), c[i]);
+  }
+  for (int i = 0; i < N; ++i) {
+    float sum = _mm512_reduce_add_ps(c[i]);
+    for (int64_t t = e; t < d; ++t) sum += to_f(a[t]) * to_f(x0[i * stride + t]);
+    out[i * out_stride] = sum;
+  }
+}
 
 // y[R rows, 64 columns] += h[R rows, r] @ B.T[r, 64 columns] with the 4 x R sums in registers: each B.T row is
 // converted once for the R rows, and each y row is read, added to and rounded once.
@@ -137,16 +167,18 @@ void group_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& pool, cons
       const auto [s, j] = shrink[i];
       const T* a = pp + a_off[slots[s]] + j * d;
       int64_t t = starts[s];
+      float* ht = h.data() + (t - row0) * h_width + j;  // h[t, j]
       if constexpr (std::is_same_v<T, c10::BFloat16> && kBf16Dots) {
-        for (; t + 4 <= starts[s + 1]; t += 4) {
-          float c[4];
-          dot_bf16<4>(a, xp + t * x_stride, x_stride, d, c);
-          float* hp = h.data() + (t - row0) * h_width + j;
-          for (int q = 0; q < 4; ++q) hp[q * h_width] = c[q];
-        }
-        for (; t < starts[s + 1]; ++t) dot_bf16<1>(a, xp + t * x_stride, x_stride, d, &h[(t - row0) * h_width + j]);
+        for (; t + 4 <= starts[s + 1]; t += 4, ht += 4 * h_width)
+          dot_bf16<4>(a, xp + t * x_stride, x_stride, d, ht, h_width);
+        for (; t < starts[s + 1]; ++t, ht += h_width) dot_bf16<1>(a, xp + t * x_stride, x_stride, d, ht, h_width);
       }
-      for (; t + 4 <= starts[s + 1]; t += 4) {  // four rows per read of the A row
+#if defined(__AVX512F__)
+      for (; t + 4 <= starts[s + 1]; t += 4, ht += 4 * h_width)
+        dot_rows<T, 4>(a, xp + t * x_stride, x_stride, d, ht, h_width);
+      for (; t < starts[s + 1]; ++t, ht += h_width) dot_rows<T, 1>(a, xp + t * x_stride, x_stride, d, ht, h_width);
+#endif
+      for (; t + 4 <= starts[s + 1]; t += 4) {  // without AVX-512: four rows per read of the A row
         const T *x0 = xp + t * x_stride, *x1 = x0 + x_stride, *x2 = x1 + x_stride, *x3 = x2 + x_stride;
         float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
 #pragma omp simd reduction(+ : c0, c1, c2, c3)
@@ -180,6 +212,13 @@ void group_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& pool, cons
       const int64_t r = ranks[m * num_slots + k], out = out_cols[m + 1] - out_cols[m];
       const int64_t width = std::min(kCols, out - item.col0), h_col = h_cols[m * num_slots + k];
       const T* b_t = pp + b_off[m * num_slots + k] + item.col0;  // column col0 of B.T [r, out]
+      if (i + 1 < hi) {  // the next item's block of B.T
+        const ExpandItem next = expand[i + 1];
+        const int64_t nk = slots[next.seg], nm = next.module, n_out = out_cols[nm + 1] - out_cols[nm];
+        const T* nb = pp + b_off[nm * num_slots + nk] + next.col0;
+        const int64_t bytes = std::min(kCols, n_out - next.col0) * static_cast<int64_t>(sizeof(T));
+        for (int64_t q = 0; q < ranks[nm * num_slots + nk]; ++q) prefetch(nb + q * n_out, bytes);
+      }
       int64_t t = starts[item.seg];
 #if defined(__AVX512F__)
       if (width == kCols) {
