@@ -137,9 +137,18 @@ void group_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& pool, cons
   const T* pp = pool.data_ptr<T>();
   T* yp = y.data_ptr<T>();
 
+  // The work lists and h, kept by the calling thread from call to call: a step makes 120 calls (SmolLM2), each
+  // with the same few hundred items, and an allocation each costs more than a decode step's shrink of a group.
+  // (Named through references: the worker threads must see the caller's, not their own thread_local copies.)
+  thread_local std::vector<std::pair<int64_t, int64_t>> shrink_items;  // (segment, rank row)
+  thread_local std::vector<ExpandItem> expand_items;
+  thread_local std::vector<float> h_rows;
+  auto& shrink = shrink_items;
+  auto& expand = expand_items;
+  auto& h = h_rows;
+  shrink.clear();
+  expand.clear();
   int64_t h_width = 0;
-  std::vector<std::pair<int64_t, int64_t>> shrink;  // (segment, rank row)
-  std::vector<ExpandItem> expand;
   for (int64_t s = 0; s < num_segs; ++s) {
     const int64_t k = slots[s], rows = starts[s + 1] - starts[s];
     TORCH_CHECK(k >= 0 && k < num_slots, "segment ", s, " names slot ", k, " of ", num_slots);
@@ -160,7 +169,7 @@ void group_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& pool, cons
   }
   if (shrink.empty()) return;
   const int64_t row0 = starts[0];
-  std::vector<float> h(static_cast<size_t>(starts[num_segs] - row0) * h_width);
+  h.resize(static_cast<size_t>(starts[num_segs] - row0) * h_width);  // every entry the expand reads is written first
 
   at::parallel_for(0, static_cast<int64_t>(shrink.size()), 8, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {

@@ -18,6 +18,7 @@ import torch
 
 from engine.lora.peft_config import GROUPS, module_features
 from engine.model.config import ModelConfig
+from kernels.cpu_ops import lora_sgmv_group_cpu
 from kernels.reference import lora_bmm_group, lora_sgmv_group
 
 
@@ -121,8 +122,6 @@ class LayerLora:
             )
             return
         if batch.segments is not None:  # CPU, the C++ op (kernels/cpu_ops.py)
-            from kernels.cpu_ops import lora_sgmv_group_cpu
-
             starts, slots = batch.segments
             lora_sgmv_group_cpu(y, x, starts, slots, w.layer_pools[i], w.mirror.tables[i][group], w.out_cols[group])
             return
