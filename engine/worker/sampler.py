@@ -80,6 +80,13 @@ def _is_plain_greedy(request: Request) -> bool:
     return p.plain_greedy and len(request.output_token_ids) >= p.min_tokens
 
 
+def _mask_eos_alone(requests: Sequence[Request]) -> bool:
+    """True when every row is below its min_tokens with no stop ids: min_tokens masks EOS alone (W1's rows)."""
+    return all(
+        r.num_output_tokens < r.sampling_params.min_tokens and not r.sampling_params.stop_token_ids for r in requests
+    )
+
+
 class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...], *, seed: int | None = None) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
@@ -107,7 +114,8 @@ class Sampler:
         plain = all(map(_is_plain_greedy, requests))
         if plain and logits.device.type != "cpu":  # one wait for the device, not two
             return SamplerOutput(greedy_one_copy(logits), [None] * len(requests))
-        if all(r.sampling_params.plain_greedy for r in requests):
+        greedy = all(r.sampling_params.plain_greedy for r in requests)
+        if greedy:
             picked = self._greedy_cpp(logits, requests, plain)
             if picked is not None:
                 return SamplerOutput(picked, [None] * len(requests))
@@ -115,7 +123,7 @@ class Sampler:
         if plain:
             # Hot path: one batched argmax, no copies.
             return SamplerOutput(_unless_finite(ok, argmax_list(logits)), [None] * len(requests))
-        if all(r.sampling_params.plain_greedy for r in requests):
+        if greedy:
             # Greedy rows that only need EOS and stop ids masked (min_tokens): the same, after one masked write.
             return SamplerOutput(self._greedy_masked(logits, requests, ok), [None] * len(requests))
         if all(ok):
@@ -203,10 +211,7 @@ class Sampler:
             return None
         if plain:
             banned = torch.empty(0, dtype=torch.long)
-        elif all(
-            r.num_output_tokens < r.sampling_params.min_tokens and not r.sampling_params.stop_token_ids
-            for r in requests
-        ):
+        elif _mask_eos_alone(requests):
             banned = self._eos_columns(logits.shape[1], logits.device)
         else:
             return None
@@ -217,10 +222,7 @@ class Sampler:
         for a row whose every token is masked. The mask is written into `logits` and the entries put back after:
         a copy of the whole batch would cost a third of the argmax (32 rows of a 49,152-token vocabulary)."""
         vocab = logits.shape[1]
-        eos_only = all(
-            r.num_output_tokens < r.sampling_params.min_tokens and not r.sampling_params.stop_token_ids
-            for r in requests
-        )  # W1's case: every row masks EOS alone, one column index for all rows
+        eos_only = _mask_eos_alone(requests)  # one column index for all rows
         if eos_only:
             index: tuple[torch.Tensor | slice, torch.Tensor] = (slice(None), self._eos_columns(vocab, logits.device))
         else:
