@@ -15,6 +15,7 @@ A tied LM head gets its own packed copy of the embedding matrix (the lookup stil
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -71,6 +72,21 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN lays out weights of `dtype` on this CPU. Asked of oneDNN itself, with a tiny weight: its bf16
+    path needs AVX-512 (bw, vl, dq) or avx_ne_convert, and on an AVX2-only CPU the reorder raises (such a CPU
+    serves bf16 through plain F.linear instead)."""
+    if dtype not in PACKED_DTYPES or not onednn_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), PACK_ROWS_HINT)
+    except RuntimeError as exc:
+        logger.info("oneDNN does not pack %s weights on this CPU (%s); plain F.linear serves them", dtype, exc)
+        return False
+    return True
+
+
 class PackedLinear(nn.Module):
     """y = x @ weight.T + bias through a oneDNN-prepacked weight; x [T, in] -> [T, out]."""
 
@@ -95,9 +111,9 @@ class PackedLinear(nn.Module):
 
 def prepack_linears(model: nn.Module) -> int:
     """Replace `model`'s nn.Linear projections with PackedLinear and give it a packed LM head (`packed_head`),
-    when it lives on the CPU in a packed dtype and oneDNN is there. Returns how many GEMMs were packed."""
+    when it lives on the CPU in a dtype oneDNN packs there (`onednn_packs`). Returns how many GEMMs were packed."""
     weight = next(model.parameters())
-    if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or not onednn_available():
+    if weight.device.type != "cpu" or not onednn_packs(weight.dtype):
         return 0
     count = 0
     for parent in list(model.modules()):

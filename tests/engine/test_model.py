@@ -30,6 +30,7 @@ from engine.model.cpu_gemm import (
     auto_cpu_dtype,
     gemm_rows,
     onednn_available,
+    onednn_packs,
     warm_up_gemms,
 )
 from engine.model.llama import LlamaForCausalLM
@@ -203,8 +204,8 @@ def test_variants_match_hf(tmp_path: Path, overrides: dict, layer_backend: str) 
 def test_prepacked_gemms_match_plain_linear(tmp_path: Path, dtype: torch.dtype, tied: bool) -> None:
     """On the CPU every projection and the LM head run through oneDNN-prepacked weights (engine/model/cpu_gemm.py);
     their outputs equal F.linear's over the plain weights (to fp32 rounding; bf16: both accumulate in fp32)."""
-    if not onednn_available():
-        pytest.skip("this torch has no oneDNN")
+    if not onednn_packs(dtype):
+        pytest.skip(f"oneDNN packs no {dtype} weights on this CPU (test_unpackable_dtype_serves_through_f_linear)")
     model_dir = build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=2, tie_word_embeddings=tied)
     plain = load_model(model_dir, dtype, CPU, prepack=False)
     packed = load_model(model_dir, dtype, CPU)
@@ -230,6 +231,27 @@ def test_prepacked_gemms_match_plain_linear(tmp_path: Path, dtype: torch.dtype, 
         Seq(random_tokens(9, plain.config.vocab_size, seed=3)),
     )
     torch.testing.assert_close(got.step([(seq_a, 9)])[0], want.step([(seq_b, 9)])[0], atol=tol * 10, rtol=tol * 10)
+
+
+def test_unpackable_dtype_serves_through_f_linear(tmp_path: Path) -> None:
+    """Where oneDNN cannot lay out bf16 weights (AVX2-only CPUs: its reorder raises), a bf16 model keeps plain
+    nn.Linear layers and still serves; where it can, every projection is packed. oneDNN itself is the reference:
+    a direct reorder of a bf16 weight succeeds exactly when the model packs."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 32)
+        reorders = onednn_available()
+    except RuntimeError:
+        reorders = False
+    assert onednn_packs(torch.bfloat16) == reorders
+    assert not onednn_packs(torch.float16)  # not a packed dtype
+    model_dir = build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=2)
+    model = load_model(model_dir, torch.bfloat16, CPU)
+    packed = sum(isinstance(m, PackedLinear) for m in model.modules())
+    plain = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert (packed > 0 and plain == 0) if reorders else (packed == 0 and plain > 0)
+    runner = PagedRunner(model, block_size=4)
+    logits = runner.step([(Seq(random_tokens(9, model.config.vocab_size, seed=3)), 9)])[0]
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
 
 
 def test_gemm_row_counts_are_bounded_and_warmed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
