@@ -60,7 +60,8 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 def auto_cpu_dtype(flags: frozenset[str] | None = None) -> tuple[torch.dtype, str]:
     """What `--dtype auto` serves on this CPU, and why: bfloat16 where the CPU computes it natively (avx512_bf16
     or AMX: oneDNN's bf16 GEMMs run ~2x fp32 there, and half the bytes stream per step), float32 elsewhere
-    (AVX2-only CPUs convert bf16 in software, which can be slower than fp32)."""
+    (AVX2-only CPUs have no bf16 arithmetic: a bf16 model's GEMMs run in fp32 there, `gemm_dtype`, so fp32 is as
+    fast and exact)."""
     flags = cpu_flags() if flags is None else flags
     native = [f for f in NATIVE_BF16_FLAGS if f in flags]
     if native:
@@ -75,28 +76,48 @@ def onednn_available() -> bool:
 @functools.cache
 def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN lays out weights of `dtype` on this CPU. Asked of oneDNN itself, with a tiny weight: its bf16
-    path needs AVX-512 (bw, vl, dq) or avx_ne_convert, and on an AVX2-only CPU the reorder raises (such a CPU
-    serves bf16 through plain F.linear instead)."""
+    path needs AVX-512 (bw, vl, dq) or avx_ne_convert, and on an AVX2-only CPU the reorder raises."""
     if dtype not in PACKED_DTYPES or not onednn_available():
         return False
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), PACK_ROWS_HINT)
     except RuntimeError as exc:
-        logger.info("oneDNN does not pack %s weights on this CPU (%s); plain F.linear serves them", dtype, exc)
+        logger.info("oneDNN does not pack %s weights on this CPU (%s)", dtype, exc)
         return False
     return True
 
 
-class PackedLinear(nn.Module):
-    """y = x @ weight.T + bias through a oneDNN-prepacked weight; x [T, in] -> [T, out]."""
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a `dtype` model's packed GEMMs compute in on this CPU (None: not packed, plain F.linear).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    bf16 where oneDNN packs it; where it cannot (AVX2-only CPUs), fp32 over the bf16 weights upcast once at load:
+    the upcast is exact, and a bf16 GEMM multiplies and sums in fp32 anyway, so the outputs (rounded to bf16 once)
+    differ from a native bf16 GEMM's only in summation order. It costs fp32's weight memory and runs at fp32's
+    speed, ~4.7x F.linear's bf16 on such a CPU (W1: 54 -> 254 tok/s, docs/performance.md)."""
+    if onednn_packs(dtype):
+        return dtype
+    if dtype == torch.bfloat16 and onednn_packs(torch.float32):
+        return torch.float32
+    return None
+
+
+class PackedLinear(nn.Module):
+    """y = x @ weight.T + bias through a oneDNN-prepacked weight; x [T, in] -> [T, out] in x's dtype. The weight is
+    packed in `compute_dtype` (default: its own; see `gemm_dtype`), inputs are cast to it and outputs back."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
-        self.bias = None if bias is None else bias.detach()
+        compute_dtype = compute_dtype or weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(compute_dtype), PACK_ROWS_HINT)
+        self.bias = None if bias is None else bias.detach().to(compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.packed.dtype:
+            return self._linear(x.to(self.packed.dtype)).to(x.dtype)
+        return self._linear(x)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         padded = gemm_rows(rows)
         if x.dim() != 2 or padded == rows:
@@ -111,15 +132,17 @@ class PackedLinear(nn.Module):
 
 def prepack_linears(model: nn.Module) -> int:
     """Replace `model`'s nn.Linear projections with PackedLinear and give it a packed LM head (`packed_head`),
-    when it lives on the CPU in a dtype oneDNN packs there (`onednn_packs`). Returns how many GEMMs were packed."""
+    when it lives on the CPU and oneDNN packs its dtype there, or fp32 for it (`gemm_dtype`). Returns how many GEMMs
+    were packed."""
     weight = next(model.parameters())
-    if weight.device.type != "cpu" or not onednn_packs(weight.dtype):
+    compute = gemm_dtype(weight.dtype) if weight.device.type == "cpu" else None
+    if compute is None:
         return 0
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                setattr(parent, name, PackedLinear(child.weight, child.bias, compute))
                 count += 1
     return count
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
-from engine.model.cpu_gemm import PackedLinear, prepack_linears
+from engine.model.cpu_gemm import PackedLinear, gemm_dtype, prepack_linears
 from engine.model.layer_ops import LayerOps, TorchLayerOps, layer_ops
 
 if TYPE_CHECKING:
@@ -252,6 +252,6 @@ class LlamaForCausalLM(nn.Module):
         a tied head gets a packed copy of the embeddings). Returns how many GEMMs were packed (0 elsewhere)."""
         count = prepack_linears(self)
         if count and self.lm_head is None:
-            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
+            self.lm_head = PackedLinear(self.embed_tokens.weight, None, gemm_dtype(self.embed_tokens.weight.dtype))
             count += 1
         return count

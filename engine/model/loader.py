@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model.config import ModelConfig, load_model_config, read_json_object
+from engine.model.cpu_gemm import gemm_dtype
 from engine.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -43,11 +44,12 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, prepac
     parameters = sum(p.numel() for p in model.parameters())
     packed = model.prepack() if prepack else 0
     logger.info(
-        "loaded %s: %d layers, %.1fM parameters, %d GEMMs prepacked for oneDNN",
+        "loaded %s: %d layers, %.1fM parameters, %d GEMMs prepacked for oneDNN (computing in %s)",
         model_dir.name,
         config.num_layers,
         parameters / 1e6,
         packed,
+        gemm_dtype(dtype) if packed else dtype,
     )
     return model.eval()
 

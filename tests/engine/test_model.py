@@ -28,6 +28,7 @@ from engine.model.cpu_gemm import (
     ROW_BUCKET,
     PackedLinear,
     auto_cpu_dtype,
+    gemm_dtype,
     gemm_rows,
     onednn_available,
     onednn_packs,
@@ -203,9 +204,10 @@ def test_variants_match_hf(tmp_path: Path, overrides: dict, layer_backend: str) 
 @pytest.mark.parametrize("tied", [False, True], ids=["head", "tied"])
 def test_prepacked_gemms_match_plain_linear(tmp_path: Path, dtype: torch.dtype, tied: bool) -> None:
     """On the CPU every projection and the LM head run through oneDNN-prepacked weights (engine/model/cpu_gemm.py);
-    their outputs equal F.linear's over the plain weights (to fp32 rounding; bf16: both accumulate in fp32)."""
-    if not onednn_packs(dtype):
-        pytest.skip(f"oneDNN packs no {dtype} weights on this CPU (test_unpackable_dtype_serves_through_f_linear)")
+    their outputs equal F.linear's over the plain weights (to fp32 rounding; bf16: both accumulate in fp32, and where
+    oneDNN packs no bf16 the GEMMs run in fp32 over the exactly upcast weights: test_bf16_gemm_dtype_follows_onednn)."""
+    if gemm_dtype(dtype) is None:
+        pytest.skip(f"oneDNN packs no {dtype} weights on this CPU")
     model_dir = build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=2, tie_word_embeddings=tied)
     plain = load_model(model_dir, dtype, CPU, prepack=False)
     packed = load_model(model_dir, dtype, CPU)
@@ -233,25 +235,24 @@ def test_prepacked_gemms_match_plain_linear(tmp_path: Path, dtype: torch.dtype, 
     torch.testing.assert_close(got.step([(seq_a, 9)])[0], want.step([(seq_b, 9)])[0], atol=tol * 10, rtol=tol * 10)
 
 
-def test_unpackable_dtype_serves_through_f_linear(tmp_path: Path) -> None:
-    """Where oneDNN cannot lay out bf16 weights (AVX2-only CPUs: its reorder raises), a bf16 model keeps plain
-    nn.Linear layers and still serves; where it can, every projection is packed. oneDNN itself is the reference:
-    a direct reorder of a bf16 weight succeeds exactly when the model packs."""
+def test_bf16_gemm_dtype_follows_onednn(tmp_path: Path) -> None:
+    """A bf16 model's GEMMs run on bf16-packed weights where oneDNN lays them out (AVX-512 bw/vl/dq or
+    avx_ne_convert), and on fp32-packed upcasts of them where it refuses (AVX2-only CPUs); activations and outputs
+    stay bf16 either way. oneDNN itself is the reference: a direct reorder of a bf16 weight succeeds or raises."""
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 32)
-        reorders = onednn_available()
+        native = onednn_available()
     except RuntimeError:
-        reorders = False
-    assert onednn_packs(torch.bfloat16) == reorders
-    assert not onednn_packs(torch.float16)  # not a packed dtype
-    model_dir = build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=2)
-    model = load_model(model_dir, torch.bfloat16, CPU)
-    packed = sum(isinstance(m, PackedLinear) for m in model.modules())
-    plain = sum(type(m) is torch.nn.Linear for m in model.modules())
-    assert (packed > 0 and plain == 0) if reorders else (packed == 0 and plain > 0)
-    runner = PagedRunner(model, block_size=4)
-    logits = runner.step([(Seq(random_tokens(9, model.config.vocab_size, seed=3)), 9)])[0]
-    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+        native = False
+    assert onednn_packs(torch.bfloat16) == native
+    assert gemm_dtype(torch.bfloat16) == (torch.bfloat16 if native else torch.float32)
+    assert gemm_dtype(torch.float32) == torch.float32 and not onednn_packs(torch.float16)
+    model = load_model(build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=2), torch.bfloat16, CPU)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert packed and not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert {m.packed.dtype for m in packed} == {gemm_dtype(torch.bfloat16)}
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert model.compute_logits(x).dtype == torch.bfloat16
 
 
 def test_gemm_row_counts_are_bounded_and_warmed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
