@@ -93,7 +93,7 @@ def gemm_dtype(dtype: torch.dtype) -> torch.dtype | None:
     bf16 where oneDNN packs it; where it cannot (AVX2-only CPUs), fp32 over the bf16 weights upcast once at load:
     the upcast is exact, and a bf16 GEMM multiplies and sums in fp32 anyway, so the outputs (rounded to bf16 once)
     differ from a native bf16 GEMM's only in summation order. It costs fp32's weight memory and runs at fp32's
-    speed, ~4.7x F.linear's bf16 on such a CPU (W1: 54 -> 254 tok/s, docs/performance.md)."""
+    speed, ~5x F.linear's bf16 on such a CPU (W1 base: 49 -> 252 tok/s, docs/performance.md)."""
     if onednn_packs(dtype):
         return dtype
     if dtype == torch.bfloat16 and onednn_packs(torch.float32):
@@ -131,7 +131,7 @@ class PackedLinear(nn.Module):
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Replace `model`'s nn.Linear projections with PackedLinear and give it a packed LM head (`packed_head`),
+    """Replace `model`'s nn.Linear projections with PackedLinear (a tied LM head is LlamaForCausalLM.prepack's),
     when it lives on the CPU and oneDNN packs its dtype there, or fp32 for it (`gemm_dtype`). Returns how many GEMMs
     were packed."""
     weight = next(model.parameters())

@@ -239,9 +239,11 @@ def test_bf16_gemm_dtype_follows_onednn(tmp_path: Path) -> None:
     """A bf16 model's GEMMs run on bf16-packed weights where oneDNN lays them out (AVX-512 bw/vl/dq or
     avx_ne_convert), and on fp32-packed upcasts of them where it refuses (AVX2-only CPUs); activations and outputs
     stay bf16 either way. oneDNN itself is the reference: a direct reorder of a bf16 weight succeeds or raises."""
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN")
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 32)
-        native = onednn_available()
+        native = True
     except RuntimeError:
         native = False
     assert onednn_packs(torch.bfloat16) == native
