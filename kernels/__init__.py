@@ -2,14 +2,17 @@
 `reference.py`, which are the test oracle and the CPU path where the C++ ops cannot be built) and paged decode
 attention (Triton `paged_attention.py`, the CPU's C++ op `cpu_attention.cpp`; the torch path is in
 engine/model/attention.py), and a decoder layer's fused elementwise ops on the CPU (`cpu_layer.cpp`; the torch
-twins are in engine/model/layer_ops.py). `cpu_ops.py` builds the C++ ops.
+twins are in engine/model/layer_ops.py), and the CPU's GEMM for few rows (`cpu_gemm.cpp`; F.linear is its twin).
+`cpu_ops.py` builds the C++ ops.
 
 `lora_backend(device)` and `attention_backend(device)` are the seams: "triton" for CUDA tensors; for CPU ones "cpp"
 where kernels/cpu_ops.py could build its ops, else "torch". The environment variables LORAGATE_LORA_BACKEND and
 LORAGATE_ATTENTION_BACKEND (torch|triton|cpp) force one: the tests run the Triton kernels on CPU tensors this way,
 under Triton's interpreter (kernels/triton_jit.py), and the torch paths. `layer_backend(device)` is the seam of the
 layer ops and the sampler's greedy pick ("cpp" or "torch"; CUDA runs torch's; LORAGATE_LAYER_BACKEND forces one).
-Importing triton is left to the caller that needs it.
+`gemm_backend(device)` is the seam of the CPU path's projections and LM head (engine/model/cpu_gemm.py): "cpp"
+(`cpu_gemm.cpp` for decode-sized row counts, oneDNN above), "onednn" (oneDNN-prepacked weights) or "torch" (plain
+F.linear, CUDA's); LORAGATE_GEMM_BACKEND forces one. Importing triton is left to the caller that needs it.
 """
 
 from __future__ import annotations
@@ -21,16 +24,25 @@ import torch
 BACKENDS = ("torch", "triton", "cpp")
 
 
+def _forced(variable: str, choices: tuple[str, ...]) -> str:
+    """The backend the environment variable forces ("" for none), refused when it is not one of `choices` or is
+    "cpp" where the C++ ops cannot be built."""
+    from kernels import cpu_ops
+
+    forced = os.environ.get(variable, "").strip().lower()
+    if forced and forced not in choices:
+        raise ValueError(f"{variable} must be one of {', '.join(choices)}, not {forced!r}")
+    if forced == "cpp" and not cpu_ops.load():
+        raise ValueError(f"{variable}=cpp, but the CPU ops cannot be built: {cpu_ops.unavailable_reason()}")
+    return forced
+
+
 def _backend(variable: str, device: torch.device, gpu: str = "triton", choices: tuple[str, ...] = BACKENDS) -> str:
     """The backend `variable` forces; else `gpu` on CUDA, on a CPU "cpp" where the C++ ops build, else "torch"."""
     from kernels import cpu_ops
 
-    forced = os.environ.get(variable, "").strip().lower()
+    forced = _forced(variable, choices)
     if forced:
-        if forced not in choices:
-            raise ValueError(f"{variable} must be one of {', '.join(choices)}, not {forced!r}")
-        if forced == "cpp" and not cpu_ops.load():
-            raise ValueError(f"{variable}=cpp, but the CPU ops cannot be built: {cpu_ops.unavailable_reason()}")
         return forced
     if torch.device(device).type == "cuda":
         return gpu
@@ -52,3 +64,25 @@ def layer_backend(device: torch.device) -> str:
     pick (engine/worker/sampler.py): "cpp" on a CPU where the C++ ops build, else "torch" (CUDA included);
     LORAGATE_LAYER_BACKEND=torch|cpp forces one."""
     return _backend("LORAGATE_LAYER_BACKEND", device, gpu="torch", choices=("torch", "cpp"))
+
+
+def gemm_backend(device: torch.device) -> str:
+    """How the projections and the LM head multiply on `device` (engine/model/cpu_gemm.py): on a CPU without
+    AVX-512 where the C++ ops build, "cpp" (kernels/cpu_gemm.cpp up to engine/model/cpu_gemm.py SKINNY_ROWS rows:
+    decode steps stream every weight from memory, and there it outran oneDNN's AVX2 kernels ~1.3x; oneDNN over the
+    same row-major weight above); "onednn" (oneDNN-prepacked weights) on other CPUs with oneDNN, AVX-512 ones
+    included (unmeasured for this kernel, which is AVX2 code); else "torch" (plain F.linear; CUDA).
+    LORAGATE_GEMM_BACKEND=torch|onednn|cpp forces one ("onednn" on a torch without oneDNN is refused)."""
+    from engine.model.cpu_gemm import cpu_flags, onednn_available
+    from kernels import cpu_ops
+
+    forced = _forced("LORAGATE_GEMM_BACKEND", ("torch", "onednn", "cpp"))
+    if forced == "onednn" and not onednn_available():
+        raise ValueError("LORAGATE_GEMM_BACKEND=onednn, but this torch has no oneDNN")
+    if forced:
+        return forced
+    if torch.device(device).type != "cpu":
+        return "torch"
+    if "avx512f" not in cpu_flags() and cpu_ops.load():
+        return "cpp"
+    return "onednn" if onednn_available() else "torch"

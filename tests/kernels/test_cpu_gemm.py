@@ -1,0 +1,109 @@
+"""The CPU's GEMM for few rows (kernels/cpu_gemm.cpp `skinny_linear`) against a float64 oracle and F.linear: every
+tile shape it has (rows in 4s and their tails, weight rows in 3s and chunks of 24 and their tails), columns that
+are not a multiple of 8, columns split into blocks (more than 1,024), a bias, inputs with padded row strides,
+1 and 2 threads, empty shapes; bad arguments refused with an error. And the seam that picks it
+(kernels/__init__.py `gemm_backend`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model.cpu_gemm import cpu_flags, onednn_available
+from kernels import cpu_ops, gemm_backend
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert cpu_ops.load(), f"the CPU ops did not build: {cpu_ops.unavailable_reason()}"
+
+
+def skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.loragate_cpu.skinny_linear(x, w, b)
+
+
+def operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g)
+
+
+def close_to_oracle(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """Within fp32 rounding of a K-term sum (relative to the sum of |terms|), and as close to it as F.linear is."""
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    scale = x.double().abs() @ w.double().abs().T + 1e-30
+    err = ((got.double() - want).abs() / scale).max().item() if got.numel() else 0.0
+    ref_err = ((F.linear(x, w, b).double() - want).abs() / scale).max().item() if got.numel() else 0.0
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert err <= max(4 * ref_err, 1e-6), (err, ref_err)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 31, 32, 64])
+@pytest.mark.parametrize(("n", "k"), [(1, 8), (2, 576), (3, 7), (25, 576), (50, 9), (96, 1536), (47, 2100)])
+def test_matches_the_oracle(m: int, n: int, k: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    x, w, b = operands(m, n, k, seed=m * 1000 + n + k)
+    close_to_oracle(skinny(x, w), x, w, None)
+    close_to_oracle(skinny(x, w, b), x, w, b)
+
+
+def test_wide_weights_many_chunks_and_threads() -> None:
+    """An LM-head-like weight (many chunks per thread, each prefetching the next) at decode widths."""
+    torch.set_num_threads(2)
+    x, w, _ = operands(33, 4099, 576, seed=7)
+    close_to_oracle(skinny(x, w), x, w, None)
+
+
+def test_strided_and_odd_inputs() -> None:
+    x, w, b = operands(9, 30, 100, seed=3)
+    wide = torch.randn(9, 107)
+    wide[:, :100] = x
+    view = wide[:, :100]  # rows 107 apart
+    assert view.stride(0) == 107
+    torch.testing.assert_close(skinny(view, w, b), skinny(x, w, b), rtol=0, atol=0)
+    transposed = x.T.contiguous().T  # columns not contiguous: copied first
+    torch.testing.assert_close(skinny(transposed, w, b), skinny(x, w, b), rtol=0, atol=0)
+    assert skinny(torch.empty(0, 100), w).shape == (0, 30)
+    assert skinny(x, torch.empty(0, 100)).shape == (9, 0)
+    torch.testing.assert_close(skinny(torch.empty(9, 0), torch.empty(30, 0), b), b.expand(9, 30))
+    assert torch.equal(skinny(torch.empty(9, 0), torch.empty(30, 0)), torch.zeros(9, 30))
+    inf = x.clone()
+    inf[2, 5] = float("inf")
+    nan = x.clone()
+    nan[4, 0] = float("nan")
+    assert torch.equal(skinny(inf, w).isinf(), F.linear(inf, w).isinf())
+    assert torch.equal(skinny(nan, w).isnan(), F.linear(nan, w).isnan())
+
+
+@pytest.mark.parametrize(
+    ("x", "w", "b", "message"),
+    [
+        (torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(3, 4), None, "float32"),
+        (torch.ones(2, 4), torch.ones(3, 5), None, "columns"),
+        (torch.ones(2, 4), torch.ones(4, 3).T, None, "contiguous"),
+        (torch.ones(2, 4), torch.ones(3, 4), torch.ones(2), "bias"),
+        (torch.ones(2, 4), torch.ones(3, 4), torch.ones(3, dtype=torch.float64), "bias"),
+        (torch.ones(2, 2, 4), torch.ones(3, 4), None, "2-D"),
+    ],
+    ids=["dtype", "width", "weight-layout", "bias-size", "bias-dtype", "3-d"],
+)
+def test_bad_arguments_are_refused(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, message: str) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        skinny(x, w, b)
+
+
+def test_the_seam_picks_by_cpu_and_honours_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LORAGATE_GEMM_BACKEND", raising=False)
+    default = "cpp" if "avx512f" not in cpu_flags() else ("onednn" if onednn_available() else "torch")
+    assert gemm_backend(CPU) == default
+    assert gemm_backend(torch.device("meta")) == "torch"
+    for forced in ("torch", "cpp") + (("onednn",) if onednn_available() else ()):
+        monkeypatch.setenv("LORAGATE_GEMM_BACKEND", forced)
+        assert gemm_backend(CPU) == forced
+    monkeypatch.setenv("LORAGATE_GEMM_BACKEND", "mkl")
+    with pytest.raises(ValueError, match="LORAGATE_GEMM_BACKEND must be one of"):
+        gemm_backend(CPU)
