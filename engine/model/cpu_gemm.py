@@ -1,16 +1,22 @@
-"""The CPU path's GEMMs through oneDNN with prepacked weights.
+"""The CPU path's GEMMs: every projection and the LM head with its weight laid out once, at load, for the kernel
+that multiplies it (`gemm_backend`, kernels/__init__.py, picks the route):
 
-`F.linear` on a CPU hands each call's weight to the BLAS as a plain row-major matrix, and at serving shapes
-(tens of rows against a wide weight) it reaches about two thirds of what the same GEMM reaches when oneDNN
-has laid the weight out for its kernels once, ahead of time (`torch.ops.mkldnn._reorder_linear_weight`, then
-`_linear_pointwise` per call; both in stock CPU torch). Measured on a 2-core AVX-512 VM at W1's shapes
-(M = 32 rows, SmolLM2-135M): fp32 ~115 -> ~200 GFLOP/s, the 49,152-wide LM head ~120 -> ~150; bf16 with
-AMX ~550 -> ~950 (`python bench/step_profile.py` shows a step's share of `aten::mm` before and after).
+- "onednn": oneDNN's own blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise` per
+  call; both in stock CPU torch). `F.linear` hands each call's weight to the BLAS as a plain row-major matrix, and
+  at serving shapes (tens of rows against a wide weight) it reaches about two thirds of what the same GEMM reaches
+  with the weight packed ahead of time. Measured on a 2-core AVX-512 VM at W1's shapes (M = 32 rows, SmolLM2-135M):
+  fp32 ~115 -> ~200 GFLOP/s, the 49,152-wide LM head ~120 -> ~150; bf16 with AMX ~550 -> ~950.
+- "cpp" (CPUs without AVX-512): the row-major fp32 weight, multiplied by kernels/cpu_gemm.cpp's `skinny_linear` up
+  to SKINNY_ROWS rows (decode steps, which stream every weight from memory: the kernel prefetches the next block
+  of the weight while it computes one, where oneDNN's AVX2 kernels stall on the first read; W1's step GEMMs on a
+  2-core AVX2 EPYC ~90 -> ~130 GFLOP/s), and by oneDNN over the same tensor above (prefill, where the weight is
+  reused across hundreds of rows and oneDNN reaches the same speed without its packed copy).
+- "torch": plain nn.Linear (CUDA, or forced).
 
-`prepack_linears(model)` swaps every projection and the LM head for a `PackedLinear` on a CPU model; nothing
-changes on CUDA or where torch has no oneDNN. The packed layout is oneDNN's own: the plain weight is
-dropped (it would double the memory), so a packed model is for serving, not for reading weights back.
-A tied LM head gets its own packed copy of the embedding matrix (the lookup still reads the plain one).
+`prepack_linears(model)` swaps every projection for a `PackedLinear` on a CPU model. oneDNN's packed layout is its
+own: the plain weight is dropped (it would double the memory), so a packed model is for serving, not for reading
+weights back. A tied LM head gets its own packed copy of the embedding matrix on the oneDNN route, and reads the
+embeddings themselves on the "cpp" route (`python bench/step_profile.py` shows a step's GEMM time).
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ import functools
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from kernels import gemm_backend
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +44,10 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # against >= 65 real ones), so a bounded set of counts exists and `warm_up_gemms` can run them all before serving.
 EXACT_ROWS = 64
 ROW_BUCKET = 32
+# On the "cpp" route, GEMMs of up to this many rows run kernels/cpu_gemm.cpp (none of them padded: EXACT_ROWS).
+# Measured against oneDNN over W1's weights on a 2-core AVX2 EPYC: ahead ~1.4x at 32-64 rows (and ~1.5x at 8),
+# even at 128 and behind neither at 512 (docs/performance.md), so prefill keeps oneDNN.
+SKINNY_ROWS = EXACT_ROWS
 
 
 def gemm_rows(rows: int) -> int:
@@ -102,49 +115,92 @@ def gemm_dtype(dtype: torch.dtype) -> torch.dtype | None:
 
 
 class PackedLinear(nn.Module):
-    """y = x @ weight.T + bias through a oneDNN-prepacked weight; x [T, in] -> [T, out] in x's dtype. The weight is
-    packed in `compute_dtype` (default: its own; see `gemm_dtype`), inputs are cast to it and outputs back."""
+    """y = x @ weight.T + bias with the weight laid out once for this CPU's GEMMs; x [T, in] -> [T, out] in x's
+    dtype. The weight is kept in `compute_dtype` (default: its own; see `gemm_dtype`), inputs are cast to it and
+    outputs back. `skinny` (the "cpp" route, fp32 only): the row-major weight, kernels/cpu_gemm.cpp up to
+    SKINNY_ROWS rows and oneDNN above; else oneDNN's packed layout for every row count."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        compute_dtype: torch.dtype | None = None,
+        skinny: bool = False,
+    ):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         compute_dtype = compute_dtype or weight.dtype
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(compute_dtype), PACK_ROWS_HINT)
-        self.bias = None if bias is None else bias.detach().to(compute_dtype)
+        self.skinny = skinny and compute_dtype == torch.float32
+        plain = weight.detach().to(compute_dtype)
+        # the row-major weight itself (no copy when it is already fp32 and contiguous), or oneDNN's packed copy
+        if self.skinny:
+            self.weight = plain.contiguous()
+        else:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_ROWS_HINT)
+        self.bias = None if bias is None else bias.detach().to(compute_dtype).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.packed.dtype:
-            return self._linear(x.to(self.packed.dtype)).to(x.dtype)
+        if x.dtype != self.weight.dtype:
+            return self._linear(x.to(self.weight.dtype)).to(x.dtype)
         return self._linear(x)
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return self._linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
         rows = x.shape[0]
+        if self.skinny and rows <= SKINNY_ROWS:
+            return torch.ops.loragate_cpu.skinny_linear(x, self.weight, self.bias)
+        if not onednn_available():  # the "cpp" route forced on a torch without oneDNN
+            return F.linear(x, self.weight, self.bias)
         padded = gemm_rows(rows)
-        if x.dim() != 2 or padded == rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if padded == rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         wide = x.new_zeros(padded, x.shape[1])
         wide[:rows] = x
-        return torch.ops.mkldnn._linear_pointwise(wide, self.packed, self.bias, "none", [], "")[:rows]
+        return torch.ops.mkldnn._linear_pointwise(wide, self.weight, self.bias, "none", [], "")[:rows]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        route = "cpu_gemm.cpp" if self.skinny else "oneDNN"
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, bias={self.bias is not None}, {route}"
+
+
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
+    """`weight` (and `bias`) laid out for this CPU's GEMMs on the route `gemm_backend` picks, in `gemm_dtype`; None
+    where they stay plain F.linear (CUDA tensors, the "torch" route, a dtype no route computes)."""
+    if weight.device.type != "cpu":
+        return None
+    compute = gemm_dtype(weight.dtype)
+    backend = gemm_backend(weight.device)
+    if compute is None or backend == "torch":
+        return None
+    return PackedLinear(weight, bias, compute, skinny=backend == "cpp")
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Replace `model`'s nn.Linear projections with PackedLinear (a tied LM head is LlamaForCausalLM.prepack's),
-    when it lives on the CPU and oneDNN packs its dtype there, or fp32 for it (`gemm_dtype`). Returns how many GEMMs
-    were packed."""
-    weight = next(model.parameters())
-    compute = gemm_dtype(weight.dtype) if weight.device.type == "cpu" else None
-    if compute is None:
-        return 0
+    """Replace `model`'s nn.Linear projections with PackedLinear (`packed_linear`; a tied LM head is
+    LlamaForCausalLM.prepack's). Returns how many GEMMs were laid out."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child.weight, child.bias, compute))
+                packed = packed_linear(child.weight, child.bias)
+                if packed is None:
+                    return count
+                setattr(parent, name, packed)
                 count += 1
     return count
+
+
+def gemm_route(model: nn.Module) -> str:
+    """What `model`'s GEMMs run on, for the log: the route and the dtype they compute in."""
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if not packed:
+        return "plain F.linear"
+    dtype = str(packed[0].weight.dtype).removeprefix("torch.")
+    if any(m.skinny for m in packed):
+        return f"kernels/cpu_gemm.cpp up to {SKINNY_ROWS} rows, oneDNN above, in {dtype}"
+    return f"oneDNN-prepacked weights, in {dtype}"
 
 
 def warm_up_gemms(model: nn.Module, max_rows: int, max_head_rows: int) -> int:
@@ -163,5 +219,5 @@ def warm_up_gemms(model: nn.Module, max_rows: int, max_head_rows: int) -> int:
         calls += [(head, n) for n in sorted({gemm_rows(n) for n in range(1, max(1, max_head_rows) + 1)})]
     with torch.inference_mode():
         for module, n in calls:
-            module(torch.zeros(n, module.in_features, dtype=module.packed.dtype))
+            module(torch.zeros(n, module.in_features, dtype=module.weight.dtype))
     return len(calls)

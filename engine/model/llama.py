@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
-from engine.model.cpu_gemm import PackedLinear, gemm_dtype, prepack_linears
+from engine.model.cpu_gemm import packed_linear, prepack_linears
 from engine.model.layer_ops import LayerOps, TorchLayerOps, layer_ops
 
 if TYPE_CHECKING:
@@ -248,10 +248,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def prepack(self) -> int:
-        """On the CPU: every projection and the LM head through oneDNN-prepacked weights (engine/model/cpu_gemm.py;
-        a tied head gets a packed copy of the embeddings). Returns how many GEMMs were packed (0 elsewhere)."""
+        """On the CPU: every projection and the LM head with weights laid out for the CPU's GEMMs
+        (engine/model/cpu_gemm.py; a tied head gets a packed copy of the embeddings on the oneDNN route, and reads
+        them as they are on the cpu_gemm.cpp one). Returns how many GEMMs were laid out (0 elsewhere)."""
         count = prepack_linears(self)
         if count and self.lm_head is None:
-            self.lm_head = PackedLinear(self.embed_tokens.weight, None, gemm_dtype(self.embed_tokens.weight.dtype))
-            count += 1
+            self.lm_head = packed_linear(self.embed_tokens.weight, None)
+            count += self.lm_head is not None
         return count

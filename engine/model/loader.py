@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model.config import ModelConfig, load_model_config, read_json_object
-from engine.model.cpu_gemm import gemm_dtype
+from engine.model.cpu_gemm import gemm_route
 from engine.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -30,8 +30,8 @@ _FUSED = {
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, prepack: bool = True) -> LlamaForCausalLM:
-    """Our LlamaForCausalLM with the directory's safetensors weights, in eval mode; on the CPU its GEMMs
-    prepacked for oneDNN unless `prepack` is False (LlamaForCausalLM.prepack)."""
+    """Our LlamaForCausalLM with the directory's safetensors weights, in eval mode; on the CPU its GEMMs' weights
+    laid out for the CPU's kernels unless `prepack` is False (LlamaForCausalLM.prepack)."""
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     tensors = _read_safetensors(model_dir)
@@ -44,12 +44,12 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, prepac
     parameters = sum(p.numel() for p in model.parameters())
     packed = model.prepack() if prepack else 0
     logger.info(
-        "loaded %s: %d layers, %.1fM parameters, %d GEMMs prepacked for oneDNN (computing in %s)",
+        "loaded %s: %d layers, %.1fM parameters, %d GEMMs on %s",
         model_dir.name,
         config.num_layers,
         parameters / 1e6,
         packed,
-        gemm_dtype(dtype) if packed else dtype,
+        gemm_route(model) if packed else f"plain F.linear, in {str(dtype).removeprefix('torch.')}",
     )
     return model.eval()
 

@@ -156,18 +156,30 @@ def layer_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     return request.param
 
 
-def hf_atol(layer_backend: str) -> float:
-    """Logit tolerance against HF. Torch's norms and RoPE round as HF's do; the C++ ops sum in another order (last
-    bit), and these random tiny models amplify the last bit: noise of one ulp on the first norm's output alone moves
-    their logits by up to ~1.7e-4 (measured). A wrong op moves them by ~1."""
-    return 1e-4 if layer_backend == "torch" else 5e-4
+@pytest.fixture(params=["onednn", "cpp"])
+def gemm_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The GEMM route the model loads with (kernels/__init__.py `gemm_backend`): oneDNN-prepacked weights, and
+    kernels/cpu_gemm.cpp up to SKINNY_ROWS rows with oneDNN above (the default on CPUs without AVX-512)."""
+    if request.param == "onednn" and not onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    if request.param == "cpp" and not cpu_ops.load():
+        pytest.skip(f"the CPU ops cannot be built here: {cpu_ops.unavailable_reason()}")
+    monkeypatch.setenv("LORAGATE_GEMM_BACKEND", request.param)
+    return request.param
+
+
+def hf_atol(layer_backend: str, gemm_backend: str = "onednn") -> float:
+    """Logit tolerance against HF. Torch's norms and RoPE round as HF's do, and oneDNN's GEMMs sum close enough to
+    HF's BLAS; the C++ ops (layer ops, cpu_gemm.cpp) sum in another order (last bit), and these random tiny models
+    amplify the last bit: noise of one ulp on the first norm's output alone moves their logits by up to ~1.7e-4
+    (measured). A wrong op moves them by ~1."""
+    return 1e-4 if layer_backend == "torch" and gemm_backend == "onednn" else 5e-4
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_tiny_matches_hf(
-    tiny_pair: tuple[LlamaForCausalLM, PreTrainedModel], block_size: int, layer_backend: str
-) -> None:
-    check_prefill_decode_mixed(*tiny_pair, block_size=block_size, atol=hf_atol(layer_backend))
+def test_tiny_matches_hf(tiny_model_dir: Path, block_size: int, layer_backend: str, gemm_backend: str) -> None:
+    ours, hf = load_pair(tiny_model_dir)  # loaded here: the GEMM route is chosen at load
+    check_prefill_decode_mixed(ours, hf, block_size=block_size, atol=hf_atol(layer_backend, gemm_backend))
 
 
 LLAMA3_ROPE = {
@@ -190,22 +202,24 @@ LLAMA3_ROPE = {
     ],
     ids=["tied", "llama3-rope", "linear-rope", "head-dim-32", "bias-mqa"],
 )
-def test_variants_match_hf(tmp_path: Path, overrides: dict, layer_backend: str) -> None:
+def test_variants_match_hf(tmp_path: Path, overrides: dict, layer_backend: str, gemm_backend: str) -> None:
     model_dir = build_tiny_random(tmp_path / "model", seed=1, num_hidden_layers=2, **overrides)
     ours, hf = load_pair(model_dir)
     if "tie_word_embeddings" in overrides:  # the head reads the embeddings (a packed copy of them on the CPU)
         assert (
             ours.config.tie_word_embeddings and load_model(model_dir, torch.float32, CPU, prepack=False).lm_head is None
         )
-    check_prefill_decode_mixed(ours, hf, block_size=4, atol=hf_atol(layer_backend))
+    check_prefill_decode_mixed(ours, hf, block_size=4, atol=hf_atol(layer_backend, gemm_backend))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tied", [False, True], ids=["head", "tied"])
-def test_prepacked_gemms_match_plain_linear(tmp_path: Path, dtype: torch.dtype, tied: bool) -> None:
-    """On the CPU every projection and the LM head run through oneDNN-prepacked weights (engine/model/cpu_gemm.py);
-    their outputs equal F.linear's over the plain weights (to fp32 rounding; bf16: both accumulate in fp32, and where
-    oneDNN packs no bf16 the GEMMs run in fp32 over the exactly upcast weights: test_bf16_gemm_dtype_follows_onednn)."""
+def test_prepacked_gemms_match_plain_linear(tmp_path: Path, dtype: torch.dtype, tied: bool, gemm_backend: str) -> None:
+    """On the CPU every projection and the LM head run with weights laid out for the CPU's GEMMs, on either route
+    (engine/model/cpu_gemm.py); their outputs equal F.linear's over the plain weights (to fp32 rounding; bf16: both
+    accumulate in fp32, and where oneDNN packs no bf16 the GEMMs run in fp32 over the exactly upcast weights:
+    test_bf16_gemm_dtype_follows_onednn). The cpu_gemm.cpp route serves up to SKINNY_ROWS rows from the row-major
+    fp32 weight (a tied head: the embeddings themselves) and oneDNN above; it never takes bf16 weights."""
     if gemm_dtype(dtype) is None:
         pytest.skip(f"oneDNN packs no {dtype} weights on this CPU")
     model_dir = build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=2, tie_word_embeddings=tied)
@@ -216,12 +230,17 @@ def test_prepacked_gemms_match_plain_linear(tmp_path: Path, dtype: torch.dtype, 
         linears + (["lm_head"] if tied else [])
     )
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    skinny = gemm_backend == "cpp" and gemm_dtype(dtype) == torch.float32
+    assert {m.skinny for m in packed.modules() if isinstance(m, PackedLinear)} == {skinny}
+    if tied and skinny and dtype == torch.float32:  # no copy of the embeddings
+        assert packed.lm_head.weight.data_ptr() == packed.embed_tokens.weight.data_ptr()
     x = torch.randn(7, plain.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(packed.compute_logits(x), plain.compute_logits(x), atol=tol, rtol=tol)
     for name in linears:  # every projection on inputs of its own width
         ours, ref = packed.get_submodule(name), plain.get_submodule(name)
-        # 1 and 33 rows, not the pack's hint; 64 and 65 either side of EXACT_ROWS; 97 and 200 padded to a bucket
+        # 1 and 33 rows, not the pack's hint; 64 and 65 either side of EXACT_ROWS (and SKINNY_ROWS); 97 and 200
+        # padded to a bucket
         for rows in (1, 33, EXACT_ROWS, EXACT_ROWS + 1, 97, 200):
             inp = torch.randn(rows, ref.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
             torch.testing.assert_close(
@@ -252,7 +271,7 @@ def test_bf16_gemm_dtype_follows_onednn(tmp_path: Path) -> None:
     model = load_model(build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=2), torch.bfloat16, CPU)
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert packed and not any(type(m) is torch.nn.Linear for m in model.modules())
-    assert {m.packed.dtype for m in packed} == {gemm_dtype(torch.bfloat16)}
+    assert {m.weight.dtype for m in packed} == {gemm_dtype(torch.bfloat16)}
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     assert model.compute_logits(x).dtype == torch.bfloat16
 
