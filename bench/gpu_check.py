@@ -15,8 +15,8 @@ section only; a part whose subprocess fails prints `FAILED: reason` in its rows 
    itself, tests/lora_fixtures.py), greedy tokens from the engine (after LLMEngine.warm_up, which captures the
    graphs) with cuda_graphs on and off against PEFT + HF greedy decoding of each request alone.
 3. kernel throughput: Llama-8B sizes (hidden 4096, a q/k/v group with out columns 4096/1024/1024, rank 16 per
-   module), T rows each its own adapter, bf16: Triton SGMV (kernels/sgmv.py) vs its torch twin
-   (kernels/reference.py) vs gather-bmm (bench/lora_kernels.py `sgmv_gather_bmm`, once per module); CUDA
+   module), T rows each its own adapter, bf16: Triton SGMV (loragate_kernels/sgmv.py) vs its torch twin
+   (loragate_kernels/reference.py) vs gather-bmm (bench/lora_kernels.py `sgmv_gather_bmm`, once per module); CUDA
    events, median of repeats. Target: gather-bmm / SGMV >= 2 at 64 adapters.
 4. engine throughput: SmolLM2-135M, then a random-weight Llama-8B-shaped model (written as bf16 safetensors
    into the work dir: the engine loads only directories), 64 requests x 64 new tokens, greedy, ignore_eos,
@@ -106,7 +106,7 @@ SMOKE_LLAMA_SHAPE = dict(  # the same code path at toy size; its vocab is larger
     max_position_embeddings=1024,
     rope_theta=500000.0,
 )
-# The smoke run's engine takes the GPU's kernels too (interpreted on CPU tensors, kernels/triton_jit.py).
+# The smoke run's engine takes the GPU's kernels too (interpreted on CPU tensors, loragate_kernels/triton_jit.py).
 TRITON_ON_CPU = {"LORAGATE_LORA_BACKEND": "triton", "LORAGATE_ATTENTION_BACKEND": "triton"}
 
 
@@ -373,8 +373,8 @@ def child_kernels(rec: Recorder, ctx: ChildContext) -> None:
     import torch
 
     from bench.lora_kernels import kernel_timer, make_case, sgmv_gather_bmm
-    from kernels.reference import lora_sgmv, lora_sgmv_group
-    from kernels.sgmv import GroupTables, column_tiles, lora_sgmv_group_triton, plan_segments
+    from loragate_kernels.reference import lora_sgmv, lora_sgmv_group
+    from loragate_kernels.sgmv import GroupTables, column_tiles, lora_sgmv_group_triton, plan_segments
 
     s = ctx.sizes
     dev = torch.device(s.device)

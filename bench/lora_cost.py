@@ -17,7 +17,7 @@ Sides (`--sides`, comma-separated; default `base,mixed`):
     python bench/lora_cost.py [--dtype float32|bfloat16] [--rounds 5] [--sides base,mixed] [--backend cpp|torch]
 
 `--sides mixed,zipf:512` is the adapter-scale target (512 registered adapters within 10% of 8). `--backend` picks
-the CPU's LoRA path (kernels/__init__.py `lora_backend`).
+the CPU's LoRA path (loragate_kernels/__init__.py `lora_backend`).
 """
 
 from __future__ import annotations

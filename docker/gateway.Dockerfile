@@ -6,7 +6,7 @@ COPY pyproject.toml README.md ./
 COPY loragate ./loragate
 COPY gateway ./gateway
 COPY engine ./engine
-COPY kernels ./kernels
+COPY loragate_kernels ./loragate_kernels
 # Wheels of loragate and of its base dependencies only (the engine extra is not installed).
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 

@@ -3,7 +3,7 @@ stale unnoticed.
 
 Where citations are looked for: every Markdown file of the repository (README.md, docs/, helm/, policies/,
 ...; not .venv, .git or the benchmark records in bench/results/), and the comments and docstrings of the
-Python files under engine/, gateway/, kernels/, loragate/, bench/, tests/ and scripts/.
+Python files under engine/, gateway/, loragate_kernels/, loragate/, bench/, tests/ and scripts/.
 
 What counts as a citation:
 
@@ -16,7 +16,7 @@ What counts as a citation:
   an `#anchor` on a Markdown page (or alone, for the page itself) must be one of its headings' anchors
   (web and `mailto:` links are not checked);
 - a dotted name: `package.module[.Name[.attribute]]` whose first part is one of the packages engine,
-  gateway, kernels, loragate (`engine.core.scheduler`, `gateway.rollout.Rollouts.route`). The longest
+  gateway, loragate_kernels, loragate (`engine.core.scheduler`, `gateway.rollout.Rollouts.route`). The longest
   prefix that is a module of the repository names the module; the rest must be defined in it: a top-level
   name (def, class, assignment, import), then a class's members (its methods, class attributes, dataclass
   fields, `self.x` assignments in its methods, and those of the bases it inherits from). Three rules keep
@@ -27,7 +27,7 @@ What counts as a citation:
   a test is that test's engine), not checked.
 
 Resolution reads the sources (with `ast`) instead of importing them: the gateway's tests run without torch,
-and importing kernels/sgmv.py here would fix its TRITON_INTERPRET choice for the rest of the session.
+and importing loragate_kernels/sgmv.py here would fix its TRITON_INTERPRET choice for the rest of the session.
 Names the sources cannot settle (an attribute of something imported from outside the repository, or of a
 module-level variable) pass.
 """
@@ -49,10 +49,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
-TOP_DIRS = "engine gateway kernels loragate bench tests docs helm policies docker scripts .ci".split()
+TOP_DIRS = "engine gateway loragate_kernels loragate bench tests docs helm policies docker scripts .ci".split()
 TOP_FILES = ("Makefile", "pyproject.toml", "README.md")
-PACKAGES = ("engine", "gateway", "kernels", "loragate")
-CODE_DIRS = ("engine", "gateway", "kernels", "loragate", "bench", "tests", "scripts")
+PACKAGES = ("engine", "gateway", "loragate_kernels", "loragate")
+CODE_DIRS = ("engine", "gateway", "loragate_kernels", "loragate", "bench", "tests", "scripts")
 # Folders never scanned: tools' and builds' output, and the benchmark records (generated files).
 SKIP_DIRS = frozenset({".git", ".venv", "node_modules", "__pycache__", "build", "dist", ".pytest_cache"})
 SKIP_DIRS |= frozenset({".mypy_cache", ".ruff_cache", ".hypothesis", ".cache"})
@@ -407,7 +407,7 @@ Real: `gateway/rollout.py`, `tests/engine/`, helm/loragate, [layout](architectur
 Not citations: `docker/*.Dockerfile`, `bench/results/<date>-<host>.json`, `engine.Dockerfile`, `gateway.yaml`,
 engine.step(), engine.step, `engine.model.pvc`, [web](https://example.com/a.md), [top](#a-fake-page).
 Broken: `gateway/nope.py`, [nope](docs/nope/), [a link](nope.md#a), `engine.core.nope`, [x](#nope),
-gateway.rollout.Rollouts.nope, `kernels.reference.lora_sgmv_group.x`, [y](architecture.md#nope), engine/gateway.
+gateway.rollout.Rollouts.nope, `loragate_kernels.reference.lora_sgmv_group.x`, [y](architecture.md#nope), engine/gw.
 """
 
 FAKE_SOURCE = '''\
@@ -431,9 +431,9 @@ def test_checker_reports_every_broken_citation_and_only_those() -> None:
         (6, "gateway/nope.py"),
         (6, "nope.md"),
         (7, "architecture.md#nope"),
-        (7, "engine/gateway"),
+        (7, "engine/gw"),
         (7, "gateway.rollout.Rollouts.nope"),
-        (7, "kernels.reference.lora_sgmv_group.x"),
+        (7, "loragate_kernels.reference.lora_sgmv_group.x"),
     ]
     report = "\n".join(str(b) for b in check_text(FAKE_DOC, where, 10, markdown=True))
     assert "docs/fake.md:15: gateway/nope.py (no such file or folder)" in report

@@ -46,8 +46,8 @@ from engine.worker.cuda_graphs import CudaGraph, DecodeGraphs, Graph
 from engine.worker.runner import ModelRunner
 from engine.worker.sampler import Sampler
 from engine.worker.threads import ThreadTuner, TransientWorker, make_current, usable_cpus
-from kernels import lora_backend
 from loragate.priority import Priority
+from loragate_kernels import lora_backend
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ The runner groups a step's rows into segments by adapter slot (`LoraBatch`); the
 layer's deltas, one call per fused projection (`LoraBatch.layer(i).apply(group, y, x)`,
 engine/model/llama.py's `LoraDelta` protocol), and the SGMV kernels add them, reading A and scale-folded B
 straight from the unified page pool through the slot tables the device tier (engine/lora/device_tier.py)
-keeps: the torch twin (kernels/reference.py, the CPU path) from Python lists, the Triton kernels
-(kernels/sgmv.py, CUDA) from the tier's device mirror of the same tables, with row tiles planned once per
+keeps: the torch twin (loragate_kernels/reference.py, the CPU path) from Python lists, the Triton kernels
+(loragate_kernels/sgmv.py, CUDA) from the tier's device mirror of the same tables, with row tiles planned once per
 step.
 """
 
@@ -18,8 +18,8 @@ import torch
 
 from engine.lora.peft_config import GROUPS, module_features
 from engine.model.config import ModelConfig
-from kernels.cpu_ops import lora_sgmv_group_cpu
-from kernels.reference import lora_bmm_group, lora_sgmv_group
+from loragate_kernels.cpu_ops import lora_sgmv_group_cpu
+from loragate_kernels.reference import lora_bmm_group, lora_sgmv_group
 
 
 @dataclass(slots=True)
@@ -27,7 +27,7 @@ class SlotTables:
     """Per layer, indexed by slot: each group's stacked-A offset, each module's rank and B offset.
 
     A slot's region in a layer holds, group by group (GROUPS order), the A [r, in] of every module it
-    targets stacked in module order, then those modules' B transposed, [r, out] (kernels/reference.py). Rank 0
+    targets stacked in module order, then those modules' B transposed, [r, out] (loragate_kernels/reference.py). Rank 0
     means the slot's adapter does not target that module in that layer, or the slot is empty (always so for the
     null slot).
     """
@@ -81,14 +81,14 @@ class LoraBatch:
     """One step's adapter segments: rows [seg_starts[s], seg_starts[s+1]) use slot seg_slots[s].
 
     `plan` is set when the Triton kernels run: the step's row tiles, built once and shared by all layers.
-    `segments` is set when the CPU's C++ op runs (kernels/cpu_ops.py), `stacked` on the CPU's torch path when the
-    step's adapters are computed all at once (engine/lora/stacks.py).
+    `segments` is set when the CPU's C++ op runs (loragate_kernels/cpu_ops.py), `stacked` on the CPU's torch path when
+    the step's adapters are computed all at once (engine/lora/stacks.py).
     """
 
     seg_starts: list[int]
     seg_slots: list[int]
     weights: PoolWeights
-    plan: Any = None  # kernels.sgmv.SgmvPlan
+    plan: Any = None  # loragate_kernels.sgmv.SgmvPlan
     stacked: Any = None  # engine.lora.stacks.StackPlan
     segments: tuple[torch.Tensor, torch.Tensor] | None = None  # the C++ op's (seg_starts, seg_slots), int64
     # the Triton kernels' rank bound per group (None: weights.max_rank); a captured graph's is larger
@@ -107,7 +107,7 @@ class LayerLora:
         """y [T, out] += the batch's LoRA deltas for the group's modules in this layer; x [T, in]."""
         batch, w, i = self.batch, self.batch.weights, self.index
         if batch.plan is not None:
-            from kernels.sgmv import lora_sgmv_group_triton
+            from loragate_kernels.sgmv import lora_sgmv_group_triton
 
             mirror = w.mirror
             lora_sgmv_group_triton(
@@ -121,7 +121,7 @@ class LayerLora:
                 (w.max_rank if batch.max_rank is None else batch.max_rank)[group],
             )
             return
-        if batch.segments is not None:  # CPU, the C++ op (kernels/cpu_ops.py)
+        if batch.segments is not None:  # CPU, the C++ op (loragate_kernels/cpu_ops.py)
             starts, slots = batch.segments
             lora_sgmv_group_cpu(y, x, starts, slots, w.layer_pools[i], w.mirror.tables[i][group], w.out_cols[group])
             return

@@ -49,7 +49,7 @@ class Resident:
 
 
 class DeviceMirror:
-    """The slot tables as device tensors, one kernels.sgmv.GroupTables per (layer, group), plus the static
+    """The slot tables as device tensors, one loragate_kernels.sgmv.GroupTables per (layer, group), plus the static
     column tiles of each group: what the Triton kernels read. Every table is a view of one int64 tensor
     [layers, groups, FIELDS, slots], so a load or an eviction rewrites one slot's column with one host-to-device
     copy (a table of a few hundred ints built on the host), not several per layer and group; nothing is rebuilt
@@ -60,7 +60,7 @@ class DeviceMirror:
     FIELDS = 2 + 3 * MODULES
 
     def __init__(self, num_layers: int, num_slots: int, out_cols: dict[str, list[int]], device: torch.device) -> None:
-        from kernels.sgmv import GroupTables, column_tiles
+        from loragate_kernels.sgmv import GroupTables, column_tiles
 
         m = self.MODULES
         self.packed = torch.zeros(num_layers, len(GROUPS), self.FIELDS, num_slots, dtype=torch.int64, device=device)

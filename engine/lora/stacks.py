@@ -1,6 +1,6 @@
 """The CPU path's batched LoRA: a decoding step's adapters stacked once, then one batched matmul per module.
 
-Per segment and module (`kernels.reference.lora_sgmv_group`), a step of 32 decodes over 8 adapters is ~2,600
+Per segment and module (`loragate_kernels.reference.lora_sgmv_group`), a step of 32 decodes over 8 adapters is ~2,600
 tiny matmuls on SmolLM2 (30 layers x 4 groups x 8 segments x a shrink and 1-3 expands), and their dispatch, not
 their FLOPs, cost ~60 ms a step against ~95 ms for the base model's whole step (bench/step_profile.py --lora).
 When a step's rows are few per adapter (decoding), `lora_bmm_group` computes the same sums for all adapters at

@@ -15,10 +15,10 @@ prefill chunks (sequences computing several tokens, possibly a chunk of a longer
 `plan_attention` turns a step's metadata into gather indices and masks once; `paged_attention` then
 runs one layer (write K/V, attend) with that plan.
 
-Three ways to attend for decodes, chosen by the cache's device (kernels/__init__.py `attention_backend`):
-"cpp" (CPU, where kernels/cpu_ops.py built its ops) runs kernels/cpu_attention.cpp and "triton" (CUDA) runs
-kernels/paged_attention.py, both reading K/V through the block tables with no copy (the Triton kernel needs
-nothing from the host: CUDA graphs capture it); "torch" (a CPU without the C++ ops) gathers each decode's context
+Three ways to attend for decodes, chosen by the cache's device (loragate_kernels/__init__.py `attention_backend`):
+"cpp" (CPU, where loragate_kernels/cpu_ops.py built its ops) runs loragate_kernels/cpu_attention.cpp and "triton" (CUDA)
+runs loragate_kernels/paged_attention.py, both reading K/V through the block tables with no copy (the Triton kernel
+needs nothing from the host: CUDA graphs capture it); "torch" (a CPU without the C++ ops) gathers each decode's context
 into [D, kv_heads, max_ctx, head_dim] once per layer and attends with grouped matmuls. Prefill chunks go
 through SDPA with 4-D inputs (torch's fused kernels only take those), causal from the lower right for a
 chunk after cached context.
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels import attention_backend
+from loragate_kernels import attention_backend
 
 if TYPE_CHECKING:
     from engine.model.config import ModelConfig
@@ -98,7 +98,7 @@ class AttentionPlan:
     # the "triton" and "cpp" decode paths read the metadata's block tables and lengths as they are (no gather rows)
     decode_block_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
-    decode_backend: str = "torch"  # kernels/__init__.py `attention_backend`
+    decode_backend: str = "torch"  # loragate_kernels/__init__.py `attention_backend`
 
 
 def plan_attention(attn: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> AttentionPlan:
@@ -200,9 +200,9 @@ def paged_attention(
     parts = []
     if plan.decode_block_tables is not None and plan.decode_context_lens is not None:
         if plan.decode_backend == "cpp":
-            from kernels.cpu_ops import paged_decode_attention_cpu as decode
+            from loragate_kernels.cpu_ops import paged_decode_attention_cpu as decode
         else:
-            from kernels.paged_attention import paged_decode_attention as decode
+            from loragate_kernels.paged_attention import paged_decode_attention as decode
 
         parts.append(
             decode(q[: plan.num_decode_tokens], layer_cache, plan.decode_block_tables, plan.decode_context_lens)

@@ -1,13 +1,13 @@
 """The CPU path's GEMMs: every projection and the LM head with its weight laid out once, at load, for the kernel
-that multiplies it (`gemm_backend`, kernels/__init__.py, picks the route):
+that multiplies it (`gemm_backend`, loragate_kernels/__init__.py, picks the route):
 
 - "onednn": oneDNN's own blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise` per
   call; both in stock CPU torch). `F.linear` hands each call's weight to the BLAS as a plain row-major matrix, and
   at serving shapes (tens of rows against a wide weight) it reaches about two thirds of what the same GEMM reaches
   with the weight packed ahead of time. Measured on a 2-core AVX-512 VM at W1's shapes (M = 32 rows, SmolLM2-135M):
   fp32 ~115 -> ~200 GFLOP/s, the 49,152-wide LM head ~120 -> ~150; bf16 with AMX ~550 -> ~950.
-- "cpp" (CPUs without AVX-512): the row-major fp32 weight, multiplied by kernels/cpu_gemm.cpp's `skinny_linear` up
-  to SKINNY_ROWS rows (decode steps, which stream every weight from memory: the kernel prefetches the next block
+- "cpp" (CPUs without AVX-512): the row-major fp32 weight, multiplied by loragate_kernels/cpu_gemm.cpp's `skinny_linear`
+  up to SKINNY_ROWS rows (decode steps, which stream every weight from memory: the kernel prefetches the next block
   of the weight while it computes one, where oneDNN's AVX2 kernels stall on the first read; W1's step GEMMs on a
   2-core AVX2 EPYC ~90 -> ~130 GFLOP/s), and by oneDNN over the same tensor above (prefill, where the weight is
   reused across hundreds of rows and oneDNN reaches the same speed without its packed copy).
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import gemm_backend
+from loragate_kernels import cpu_flags, gemm_backend, onednn_available
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # against >= 65 real ones), so a bounded set of counts exists and `warm_up_gemms` can run them all before serving.
 EXACT_ROWS = 64
 ROW_BUCKET = 32
-# On the "cpp" route, GEMMs of up to this many rows run kernels/cpu_gemm.cpp (none of them padded: EXACT_ROWS).
+# On the "cpp" route, GEMMs of up to this many rows run loragate_kernels/cpu_gemm.cpp (none of them padded: EXACT_ROWS).
 # Measured against oneDNN over W1's weights on a 2-core AVX2 EPYC: ahead ~1.4x at 32-64 rows (and ~1.5x at 8),
 # even at 128 and behind neither at 512 (docs/performance.md), so prefill keeps oneDNN.
 SKINNY_ROWS = EXACT_ROWS
@@ -53,18 +53,6 @@ SKINNY_ROWS = EXACT_ROWS
 def gemm_rows(rows: int) -> int:
     """The row count a GEMM of `rows` rows runs at (see EXACT_ROWS)."""
     return rows if rows <= EXACT_ROWS else -(-rows // ROW_BUCKET) * ROW_BUCKET
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU's feature flags as Linux reports them (empty where there is no /proc/cpuinfo)."""
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -80,10 +68,6 @@ def auto_cpu_dtype(flags: frozenset[str] | None = None) -> tuple[torch.dtype, st
     if native:
         return torch.bfloat16, f"the CPU computes bf16 natively ({', '.join(native)})"
     return torch.float32, "the CPU has no native bf16 (neither avx512_bf16 nor amx_bf16)"
-
-
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 @functools.cache
@@ -117,7 +101,7 @@ def gemm_dtype(dtype: torch.dtype) -> torch.dtype | None:
 class PackedLinear(nn.Module):
     """y = x @ weight.T + bias with the weight laid out once for this CPU's GEMMs; x [T, in] -> [T, out] in x's
     dtype. The weight is kept in `compute_dtype` (default: its own; see `gemm_dtype`), inputs are cast to it and
-    outputs back. `skinny` (the "cpp" route, fp32 only): the row-major weight, kernels/cpu_gemm.cpp up to
+    outputs back. `skinny` (the "cpp" route, fp32 only): the row-major weight, loragate_kernels/cpu_gemm.cpp up to
     SKINNY_ROWS rows and oneDNN above; else oneDNN's packed layout for every row count."""
 
     def __init__(
@@ -199,7 +183,7 @@ def gemm_route(model: nn.Module) -> str:
         return "plain F.linear"
     dtype = str(packed[0].weight.dtype).removeprefix("torch.")
     if any(m.skinny for m in packed):
-        return f"kernels/cpu_gemm.cpp up to {SKINNY_ROWS} rows, oneDNN above, in {dtype}"
+        return f"loragate_kernels/cpu_gemm.cpp up to {SKINNY_ROWS} rows, oneDNN above, in {dtype}"
     return f"oneDNN-prepacked weights, in {dtype}"
 
 

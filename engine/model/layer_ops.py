@@ -1,7 +1,7 @@
 """A decoder layer's elementwise ops around its GEMMs, in two interchangeable forms chosen per step
-(kernels/__init__.py `layer_backend`): `TorchLayerOps`, plain torch ops (CUDA, and CPUs where the C++ ops cannot be
-built; the oracle the C++ ops are tested against), and `CppLayerOps`, kernels/cpu_layer.cpp's fused ops (one pass
-over the rows each, fp32 inside, rounded once to the model's dtype).
+(loragate_kernels/__init__.py `layer_backend`): `TorchLayerOps`, plain torch ops (CUDA, and CPUs where the C++ ops
+cannot be built; the oracle the C++ ops are tested against), and `CppLayerOps`, loragate_kernels/cpu_layer.cpp's fused
+ops (one pass over the rows each, fp32 inside, rounded once to the model's dtype).
 
 The residual stream is carried beside the layer's output, as vLLM does, so its add fuses with the next norm:
 `add_norm(residual, x, ...)` returns (rms_norm(residual + x), residual + x). The torch form computes exactly what
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention import AttentionPlan, write_kv
-from kernels import layer_backend
+from loragate_kernels import layer_backend
 
 
 class TorchLayerOps:
@@ -104,5 +104,5 @@ LayerOps = type[TorchLayerOps] | type[CppLayerOps]
 
 
 def layer_ops(device: torch.device) -> LayerOps:
-    """The step's layer ops for tensors on `device` (kernels/__init__.py `layer_backend`)."""
+    """The step's layer ops for tensors on `device` (loragate_kernels/__init__.py `layer_backend`)."""
     return CppLayerOps if layer_backend(device) == "cpp" else TorchLayerOps

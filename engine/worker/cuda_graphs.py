@@ -11,8 +11,8 @@ graph launches them all at once. What makes a step capturable:
 - Its inputs live in static buffers the graph reads: token ids, positions, slots, context lengths and LoRA row
   tiles in one int64 buffer, block tables in a [max_batch, max_blocks] one, each written per step from a host
   buffer by one copy (two in all), never reallocated.
-- Nothing in it reads a device value on the host: attention is kernels/paged_attention.py (grid and loop bounds
-  from shapes and device memory), LoRA is kernels/sgmv.py with a fixed tile count (B: at most one tile per row;
+- Nothing in it reads a device value on the host: attention is loragate_kernels/paged_attention.py (grid and loop bounds
+  from shapes and device memory), LoRA is loragate_kernels/sgmv.py with a fixed tile count (B: at most one tile per row;
   padding tiles name the null slot, whose rank is 0, and return at once).
 - What a kernel's launch bakes in stays true: the SGMV grid is sized by a rank bound per module group, the
   larger of RANK_FLOOR per module and the group's largest rank over the adapters loaded so far
@@ -43,7 +43,7 @@ from engine.lora.device_tier import DeviceAdapterTier
 from engine.lora.peft_config import GROUPS
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM
-from kernels import attention_backend, lora_backend
+from loragate_kernels import attention_backend, lora_backend
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,8 @@ class DecodeGraphs:
         if attention_backend(device) != "triton" or (adapters is not None and lora_backend(device) != "triton"):
             raise ValueError(
                 "CUDA graphs need the Triton decode attention and LoRA kernels (LORAGATE_ATTENTION_BACKEND and "
-                "LORAGATE_LORA_BACKEND unset or triton, kernels/__init__.py); pass --no-cuda-graphs to use others"
+                "LORAGATE_LORA_BACKEND unset or triton, loragate_kernels/__init__.py); pass --no-cuda-graphs to use "
+                "others"
             )
         self.model, self.kv_cache, self.adapters, self.make_graph = model, kv_cache, adapters, make_graph
         self.block_table = block_table
@@ -179,7 +180,7 @@ class DecodeGraphs:
 
     def run(self, step: GraphStep, tiles: tuple[list[int], list[int], list[int]] | None) -> torch.Tensor:
         """The final hidden states [n, hidden] of the step's n rows. `tiles`: the step's LoRA row tiles
-        (kernels/sgmv.py `segment_tiles`), None when no row has an adapter."""
+        (loragate_kernels/sgmv.py `segment_tiles`), None when no row has an adapter."""
         n = len(step.token_ids)
         size = self.bucket(n)
         ranks = self._ranks()
@@ -222,7 +223,7 @@ class DecodeGraphs:
         attn = AttentionMetadata(slots, size, self._tables[:size], lens, (), 0)
         lora = None
         if with_lora:
-            from kernels.sgmv import SgmvPlan
+            from loragate_kernels.sgmv import SgmvPlan
 
             assert self.adapters is not None
             plan = SgmvPlan(self._view(4, size), self._view(5, size), self._view(6, size), size)

@@ -30,7 +30,7 @@ from engine.worker.cuda_graphs import DecodeGraphs, Graph, GraphStep
 from engine.worker.input_batch import InputBatch
 from engine.worker.prompt_logprobs import PromptChunk, plan_chunk, score_prompt_chunks
 from engine.worker.sampler import NON_FINITE, RowTables, Sampler
-from kernels import lora_backend
+from loragate_kernels import lora_backend
 
 NON_FINITE_LOGITS = (
     "the model computed non-finite logits (NaN or inf) for this request; its adapter's weights are the usual cause"
@@ -69,7 +69,8 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = device
-        self.lora_backend = lora_backend(device)  # "cpp" or "torch" (CPU), "triton" (CUDA): kernels/__init__.py
+        # "cpp" or "torch" (CPU), "triton" (CUDA): loragate_kernels/__init__.py
+        self.lora_backend = lora_backend(device)
         max_len = max_model_len or model.config.max_position_embeddings
         self.batch = InputBatch(max_num_seqs, -(-max_len // block_size), model.config.vocab_size, device)
         self.staging = HostStaging(device) if device.type == "cuda" else None
@@ -207,7 +208,7 @@ class ModelRunner:
         segments = self._segments(slots, num_tokens)
         if segments is None:
             return None
-        from kernels.sgmv import segment_tiles
+        from loragate_kernels.sgmv import segment_tiles
 
         return segment_tiles(*segments, skip_slot=self._tier().null_slot)
 
@@ -221,7 +222,7 @@ class ModelRunner:
         starts, seg_slots = segments
         plan = stacked = op_segments = None
         if self.lora_backend == "triton":  # the step's row tiles, once for every layer and group
-            from kernels.sgmv import plan_segments
+            from loragate_kernels.sgmv import plan_segments
 
             plan = plan_segments(starts, seg_slots, self.device, skip_slot=null)
         elif self.lora_backend == "cpp":  # the C++ op reads the segments as tensors, made once for every layer

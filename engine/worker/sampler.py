@@ -27,8 +27,8 @@ import torch
 
 from engine.core.request import Request, TokenLogprob
 from engine.worker.token_masks import apply_logit_bias, constrained_copy
-from kernels import layer_backend
-from kernels.cpu_ops import greedy_rows_cpu
+from loragate_kernels import layer_backend
+from loragate_kernels.cpu_ops import greedy_rows_cpu
 
 _NEG_INF = float("-inf")
 # Top-p looks for the nucleus among this many most likely tokens before falling back to a full sort.
@@ -204,7 +204,7 @@ class Sampler:
             logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
 
     def _greedy_cpp(self, logits: torch.Tensor, requests: Sequence[Request], plain: bool) -> list[int] | None:
-        """Greedy rows' tokens in one pass of kernels/cpu_sampling.cpp (argmax, finiteness and the EOS mask of
+        """Greedy rows' tokens in one pass of loragate_kernels/cpu_sampling.cpp (argmax, finiteness and the EOS mask of
         min_tokens together), where the CPU's C++ ops run and every row is plain or masks EOS alone (W1's rows);
         None otherwise. The same tokens as the torch path below (`finite_rows`, `argmax_list`, `_greedy_masked`)."""
         if logits.device.type != "cpu" or layer_backend(logits.device) != "cpp":

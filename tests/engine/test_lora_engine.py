@@ -107,7 +107,7 @@ def torch_lora_path(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_stacked_decode_lora_matches_peft_and_the_per_segment_path(tiny_adapter_dir, prompts, reference) -> None:
     """The CPU's torch path stacks a decoding step's adapters for batched matmuls (engine/lora/stacks.py): uneven
     request counts per adapter (padded stacks) and base rows among them still give PEFT's tokens, and every layer's and
-    group's deltas equal the per-segment path's (kernels/reference.py lora_sgmv_group) on the same pool."""
+    group's deltas equal the per-segment path's (loragate_kernels/reference.py lora_sgmv_group) on the same pool."""
     engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", adapter_dir=str(tiny_adapter_dir)))
     jobs = [(name, i) for k, name in enumerate(TINY_ADAPTERS) for i in range(k % 3 + 1)] + [(None, 1)]
     ours = run_all(engine, jobs, prompts)

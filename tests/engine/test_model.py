@@ -37,7 +37,7 @@ from engine.model.cpu_gemm import (
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.model.sources import build_tiny_random, load_tokenizer, resolve_model
-from kernels import cpu_ops
+from loragate_kernels import cpu_ops
 
 CPU = torch.device("cpu")
 
@@ -158,8 +158,8 @@ def layer_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 
 @pytest.fixture(params=["onednn", "cpp"])
 def gemm_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The GEMM route the model loads with (kernels/__init__.py `gemm_backend`): oneDNN-prepacked weights, and
-    kernels/cpu_gemm.cpp up to SKINNY_ROWS rows with oneDNN above (the default on CPUs without AVX-512)."""
+    """The GEMM route the model loads with (loragate_kernels/__init__.py `gemm_backend`): oneDNN-prepacked weights, and
+    loragate_kernels/cpu_gemm.cpp up to SKINNY_ROWS rows with oneDNN above (the default on CPUs without AVX-512)."""
     if request.param == "onednn" and not onednn_available():
         pytest.skip("this torch has no oneDNN")
     if request.param == "cpp" and not cpu_ops.load():
@@ -337,9 +337,12 @@ def test_bfloat16_tracks_fp32_reference(
 
 
 def test_tiny_random_is_deterministic(tmp_path: Path, tiny_model_dir: Path) -> None:
-    def digest(d: Path) -> list[str]:
-        names = ("model.safetensors", "tokenizer.json", "config.json", "generation_config.json")
-        return [hashlib.sha256((d / n).read_bytes()).hexdigest() for n in names]
+    def digest(d: Path) -> list[object]:
+        """The files' bytes, and the configs' contents but for the transformers version that wrote them (the cache
+        outlives upgrades)."""
+        hashes = [hashlib.sha256((d / n).read_bytes()).hexdigest() for n in ("model.safetensors", "tokenizer.json")]
+        configs = [json.loads((d / n).read_text()) for n in ("config.json", "generation_config.json")]
+        return hashes + [{k: v for k, v in c.items() if k != "transformers_version"} for c in configs]
 
     assert digest(build_tiny_random(tmp_path / "a")) == digest(tiny_model_dir)
 

@@ -1,7 +1,7 @@
-"""The CPU's C++ paged decode attention (kernels/cpu_attention.cpp) against the float64 oracle and the engine's torch
-decode path, on tests/kernels/test_paged_attention.py's cases: ragged contexts (1, bs-1, bs, bs+1, several blocks),
-permuted non-contiguous pages, and NaN/+inf/-inf in every cache slot no sequence owns (a read at or past a context
-length turns a row into NaN). Also: the engine sends its decodes to the op by default on a CPU, rows of length 0
+"""The CPU's C++ paged decode attention (loragate_kernels/cpu_attention.cpp) against the float64 oracle and the engine's
+torch decode path, on tests/kernels/test_paged_attention.py's cases: ragged contexts (1, bs-1, bs, bs+1, several
+blocks), permuted non-contiguous pages, and NaN/+inf/-inf in every cache slot no sequence owns (a read at or past a
+context length turns a row into NaN). Also: the engine sends its decodes to the op by default on a CPU, rows of length 0
 give zeros, and tables naming pages outside the cache are refused before anything is read.
 """
 
@@ -21,8 +21,8 @@ from test_paged_attention import (
     run_engine,
 )
 
-from kernels import attention_backend, cpu_ops
-from kernels.cpu_ops import paged_decode_attention_cpu
+from loragate_kernels import attention_backend, cpu_ops
+from loragate_kernels.cpu_ops import paged_decode_attention_cpu
 
 
 @pytest.fixture(scope="module", autouse=True)

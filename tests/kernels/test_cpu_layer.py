@@ -1,4 +1,4 @@
-"""The CPU's fused layer ops (kernels/cpu_layer.cpp) against a float64 oracle and their torch twins
+"""The CPU's fused layer ops (loragate_kernels/cpu_layer.cpp) against a float64 oracle and their torch twins
 (engine/model/layer_ops.py `TorchLayerOps`, what CUDA and compiler-less CPUs run): RMSNorm, the residual add fused
 with it, SiLU-and-mul, RoPE with the K/V cache write. Inputs with padded row strides (a fused projection's slice),
 1 and 2 threads, extreme activations; cache rows outside the layer refused before anything is written; the seam.
@@ -11,7 +11,7 @@ import torch
 
 from engine.model.attention import AttentionPlan, key_rows
 from engine.model.layer_ops import CppLayerOps, TorchLayerOps, layer_ops
-from kernels import cpu_ops, layer_backend
+from loragate_kernels import cpu_ops, layer_backend
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["fp32", "bf16", "fp16"]

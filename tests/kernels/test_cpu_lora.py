@@ -1,5 +1,5 @@
-"""The CPU's C++ LoRA op (kernels/cpu_lora.cpp) against the per-row float64 oracle and the torch twin
-(kernels/reference.py `lora_sgmv_group`), on the cases tests/kernels/test_sgmv_triton.py builds: mixed ranks
+"""The CPU's C++ LoRA op (loragate_kernels/cpu_lora.cpp) against the per-row float64 oracle and the torch twin
+(loragate_kernels/reference.py `lora_sgmv_group`), on the cases tests/kernels/test_sgmv_triton.py builds: mixed ranks
 {1, 4, 8, 16, 64}, a module some slots skip, a rank-0 slot, empty and repeated segments, rows in no segment,
 unaligned shuffled offsets and NaN in every pool element no adapter owns (reading outside a slot's weights
 turns the result into NaN); y a column slice of a wider tensor. Also: the op refuses tables that point outside
@@ -12,9 +12,9 @@ import pytest
 import torch
 from test_sgmv_triton import DTYPES, LAYOUTS, GroupCase, assert_update, make_group_case, oracle, run_twin
 
-import kernels
-from kernels import cpu_ops, lora_backend
-from kernels.sgmv import GroupTables
+import loragate_kernels
+from loragate_kernels import cpu_ops, lora_backend
+from loragate_kernels.sgmv import GroupTables
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -125,7 +125,7 @@ def test_the_backend_seam_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LORAGATE_LORA_BACKEND")
     # where the op cannot be built the torch path serves, and forcing the op says why it cannot
     monkeypatch.setattr(cpu_ops, "_state", {"ok": False, "reason": "no compiler"})
-    assert kernels.lora_backend(cpu) == "torch"
+    assert loragate_kernels.lora_backend(cpu) == "torch"
     monkeypatch.setenv("LORAGATE_LORA_BACKEND", "cpp")
     with pytest.raises(ValueError, match="no compiler"):
         lora_backend(cpu)

@@ -1,6 +1,6 @@
-"""The CPU's greedy pick (kernels/cpu_sampling.cpp) against torch's argmax and isfinite, and the sampler through it
-against the sampler's torch path: ties (the first index wins, also across the ranges the banned columns split a row
-into), NaN and infinities anywhere (banned columns included), rows where every column is banned, strided rows,
+"""The CPU's greedy pick (loragate_kernels/cpu_sampling.cpp) against torch's argmax and isfinite, and the sampler
+through it against the sampler's torch path: ties (the first index wins, also across the ranges the banned columns split
+a row into), NaN and infinities anywhere (banned columns included), rows where every column is banned, strided rows,
 vocabularies that are not a multiple of the vector width, 1 and 2 threads, bad arguments.
 """
 
@@ -11,7 +11,7 @@ import torch
 
 from engine.core.request import Request, SamplingParams
 from engine.worker.sampler import NO_TOKEN, NON_FINITE, Sampler
-from kernels import cpu_ops
+from loragate_kernels import cpu_ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["fp32", "bf16", "fp16"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.reference import lora_expand, lora_sgmv, lora_shrink
+from loragate_kernels.reference import lora_expand, lora_sgmv, lora_shrink
 
 RANKS = [1, 2, 4, 8, 16, 32, 64]
 HIDDEN = [(16, 16), (64, 24), (576, 192), (96, 1536)]

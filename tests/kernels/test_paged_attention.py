@@ -1,4 +1,4 @@
-"""The Triton paged-attention decode kernel (kernels/paged_attention.py) against two references: a per-sequence
+"""The Triton paged-attention decode kernel (loragate_kernels/paged_attention.py) against two references: a per-sequence
 float64 oracle written here (gather the context through the block table, repeat kv heads, softmax) and the
 engine's torch decode path (engine/model/attention.py `paged_attention` with a decode-only plan).
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.model.attention import AttentionMetadata, paged_attention, plan_attention
-from kernels.paged_attention import BLOCK_N, paged_decode_attention
+from loragate_kernels.paged_attention import BLOCK_N, paged_decode_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -296,7 +296,7 @@ def test_host_side_never_reads_device_values(monkeypatch: pytest.MonkeyPatch):
     through aten._local_scalar_dense), and the launch grid is the same whatever the context lengths."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import kernels.paged_attention as module
+    import loragate_kernels.paged_attention as module
 
     launches: list[tuple[int, ...]] = []
 

@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "gateway", "kernels", "loragate")
+PACKAGES = ("engine", "gateway", "loragate_kernels", "loragate")
 
 
 def module_name(path: Path) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-HEAVY = ("torch", "transformers", "safetensors", "peft", "triton", "engine", "kernels")
+HEAVY = ("torch", "transformers", "safetensors", "peft", "triton", "engine", "loragate_kernels")
 # Prints the heavy packages a snippet left in sys.modules, as the last line.
 REPORT = f"import sys; print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))"
 

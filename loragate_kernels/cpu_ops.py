@@ -1,7 +1,7 @@
-"""The CPU path's C++ ops, built once per machine: batched LoRA (kernels/cpu_lora.cpp), paged decode attention
-(kernels/cpu_attention.cpp), a decoder layer's fused elementwise ops (kernels/cpu_layer.cpp: RMSNorm with the
-residual add, SiLU-and-mul, RoPE with the K/V cache write) and the greedy pick (kernels/cpu_sampling.cpp),
-registered as `torch.ops.loragate_cpu.*`.
+"""The CPU path's C++ ops, built once per machine: batched LoRA (loragate_kernels/cpu_lora.cpp), paged decode attention
+(loragate_kernels/cpu_attention.cpp), a decoder layer's fused elementwise ops (loragate_kernels/cpu_layer.cpp: RMSNorm
+with the residual add, SiLU-and-mul, RoPE with the K/V cache write) and the greedy pick
+(loragate_kernels/cpu_sampling.cpp), registered as `torch.ops.loragate_cpu.*`.
 
 Why C++: a step of 32 decodes over 8 adapters is, on SmolLM2, ~2,600 tiny matmuls per step as torch ops
 (`lora_sgmv_group`, the twin), and ~330 batched ones over per-step weight copies padded to the step's largest
@@ -18,7 +18,7 @@ compiler, ~20 s on 2 cores; later processes reuse the build), for this CPU (`-ma
 carries a digest of the sources, the CPU's flags and torch's version, so a build directory shared by different
 CPUs never runs the wrong one; LORAGATE_TORCH_EXTENSIONS sets where builds go). Where they cannot be built (no
 compiler, as in the slim engine image), `load()` returns False once with the reason logged, and the engine keeps
-its torch paths (kernels/__init__.py `lora_backend`, `attention_backend`). LORAGATE_CPU_OPS=0 skips the build.
+its torch paths (loragate_kernels/__init__.py `lora_backend`, `attention_backend`). LORAGATE_CPU_OPS=0 skips the build.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kernels.sgmv import GroupTables
+    from loragate_kernels.sgmv import GroupTables
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ _state: dict[str, object] = {}  # "ok": bool, "reason": str
 
 
 def _build_name() -> str:
-    from engine.model.cpu_gemm import cpu_flags
+    from loragate_kernels import cpu_flags
 
     digest = hashlib.blake2b(b"".join(source.read_bytes() for source in SOURCES + HEADERS), digest_size=6)
     digest.update(" ".join(sorted(cpu_flags())).encode())
@@ -106,8 +106,8 @@ def lora_sgmv_group_cpu(
     tables: GroupTables,
     out_cols: Sequence[int],
 ) -> None:
-    """y += the group's LoRA deltas for every segment, in place: kernels/reference.py `lora_sgmv_group`'s result
-    (the oracle; sums in another order), with the index tables as the device tier's int64 tensors.
+    """y += the group's LoRA deltas for every segment, in place: loragate_kernels/reference.py `lora_sgmv_group`'s
+    result (the oracle; sums in another order), with the index tables as the device tier's int64 tensors.
 
     Shapes:
         y:          [T, out_cols[-1]]  columns contiguous, rows any stride; fp32, bf16 or fp16 like x and pool
@@ -137,8 +137,8 @@ def paged_decode_attention_cpu(
     q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
 ) -> torch.Tensor:
     """One-token attention of every decode sequence over its context in one layer's paged KV cache: the semantics
-    of kernels/paged_attention.py `paged_decode_attention` (the Triton kernel; the new token's K/V must already be
-    in the cache), on CPU tensors.
+    of loragate_kernels/paged_attention.py `paged_decode_attention` (the Triton kernel; the new token's K/V must already
+    be in the cache), on CPU tensors.
 
     Shapes:
         q:             [D, num_heads, hd]                             head dim contiguous

@@ -6,10 +6,10 @@ twins are in engine/model/layer_ops.py), and the CPU's GEMM for few rows (`cpu_g
 `cpu_ops.py` builds the C++ ops.
 
 `lora_backend(device)` and `attention_backend(device)` are the seams: "triton" for CUDA tensors; for CPU ones "cpp"
-where kernels/cpu_ops.py could build its ops, else "torch". The environment variables LORAGATE_LORA_BACKEND and
+where loragate_kernels/cpu_ops.py could build its ops, else "torch". The environment variables LORAGATE_LORA_BACKEND and
 LORAGATE_ATTENTION_BACKEND (torch|triton|cpp) force one: the tests run the Triton kernels on CPU tensors this way,
-under Triton's interpreter (kernels/triton_jit.py), and the torch paths. `layer_backend(device)` is the seam of the
-layer ops and the sampler's greedy pick ("cpp" or "torch"; CUDA runs torch's; LORAGATE_LAYER_BACKEND forces one).
+under Triton's interpreter (loragate_kernels/triton_jit.py), and the torch paths. `layer_backend(device)` is the seam of
+the layer ops and the sampler's greedy pick ("cpp" or "torch"; CUDA runs torch's; LORAGATE_LAYER_BACKEND forces one).
 `gemm_backend(device)` is the seam of the CPU path's projections and LM head (engine/model/cpu_gemm.py): "cpp"
 (`cpu_gemm.cpp` for decode-sized row counts, oneDNN above), "onednn" (oneDNN-prepacked weights) or "torch" (plain
 F.linear, CUDA's); LORAGATE_GEMM_BACKEND forces one. Importing triton is left to the caller that needs it.
@@ -27,7 +27,7 @@ BACKENDS = ("torch", "triton", "cpp")
 def _forced(variable: str, choices: tuple[str, ...]) -> str:
     """The backend the environment variable forces ("" for none), refused when it is not one of `choices` or is
     "cpp" where the C++ ops cannot be built."""
-    from kernels import cpu_ops
+    from loragate_kernels import cpu_ops
 
     forced = os.environ.get(variable, "").strip().lower()
     if forced and forced not in choices:
@@ -39,7 +39,7 @@ def _forced(variable: str, choices: tuple[str, ...]) -> str:
 
 def _backend(variable: str, device: torch.device, gpu: str = "triton", choices: tuple[str, ...] = BACKENDS) -> str:
     """The backend `variable` forces; else `gpu` on CUDA, on a CPU "cpp" where the C++ ops build, else "torch"."""
-    from kernels import cpu_ops
+    from loragate_kernels import cpu_ops
 
     forced = _forced(variable, choices)
     if forced:
@@ -66,15 +66,30 @@ def layer_backend(device: torch.device) -> str:
     return _backend("LORAGATE_LAYER_BACKEND", device, gpu="torch", choices=("torch", "cpp"))
 
 
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty where there is no /proc/cpuinfo)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def gemm_backend(device: torch.device) -> str:
     """How the projections and the LM head multiply on `device` (engine/model/cpu_gemm.py): on a CPU without
-    AVX-512 where the C++ ops build, "cpp" (kernels/cpu_gemm.cpp up to engine/model/cpu_gemm.py SKINNY_ROWS rows:
-    decode steps stream every weight from memory, and there it outran oneDNN's AVX2 kernels ~1.3x; oneDNN over the
+    AVX-512 where the C++ ops build, "cpp" (loragate_kernels/cpu_gemm.cpp up to engine/model/cpu_gemm.py SKINNY_ROWS
+    rows: decode steps stream every weight from memory, and there it outran oneDNN's AVX2 kernels ~1.3x; oneDNN over the
     same row-major weight above); "onednn" (oneDNN-prepacked weights) on other CPUs with oneDNN, AVX-512 ones
     included (unmeasured for this kernel, which is AVX2 code); else "torch" (plain F.linear; CUDA).
     LORAGATE_GEMM_BACKEND=torch|onednn|cpp forces one ("onednn" on a torch without oneDNN is refused)."""
-    from engine.model.cpu_gemm import cpu_flags, onednn_available
-    from kernels import cpu_ops
+    from loragate_kernels import cpu_ops
 
     forced = _forced("LORAGATE_GEMM_BACKEND", ("torch", "onednn", "cpp"))
     if forced == "onednn" and not onednn_available():

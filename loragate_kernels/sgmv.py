@@ -4,7 +4,7 @@ One launch serves every segment of a step for a group of modules sharing their i
 one module alone), with heterogeneous ranks and no padding of stored weights: each adapter's A and
 scale-folded B sit in the pool exactly where engine/lora/device_tier.py wrote them, found through
 per-slot tables (a device mirror kept by the tier), and only the in-register tile is rounded up to a
-block. Two kernels, as in the torch twin (kernels/reference.py `lora_sgmv_group`, the oracle):
+block. Two kernels, as in the torch twin (loragate_kernels/reference.py `lora_sgmv_group`, the oracle):
 
     shrink:  h[rows, :R_k]            = x[rows] @ A_stack_k.T          (fp32 accumulator buffer)
     expand:  y[rows, out_cols[m] + j] += h[rows, c_mk : c_mk + r_mk] @ B_mk.T   for every module m (B_mk.T is
@@ -16,7 +16,7 @@ shared by all layers and groups.
 
 Dtypes: pool, x and y share a dtype (fp32, fp16 or bf16); products accumulate in fp32; fp32 dots run in
 IEEE precision (Triton would default them to tf32). Kernels run compiled for CUDA tensors and under Triton's
-interpreter for CPU ones (kernels/triton_jit.py); interpreted, dot operands are cast to fp32 first: the
+interpreter for CPU ones (loragate_kernels/triton_jit.py); interpreted, dot operands are cast to fp32 first: the
 interpreter multiplies bf16 dots' raw bits (triton issue 11584).
 """
 
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_jit import cuda_device, device_jit, interpreted
+from loragate_kernels.triton_jit import cuda_device, device_jit, interpreted
 
 BLOCK_M = 16  # rows per tile (a decode segment of one row still takes a whole tile)
 BLOCK_N = 32  # output columns (expand) or rank rows (shrink) per tile
@@ -245,7 +245,7 @@ def lora_sgmv_group_triton(
     max_rank: int,
 ) -> None:
     """Add each segment's LoRA deltas for one module group to its fused output `y`, in place: the same
-    result as kernels/reference.py `lora_sgmv_group`, with the index tables as device tensors.
+    result as loragate_kernels/reference.py `lora_sgmv_group`, with the index tables as device tensors.
 
     Semantics:
         for t in range(plan.num_tiles):                        # row tiles of the segments, adapter rows only
