@@ -1,5 +1,5 @@
-// Scalar helpers the CPU ops share (loragate_kernels/cpu_lora.cpp, cpu_attention.cpp, cpu_layer.cpp): conversions between
-// the model's dtypes and fp32, and e^x, each written so the compiler vectorizes the loops that call them.
+// Scalar helpers the CPU ops share (loragate_kernels/cpu_lora.cpp, cpu_attention.cpp, cpu_layer.cpp): conversions
+// between the model's dtypes and fp32, and e^x, each written so the compiler vectorizes the loops that call them.
 #pragma once
 
 #include <c10/util/BFloat16.h>

@@ -1,5 +1,5 @@
-// The CPU path's GEMM for few rows against a weight that streams from memory (loragate_kernels/cpu_ops.py builds this file;
-// engine/model/cpu_gemm.py decides where it runs; F.linear is its oracle in tests/kernels/test_cpu_gemm.py):
+// The CPU path's GEMM for few rows against a weight that streams from memory (loragate_kernels/cpu_ops.py builds
+// this file; engine/model/cpu_gemm.py decides where it runs; F.linear is its oracle in tests/kernels/test_cpu_gemm.py):
 //
 //   skinny_linear(x, weight, bias)   x [M, K] @ weight[N, K]^T (+ bias [N])   -> new [M, N], fp32
 //

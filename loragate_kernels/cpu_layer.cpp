@@ -1,5 +1,5 @@
-// The CPU path's fused elementwise ops of a decoder layer (loragate_kernels/cpu_ops.py builds this file and documents each
-// op; engine/model/layer_ops.py `TorchLayerOps` is the torch twin and the test oracle). In torch each of these is
+// The CPU path's fused elementwise ops of a decoder layer (loragate_kernels/cpu_ops.py builds this file and documents
+// each op; engine/model/layer_ops.py `TorchLayerOps` is the torch twin and the test oracle). In torch each of these is
 // 3-8 ops with a tensor between each (RMSNorm alone is pow, mean, add, rsqrt, mul, mul on a CPU): one pass over
 // the rows here, in fp32, rounded once to the model's dtype.
 //

@@ -1,7 +1,7 @@
 // The CPU path's batched LoRA for one module group (q/k/v, o, gate/up or down) of one layer: every segment of a
 // step in one call, reading each adapter's A and B.T straight from the unified page pool through the slot tables
-// (the same arguments and result as loragate_kernels/reference.py `lora_sgmv_group`, the oracle; loragate_kernels/cpu_ops.py
-// builds this file and documents the op).
+// (the same arguments and result as loragate_kernels/reference.py `lora_sgmv_group`, the oracle;
+// loragate_kernels/cpu_ops.py builds this file and documents the op).
 //
 //   shrink:  h[rows, c_k : c_k + R_k] = x[rows] @ A_k.T            per segment, A_k [R_k, in] (the group's stack)
 //   expand:  y[rows, out_cols[m] : out_cols[m + 1]] += h[rows, c_mk : c_mk + r_mk] @ B_mk.T
