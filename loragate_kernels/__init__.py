@@ -83,12 +83,13 @@ def onednn_available() -> bool:
 
 
 def gemm_backend(device: torch.device) -> str:
-    """How the projections and the LM head multiply on `device` (engine/model/cpu_gemm.py): on a CPU without
-    AVX-512 where the C++ ops build, "cpp" (loragate_kernels/cpu_gemm.cpp up to engine/model/cpu_gemm.py SKINNY_ROWS
-    rows: decode steps stream every weight from memory, and there it outran oneDNN's AVX2 kernels ~1.3x; oneDNN over the
-    same row-major weight above); "onednn" (oneDNN-prepacked weights) on other CPUs with oneDNN, AVX-512 ones
-    included (unmeasured for this kernel, which is AVX2 code); else "torch" (plain F.linear; CUDA).
-    LORAGATE_GEMM_BACKEND=torch|onednn|cpp forces one ("onednn" on a torch without oneDNN is refused)."""
+    """How the projections and the LM head multiply on `device` (engine/model/cpu_gemm.py): on a CPU with AVX2 and
+    FMA (AVX-512 ones included) where the C++ ops build, "cpp" (loragate_kernels/cpu_gemm.cpp for fp32 GEMMs up to
+    engine/model/cpu_gemm.py SKINNY_ROWS rows: decode steps stream every weight from memory, and there it outran
+    oneDNN's kernels, ~1.3x on an AVX2 EPYC and ~1.15x on an AVX-512 Xeon; oneDNN over the same row-major weight
+    above, and oneDNN-packed weights for bf16 ones where oneDNN packs bf16); "onednn" (oneDNN-prepacked weights) on
+    other CPUs with oneDNN; else "torch" (plain F.linear; CUDA). LORAGATE_GEMM_BACKEND=torch|onednn|cpp forces one
+    ("onednn" on a torch without oneDNN is refused)."""
     from loragate_kernels import cpu_ops
 
     forced = _forced("LORAGATE_GEMM_BACKEND", ("torch", "onednn", "cpp"))
@@ -98,6 +99,6 @@ def gemm_backend(device: torch.device) -> str:
         return forced
     if torch.device(device).type != "cpu":
         return "torch"
-    if "avx512f" not in cpu_flags() and cpu_ops.load():
+    if {"avx2", "fma"} <= cpu_flags() and cpu_ops.load():
         return "cpp"
     return "onednn" if onednn_available() else "torch"

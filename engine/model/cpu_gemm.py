@@ -6,11 +6,13 @@ that multiplies it (`gemm_backend`, loragate_kernels/__init__.py, picks the rout
   at serving shapes (tens of rows against a wide weight) it reaches about two thirds of what the same GEMM reaches
   with the weight packed ahead of time. Measured on a 2-core AVX-512 VM at W1's shapes (M = 32 rows, SmolLM2-135M):
   fp32 ~115 -> ~200 GFLOP/s, the 49,152-wide LM head ~120 -> ~150; bf16 with AMX ~550 -> ~950.
-- "cpp" (CPUs without AVX-512): the row-major fp32 weight, multiplied by loragate_kernels/cpu_gemm.cpp's `skinny_linear`
-  up to SKINNY_ROWS rows (decode steps, which stream every weight from memory: the kernel prefetches the next block
-  of the weight while it computes one, where oneDNN's AVX2 kernels stall on the first read; W1's step GEMMs on a
-  2-core AVX2 EPYC ~90 -> ~130 GFLOP/s), and by oneDNN over the same tensor above (prefill, where the weight is
-  reused across hundreds of rows and oneDNN reaches the same speed without its packed copy).
+- "cpp" (CPUs with AVX2 and FMA, AVX-512 ones included): fp32 weights kept row-major and multiplied by
+  loragate_kernels/cpu_gemm.cpp's `skinny_linear` up to SKINNY_ROWS rows (decode steps, which stream every weight
+  from memory: the kernel prefetches the next block of the weight while it computes one, where oneDNN's kernels
+  stall on the first read; W1's step GEMMs at M = 32 ~90 -> ~130 GFLOP/s on a 2-core AVX2 EPYC, ~180 -> ~210 on a
+  2-core AVX-512 Xeon), and by oneDNN over the same tensor above (prefill, where the weight is reused across hundreds
+  of rows and oneDNN reaches the same speed without its packed copy). bf16 weights that oneDNN packs keep its packed
+  layout on this route too (with AMX it ran 2.7x the kernel's avx512_bf16 dot products at 32 rows).
 - "torch": plain nn.Linear (CUDA, or forced).
 
 `prepack_linears(model)` swaps every projection for a `PackedLinear` on a CPU model. oneDNN's packed layout is its
@@ -44,9 +46,10 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # against >= 65 real ones), so a bounded set of counts exists and `warm_up_gemms` can run them all before serving.
 EXACT_ROWS = 64
 ROW_BUCKET = 32
-# On the "cpp" route, GEMMs of up to this many rows run loragate_kernels/cpu_gemm.cpp (none of them padded: EXACT_ROWS).
-# Measured against oneDNN over W1's weights on a 2-core AVX2 EPYC: ahead ~1.4x at 32-64 rows (and ~1.5x at 8),
-# even at 128 and behind neither at 512 (docs/performance.md), so prefill keeps oneDNN.
+# On the "cpp" route, fp32 GEMMs of up to this many rows run loragate_kernels/cpu_gemm.cpp (none of them padded:
+# EXACT_ROWS). Measured against oneDNN's packed weights over W1's weights (docs/performance.md): on a 2-core AVX2 EPYC
+# ahead ~1.4x at 32-64 rows (~1.5x at 8), even at 128 and behind neither at 512; on a 2-core AVX-512 Xeon ahead
+# 1.21x / 1.26x / 1.15x / 1.08x at 1 / 8 / 32 / 64 rows. Prefill keeps oneDNN.
 SKINNY_ROWS = EXACT_ROWS
 
 
