@@ -30,7 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--lora", action="store_true", help="request i served by W1 adapter i % 8")
+    ap.add_argument("--lora", action="store_true", help="request i served by W1 adapter i %% 8")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
