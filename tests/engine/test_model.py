@@ -159,7 +159,7 @@ def layer_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 @pytest.fixture(params=["onednn", "cpp"])
 def gemm_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The GEMM route the model loads with (loragate_kernels/__init__.py `gemm_backend`): oneDNN-prepacked weights, and
-    loragate_kernels/cpu_gemm.cpp up to SKINNY_ROWS rows with oneDNN above (the default on CPUs without AVX-512)."""
+    loragate_kernels/cpu_gemm.cpp up to SKINNY_ROWS rows with oneDNN above (the default on CPUs with AVX2 and FMA)."""
     if request.param == "onednn" and not onednn_available():
         pytest.skip("this torch has no oneDNN")
     if request.param == "cpp" and not cpu_ops.load():
