@@ -13,7 +13,7 @@
 // A tile is the dot products of TILE_M rows of x with up to Isa::MAX_R rows of the weight, one vector of columns at
 // a time, reduced horizontally once per block: with AVX-512 (32 registers) 4 x 6 accumulators, 6 weight vectors
 // and 1 x vector; with AVX2 (16) 4 x 3. A block's last columns that do not fill a vector are read with masked
-// loads. Partial sums over a chunk's blocks stay in an fp32 buffer; the bias is added and the dtype rounded once.
+// loads. A chunk's sums over its blocks gather in a small buffer, and go to y with the bias once.
 // The weight keeps its row-major layout (no reorder; the oneDNN route for larger row counts reads the same tensor).
 // Without AVX2 and FMA the same blocking runs as plain loops the compiler vectorizes (fp32 only).
 
@@ -25,16 +25,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "cpu_common.h"
-
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
 namespace {
-
-using loragate_cpu::store;
-using loragate_cpu::to_f;
 
 constexpr int64_t TILE_M = 4;
 constexpr int64_t MAX_BLOCK_K = 1024;  // columns per block: 48 rows x 1024 x 4 B = 192 KB of fp32 weight
@@ -62,19 +57,18 @@ struct Prefetcher {
   }
 };
 
-// The instruction sets (fp32 throughout; T names the element type): STEP the columns one vector holds, MAX_R the weight rows a tile takes.
-// `dot(acc, x, w)` adds the products of one vector of columns to acc's lanes; `tail(p, n)` loads n < STEP columns
-// with zeros after them; `pin` keeps a loaded vector in a register (the compiler would rather fold the load into
-// every instruction that reads it, and then L1's ports, not the arithmetic, would set the pace).
+// The instruction sets: STEP the columns one vector holds, MAX_R the weight rows a tile takes. `dot(acc, x, w)`
+// adds the products of one vector of columns to acc's lanes; `tail(p, n)` loads n < STEP columns with zeros after
+// them; `pin` keeps a loaded vector in a register (the compiler would rather fold the load into every instruction
+// that reads it, and then L1's ports, not the arithmetic, would set the pace).
 #if defined(__AVX512F__)
 struct Avx512F32 {
-  using T = float;
   using Acc = __m512;
   using In = __m512;
   static constexpr int64_t STEP = 16, MAX_R = 6;
   static Acc zero() { return _mm512_setzero_ps(); }
-  static In load(const T* p) { return _mm512_loadu_ps(p); }
-  static In tail(const T* p, int64_t n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
+  static In load(const float* p) { return _mm512_loadu_ps(p); }
+  static In tail(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
   static Acc dot(Acc a, In x, In w) { return _mm512_fmadd_ps(x, w, a); }
   static float sum(Acc a) { return _mm512_reduce_add_ps(a); }
   static void pin(In& v) { asm volatile("" : "+v"(v)); }
@@ -83,13 +77,12 @@ struct Avx512F32 {
 
 #if defined(__AVX2__) && defined(__FMA__)
 struct Avx2F32 {
-  using T = float;
   using Acc = __m256;
   using In = __m256;
   static constexpr int64_t STEP = 8, MAX_R = 3;
   static Acc zero() { return _mm256_setzero_ps(); }
-  static In load(const T* p) { return _mm256_loadu_ps(p); }
-  static In tail(const T* p, int64_t n) {
+  static In load(const float* p) { return _mm256_loadu_ps(p); }
+  static In tail(const float* p, int64_t n) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
   }
@@ -106,13 +99,12 @@ struct Avx2F32 {
 
 // Plain loops (no AVX2): one column a step; the compiler vectorizes what it can.
 struct Scalar {
-  using T = float;
   using Acc = float;
   using In = float;
   static constexpr int64_t STEP = 1, MAX_R = 3;
   static Acc zero() { return 0.f; }
-  static In load(const T* p) { return *p; }
-  static In tail(const T*, int64_t) { return 0.f; }
+  static In load(const float* p) { return *p; }
+  static In tail(const float*, int64_t) { return 0.f; }
   static Acc dot(Acc a, In x, In w) { return a + x * w; }
   static float sum(Acc a) { return a; }
   static void pin(In&) {}
@@ -120,8 +112,8 @@ struct Scalar {
 
 // One vector of columns at k: MT x R products added to acc (`TAIL`: the last n < STEP columns, masked).
 template <class Isa, int MT, int R, bool TAIL>
-inline __attribute__((always_inline)) void step(typename Isa::Acc (&acc)[MT][R], const typename Isa::T* x,
-                                                int64_t ldx, const typename Isa::T* w, int64_t ldw, int64_t k,
+inline __attribute__((always_inline)) void step(typename Isa::Acc (&acc)[MT][R], const float* x,
+                                                int64_t ldx, const float* w, int64_t ldw, int64_t k,
                                                 int64_t n) {
   typename Isa::In wv[R];
 #pragma GCC unroll 6
@@ -141,7 +133,7 @@ inline __attribute__((always_inline)) void step(typename Isa::Acc (&acc)[MT][R],
 // y[m, r] += dot(x[m, :kb], w[r, :kb]) for m < MT, r < R (y: the chunk's fp32 sums); `per_step` prefetches every
 // PF_COLS columns.
 template <class Isa, int MT, int R>
-void tile(const typename Isa::T* x, int64_t ldx, const typename Isa::T* w, int64_t ldw, int64_t kb, float* y,
+void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kb, float* y,
           int64_t ldy, Prefetcher& pf, int64_t per_step) {
   typename Isa::Acc acc[MT][R];
 #pragma GCC unroll 4
@@ -164,7 +156,7 @@ void tile(const typename Isa::T* x, int64_t ldx, const typename Isa::T* w, int64
 }
 
 template <class Isa, int R>
-void tile_rows(int64_t mt, const typename Isa::T* x, int64_t ldx, const typename Isa::T* w, int64_t ldw, int64_t kb,
+void tile_rows(int64_t mt, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kb,
                float* y, int64_t ldy, Prefetcher& pf, int64_t per_step) {
   switch (mt) {
     case 4: return tile<Isa, 4, R>(x, ldx, w, ldw, kb, y, ldy, pf, per_step);
@@ -175,7 +167,7 @@ void tile_rows(int64_t mt, const typename Isa::T* x, int64_t ldx, const typename
 }
 
 template <class Isa>
-void tile_any(int64_t r, int64_t mt, const typename Isa::T* x, int64_t ldx, const typename Isa::T* w, int64_t ldw,
+void tile_any(int64_t r, int64_t mt, const float* x, int64_t ldx, const float* w, int64_t ldw,
               int64_t kb, float* y, int64_t ldy, Prefetcher& pf, int64_t per_step) {
   switch (r) {
     case 1: return tile_rows<Isa, 1>(mt, x, ldx, w, ldw, kb, y, ldy, pf, per_step);
@@ -193,14 +185,13 @@ void tile_any(int64_t r, int64_t mt, const typename Isa::T* x, int64_t ldx, cons
 
 template <class Isa>
 void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias, at::Tensor& y) {
-  using T = typename Isa::T;
   constexpr int64_t TILE_N = Isa::MAX_R;
   constexpr int64_t CHUNK_ROWS = 8 * TILE_N;  // weight rows a task's block holds
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const T* xp = x.data_ptr<T>();
-  const T* wp = weight.data_ptr<T>();
-  const T* bp = bias ? bias->data_ptr<T>() : nullptr;
-  T* yp = y.data_ptr<T>();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   const int64_t k_blocks = (K + MAX_BLOCK_K - 1) / MAX_BLOCK_K;
   // blocks a whole number of vectors wide, but the last
@@ -221,8 +212,8 @@ void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias, 
         const int64_t next_n0 = k0 + kb < K ? n0 : n1;
         if (next_k > 0 || c + 1 < hi) {
           pf.row = reinterpret_cast<const char*>(wp + next_n0 * K + next_k);
-          pf.row_bytes = std::min(block_k, K - next_k) * static_cast<int64_t>(sizeof(T));
-          pf.stride = K * static_cast<int64_t>(sizeof(T));
+          pf.row_bytes = std::min(block_k, K - next_k) * static_cast<int64_t>(sizeof(float));
+          pf.stride = K * static_cast<int64_t>(sizeof(float));
           pf.rows = std::min(N, next_n0 + CHUNK_ROWS) - next_n0;
         }
         // spread the lines over every tile call's PF_COLS-column steps
@@ -240,7 +231,7 @@ void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias, 
       }
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = n0; n < n1; ++n)
-          store(yp + m * N + n, sums[m * CHUNK_ROWS + (n - n0)] + (bp ? to_f(bp[n]) : 0.f));
+          yp[m * N + n] = sums[m * CHUNK_ROWS + (n - n0)] + (bp ? bp[n] : 0.f);
     }
   });
 }

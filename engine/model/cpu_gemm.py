@@ -12,7 +12,7 @@ that multiplies it (`gemm_backend`, loragate_kernels/__init__.py, picks the rout
   stall on the first read; W1's step GEMMs at M = 32 ~90 -> ~130 GFLOP/s on a 2-core AVX2 EPYC, ~180 -> ~210 on a
   2-core AVX-512 Xeon), and by oneDNN over the same tensor above (prefill, where the weight is reused across hundreds
   of rows and oneDNN reaches the same speed without its packed copy). bf16 weights that oneDNN packs keep its packed
-  layout on this route too (with AMX it ran 2.7x the kernel's avx512_bf16 dot products at 32 rows).
+  layout on this route too (with AMX it ran 2.7x a bf16 version of the kernel at 32 rows: docs/performance.md).
 - "torch": plain nn.Linear (CUDA, or forced).
 
 `prepack_linears(model)` swaps every projection for a `PackedLinear` on a CPU model. oneDNN's packed layout is its

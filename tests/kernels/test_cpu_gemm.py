@@ -1,8 +1,8 @@
 """The CPU's GEMM for few rows (loragate_kernels/cpu_gemm.cpp `skinny_linear`) against a float64 oracle and F.linear:
-every tile shape it has (rows in 4s and their tails, weight rows in 3s and chunks of 24 and their tails), columns that
-are not a multiple of 8, columns split into blocks (more than 1,024), a bias, inputs with padded row strides,
-1 and 2 threads, empty shapes; bad arguments refused with an error. And the seam that picks it
-(loragate_kernels/__init__.py `gemm_backend`).
+every tile shape it has (rows in 4s and their tails; weight rows in 3s and chunks of 24 with AVX2, in 6s and chunks
+of 48 with AVX-512, and their tails), columns that are not a multiple of a vector (masked loads), columns split into
+blocks (more than 1,024), a bias, inputs with padded row strides, 1 and 2 threads, empty shapes; bad arguments
+refused with an error. And the seam that picks it (loragate_kernels/__init__.py `gemm_backend`).
 """
 
 from __future__ import annotations
