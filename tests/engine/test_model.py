@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import resolve_dtype
-from engine.model import sources
+from engine.model import attention, sources
 from engine.model.attention import (
     AttentionMetadata,
     PrefillSeq,
@@ -180,6 +180,46 @@ def hf_atol(layer_backend: str, gemm_backend: str = "onednn") -> float:
 def test_tiny_matches_hf(tiny_model_dir: Path, block_size: int, layer_backend: str, gemm_backend: str) -> None:
     ours, hf = load_pair(tiny_model_dir)  # loaded here: the GEMM route is chosen at load
     check_prefill_decode_mixed(ours, hf, block_size=block_size, atol=hf_atol(layer_backend, gemm_backend))
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_fresh_prompts_attended_as_one_batch_match_hf(
+    tiny_pair: tuple[LlamaForCausalLM, PreTrainedModel], block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's fresh prompts go through one SDPA call (engine/model/attention.py `FreshBatch`): of one length and
+    consecutive (a view), of several lengths (right-padded), and with a chunk after cached context between them (which
+    is attended alone) and decode rows in front. Logits as HF's, and the batches were in fact made."""
+    ours, hf = tiny_pair
+    made: list[attention.FreshBatch | None] = []
+    plan = attention.plan_fresh_batch
+
+    def spy(*args: object) -> attention.FreshBatch | None:
+        made.append(plan(*args))  # type: ignore[arg-type]
+        return made[-1]
+
+    monkeypatch.setattr(attention, "plan_fresh_batch", spy)
+    vocab, runner = ours.config.vocab_size, PagedRunner(ours, block_size)
+    atol = hf_atol("cpp", "cpp")  # the CPU's default routes
+    same = [Seq(random_tokens(10, vocab, seed=i)) for i in range(3)]
+    mixed = [Seq(random_tokens(n + 2, vocab, seed=10 + n)) for n in (9, 13, 11)]
+    chunked = Seq(random_tokens(20, vocab, seed=42))
+    refs = {id(s): hf_logits(hf, s.tokens) for s in [*same, *mixed, chunked]}
+    steps = [
+        [(s, 8) for s in same] + [(chunked, 6)],  # four fresh prompts of 8, 8, 8 and 6 tokens: padded
+        [(s, 1) for s in same] + [(mixed[0], 9), (mixed[1], 13)],  # decodes, then two fresh prompts
+        [(mixed[2], 11), (chunked, 8), (mixed[0], 1)],  # a fresh prompt alone beside a chunk: not batched
+        [(s, 1) for s in [*same, *mixed[:2]]] + [(mixed[2], 1), (chunked, 6)],  # the chunk after two cached ones
+    ]
+    dense = [Seq(random_tokens(12, vocab, seed=20 + i)) for i in range(3)]
+    refs.update({id(s): hf_logits(hf, s.tokens) for s in dense})
+    steps.append([(s, 12) for s in dense])  # one length, consecutive: a view
+    for work in steps:
+        for got, (seq, n) in zip(runner.step(work), work, strict=True):
+            torch.testing.assert_close(got, refs[id(seq)][seq.computed - n : seq.computed], atol=atol, rtol=0)
+    padded, pair, alone, _, view = made
+    assert padded is not None and padded.src is not None and padded.members == (0, 1, 2, 3)
+    assert pair is not None and pair.src is not None and pair.max_len == 13
+    assert alone is None and view is not None and view.src is None and view.max_len == 12
 
 
 LLAMA3_ROPE = {
