@@ -142,8 +142,9 @@ class PackedLinear(nn.Module):
         padded = gemm_rows(rows)
         if padded == rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        wide = x.new_zeros(padded, x.shape[1])
+        wide = x.new_empty(padded, x.shape[1])  # zeroing only the padding rows: the whole fill cost 2% of a step
         wide[:rows] = x
+        wide[rows:] = 0
         return torch.ops.mkldnn._linear_pointwise(wide, self.weight, self.bias, "none", [], "")[:rows]
 
     def extra_repr(self) -> str:
