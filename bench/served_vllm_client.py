@@ -10,6 +10,7 @@ first burst / warm.
 
     python bench/served_vllm_client.py --vllm-python VENV/bin/python [--dtype float32] [--prompts 64]
                                        [--concurrency 32] [--systems loragate,vllm] [--json PATH]
+                                       [--loragate-args "--max-num-seqs 64"]
 """
 
 from __future__ import annotations
@@ -56,11 +57,11 @@ def burst(vllm_python: str, base: str, model_dir: Path, args: argparse.Namespace
     return json.loads(line.removeprefix("RESULT "))
 
 
-def serve(system: str, vllm_python: str, model_dir: Path, dtype: str, port: int, log: Path) -> Any:
-    base = f"http://127.0.0.1:{port}"
+def serve(system: str, args: argparse.Namespace, model_dir: Path, port: int, log: Path) -> Any:
+    base, dtype, vllm_python = f"http://127.0.0.1:{port}", args.dtype, args.vllm_python
     if system == "loragate":
         argv = [sys.executable, "-m", "loragate", "engine", "--model", "smollm2", "--dtype", dtype, "--threads", "2"]
-        argv += ["--port", str(port), "--served-model-name", NAME]
+        argv += ["--port", str(port), "--served-model-name", NAME, *args.loragate_args.split()]
         env, health = dict(os.environ), f"{base}/readyz"
     else:
         argv = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", dtype]
@@ -92,6 +93,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--loragate-args", default="", help="more `loragate engine` flags, e.g. '--max-num-seqs 64'")
     ap.add_argument("--systems", default="loragate,vllm", help="comma-separated: loragate, vllm (both by default)")
     args = ap.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -102,7 +104,7 @@ def main() -> None:
     figures: dict[str, Any] = {"dtype": args.dtype, "prompts": args.prompts, "concurrency": args.concurrency}
     for system in systems:
         port = free_port()
-        proc = serve(system, args.vllm_python, model_dir, args.dtype, port, work / f"{system}.log")
+        proc = serve(system, args, model_dir, port, work / f"{system}.log")
         try:
             first = burst(args.vllm_python, f"http://127.0.0.1:{port}", model_dir, args, seed=1)
             warm = burst(args.vllm_python, f"http://127.0.0.1:{port}", model_dir, args, seed=2)
