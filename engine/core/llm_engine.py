@@ -37,7 +37,7 @@ from engine.lora.files import load_weights
 from engine.lora.peft_config import AdapterError, AdapterSpec
 from engine.lora.registry import AdapterRegistry, HostAdapterCache
 from engine.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
-from engine.model.cpu_gemm import auto_cpu_dtype, warm_up_gemms
+from engine.model.cpu_gemm import auto_cpu_dtype, step_rounding, warm_up_gemms
 from engine.model.llama import StepInterrupted
 from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
@@ -126,6 +126,7 @@ class LLMEngine:
                 config.aging_s,
                 config.max_adapters_per_step or config.max_device_adapters,
                 config.max_prefill_tokens,
+                *step_rounding(device),
             ),
             kv,
             self.eos_token_ids,

@@ -22,6 +22,9 @@ A step computes at most `max_prefill_tokens` prompt tokens of requests below cri
 over more steps), which bounds the step in progress that a critical request arriving mid-step waits for. The
 step that starts a critical request computes nothing of lower classes, neither prompts nor decodes (they wait
 that one step): they would make that step, and so the critical request's first token, longer.
+
+On a CPU a step of more than 64 tokens is trimmed to a multiple of 32 by shortening its last prompt chunk (the CPU's
+GEMMs pad other counts up to one: engine/model/cpu_gemm.py `step_rounding`).
 """
 
 from __future__ import annotations
@@ -77,6 +80,11 @@ class SchedulerConfig:
     # Prompt tokens one step computes for requests below critical (None: up to max_batch_tokens). It bounds the
     # step a critical request arriving mid-step waits for; critical prompts may fill max_batch_tokens.
     max_prefill_tokens: int | None = None
+    # A step of more than `round_tokens_above` tokens is trimmed to a multiple of `round_tokens` where its last prompt
+    # chunk allows (the rest of that prompt goes in the next step): the CPU's GEMMs pad such steps up to that multiple
+    # (engine/model/cpu_gemm.py ROW_BUCKET), so padding rows would be computed for nothing. 1: no rounding.
+    round_tokens: int = 1
+    round_tokens_above: int = 0
 
 
 @dataclass(slots=True)
@@ -191,7 +199,21 @@ class Scheduler:
             budget.worst_class, budget.prefill = int(Priority.SHEDDABLE), prefill_cap
             self._schedule_running(out, budget)
         out.critical_prompt = budget.critical_prompt
+        self._round(out)
         return out
+
+    def _round(self, out: SchedulerOutput) -> None:
+        """Trim the step's last prompt chunk (of more tokens than it must lose, not a critical request's: its first
+        token would come a step later) so the step computes a multiple of `round_tokens` (SchedulerConfig); the
+        pages the chunk was given stay with its request for the next chunk."""
+        multiple, total = self.config.round_tokens, out.total_tokens
+        excess = total % multiple
+        if multiple <= 1 or total <= self.config.round_tokens_above or excess == 0:
+            return
+        for i in reversed(range(len(out.requests))):
+            if out.num_tokens[i] > max(excess, 1) and out.requests[i].priority is not Priority.CRITICAL:
+                out.num_tokens[i] -= excess
+                return
 
     def _admission_order(self) -> tuple[list[Request], Request | None]:
         """The waiting requests in the order they may start this step, and the contender: the first request of

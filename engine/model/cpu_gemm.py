@@ -58,6 +58,13 @@ def gemm_rows(rows: int) -> int:
     return rows if rows <= EXACT_ROWS else -(-rows // ROW_BUCKET) * ROW_BUCKET
 
 
+def step_rounding(device: torch.device) -> tuple[int, int]:
+    """(multiple, above): steps of more than `above` tokens are best a multiple of `multiple` tokens on `device` (the
+    scheduler trims a prompt chunk to make them so: engine/core/scheduler.py SchedulerConfig), so that `gemm_rows`
+    pads nothing; (1, 0) on CUDA, whose GEMMs take any row count."""
+    return (ROW_BUCKET, EXACT_ROWS) if device.type == "cpu" else (1, 0)
+
+
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 

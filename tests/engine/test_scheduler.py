@@ -112,6 +112,38 @@ def test_decodes_go_first_and_long_prompt_is_chunked() -> None:
     assert s.requests["long"].num_output_tokens == 1  # sampled exactly once, after the last chunk
 
 
+def test_steps_are_rounded_by_trimming_their_last_prompt_chunk() -> None:
+    """With round_tokens (the CPU's GEMM row bucket), a step of more than round_tokens_above tokens computes a multiple
+    of round_tokens where a prompt chunk can give the excess up; the rest of that prompt comes next step, and every
+    request ends with the tokens the unrounded scheduler gives it."""
+    results = {}
+    for multiple in (1, 8):
+        kv = KVCacheManager(PagePool(256), 4, enable_prefix_cache=False)
+        config = SchedulerConfig(40, 16, 256, aging_s=None, round_tokens=multiple, round_tokens_above=12)
+        s = Scheduler(config, kv, (EOS,))
+        rng = random.Random(7)
+        requests = [make_request(f"r{i}", rng.randint(2, 30), max_tokens=rng.randint(1, 12)) for i in range(24)]
+        for request in requests[:6]:
+            s.add_request(request)
+        steps = []
+        while s.has_unfinished():
+            batch = s.schedule()
+            total = batch.total_tokens
+            has_chunk = any(n > total % 8 and n > 1 for n in batch.num_tokens)
+            if multiple > 1 and total > 12 and has_chunk:
+                assert total % multiple == 0, batch.num_tokens
+            s.update_from_output(batch, fake_run(batch))
+            check_invariants(s)
+            steps.append(total)
+            if len(steps) % 3 == 0 and len(s.requests) < 24 and len(steps) // 3 + 5 < len(requests):
+                s.add_request(requests[len(steps) // 3 + 5])
+            assert len(steps) < 1000
+        results[multiple] = ({r.request_id: r.output_token_ids for r in requests}, steps)
+    assert results[8][0] == results[1][0]
+    rounded = [t for t in results[8][1] if t > 12]
+    assert sum(t % 8 == 0 for t in rounded) > sum(t % 8 == 0 for t in results[1][1] if t > 12)
+
+
 def test_stop_conditions() -> None:
     s = make_scheduler()
     r = make_request("a", 3, max_tokens=5)
