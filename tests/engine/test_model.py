@@ -437,6 +437,25 @@ def test_kv_cache_bytes_per_block(tiny_model_dir: Path) -> None:
     )
 
 
+def anon_huge_kb() -> int:
+    rollup = Path("/proc/self/smaps_rollup").read_text().splitlines()
+    return int(next(line for line in rollup if line.startswith("AnonHugePages")).split()[1])
+
+
+def test_the_cpu_kv_cache_sits_on_huge_pages(tiny_model_dir: Path) -> None:
+    """Where Linux grants transparent huge pages on request (its `madvise` or `always` mode), the KV cache gets them:
+    its zeroing faults its memory in as 2 MiB pages. Zeroed either way."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text() or not Path("/proc/self/smaps_rollup").exists():
+        pytest.skip("no transparent huge pages on this machine")
+    config = load_model_config(tiny_model_dir)
+    blocks = (64 << 20) // kv_cache_bytes_per_block(config, 16, torch.float32)  # 64 MiB
+    before = anon_huge_kb()
+    cache = allocate_kv_cache(config, blocks, 16, torch.float32, CPU)
+    assert anon_huge_kb() - before >= 32 << 10  # most of it (the 2 MiB pages wholly inside it)
+    assert not cache.any()
+
+
 def test_resolve_names(tiny_model_dir: Path) -> None:
     assert resolve_model("tiny-random").name == "tiny-random"
     resolved = resolve_model(str(tiny_model_dir))
