@@ -99,8 +99,9 @@ class FreshBatch:
 
 
 # Fresh prompts are batched when the padded batch computes at most this many times the attention of the prompts
-# alone (causal attention costs ~length^2); one SDPA call instead of one per prompt measured 1.4-2x faster for
-# 2-8 prompts of 64-256 tokens on a 2-core CPU (fp32 and bf16; docs/performance.md).
+# alone (causal attention costs ~length^2). One SDPA call instead of one per prompt: 1.1-2.1x faster alone for 2-8
+# prompts of 64-256 tokens, and the attention of a 512-token step of 4 prompts 1.15-1.2x faster, on a 2-core CPU
+# (fp32 and bf16; docs/performance.md).
 FRESH_BATCH_WASTE = 2.0
 
 
@@ -273,7 +274,8 @@ def _prefills_with_batch(
     first = plan.num_decode_tokens
     batch, length, src, dst = len(fresh.members), fresh.max_len, fresh.src, fresh.dst
     start = plan.prefills[fresh.members[0]].token_start
-    if src is None or dst is None:  # consecutive rows of one length: the batch is a view
+    dense = src is None or dst is None  # consecutive rows of one length: the batch is a view
+    if src is None or dst is None:
         qb, kb, vb = (t[start : start + batch * length].unflatten(0, (batch, length)) for t in (q, k, v))
     else:
         qb, kb, vb = (_padded(t[first:], src, dst, batch, length) for t in (q, k, v))
@@ -281,10 +283,10 @@ def _prefills_with_batch(
         qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), is_causal=True, enable_gqa=True
     )  # [B, H, L, hd]
     rows = out.transpose(1, 2).flatten(0, 1)  # [B * L, H, hd]
-    if (src is None or dst is None) and batch == len(plan.prefills):
+    if dense and batch == len(plan.prefills):
         return rows
     result = q.new_empty(q.shape[0] - first, *q.shape[1:])
-    if src is None or dst is None:
+    if src is None or dst is None:  # (dense)
         result[start - first : start - first + batch * length] = rows
     else:
         result.index_copy_(0, src, rows.index_select(0, dst))
@@ -380,8 +382,8 @@ HUGE_PAGE = 2 << 20
 def huge_pages(tensor: torch.Tensor) -> bool:
     """Ask Linux to back `tensor`'s memory (the 2 MiB pages wholly inside it) with transparent huge pages, as its
     `madvise` mode wants (the default of most distributions): a decode step reads every sequence's pages of the KV
-    cache, scattered over the pool, and with 4 KiB pages nearly every page read is a TLB miss (decode attention
-    3-5% faster in bf16, a served burst ~3%: docs/performance.md). False where the kernel refuses or is not Linux."""
+    cache, scattered over the pool, and with 4 KiB pages nearly every page read is a TLB miss (decode attention ~5%
+    faster in bf16, a served burst 1-3%: docs/performance.md). False where the kernel refuses or is not Linux."""
     start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE
     end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // HUGE_PAGE * HUGE_PAGE
     if end <= start or not sys.platform.startswith("linux"):
