@@ -211,7 +211,9 @@ class Scheduler:
         if multiple <= 1 or total <= self.config.round_tokens_above or excess == 0:
             return
         for i in reversed(range(len(out.requests))):
-            if out.num_tokens[i] > max(excess, 1) and out.requests[i].priority is not Priority.CRITICAL:
+            if (
+                out.num_tokens[i] > excess and out.requests[i].priority is not Priority.CRITICAL
+            ):  # (a prompt chunk: > 1)
                 out.num_tokens[i] -= excess
                 return
 

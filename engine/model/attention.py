@@ -92,10 +92,10 @@ class FreshBatch:
 
     members: tuple[int, ...]  # indices into AttentionPlan.prefills
     max_len: int
-    # [sum of lengths] int64: where the members' rows (relative to the first prefill row) sit in the batch viewed
-    # as [B * max_len]; None when the members are consecutive rows of one length (the batch is a view of them)
-    src: torch.Tensor | None
-    dst: torch.Tensor | None
+    # (src, dst), [sum of lengths] int64 each: the members' rows (relative to the first prefill row) and where they sit
+    # in the batch viewed as [B * max_len]; None when the members are consecutive rows of one length (the batch is a
+    # view of them)
+    padding: tuple[torch.Tensor, torch.Tensor] | None
 
 
 # Fresh prompts are batched when the padded batch computes at most this many times the attention of the prompts
@@ -175,10 +175,10 @@ def plan_fresh_batch(prefills: tuple[PrefillSeq, ...], first_row: int, device: t
     starts = [prefills[i].token_start - first_row for i in members]
     dense = min(lengths) == max_len and all(b - a == max_len for a, b in pairwise(starts))
     if dense:
-        return FreshBatch(tuple(members), max_len, None, None)
+        return FreshBatch(tuple(members), max_len, None)
     src = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lengths, strict=True)])
     dst = torch.cat([torch.arange(b * max_len, b * max_len + n) for b, n in enumerate(lengths)])
-    return FreshBatch(tuple(members), max_len, src.to(device), dst.to(device))
+    return FreshBatch(tuple(members), max_len, (src.to(device), dst.to(device)))
 
 
 def key_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -272,23 +272,23 @@ def _prefills_with_batch(
     fresh = plan.fresh
     assert fresh is not None
     first = plan.num_decode_tokens
-    batch, length, src, dst = len(fresh.members), fresh.max_len, fresh.src, fresh.dst
+    batch, length = len(fresh.members), fresh.max_len
     start = plan.prefills[fresh.members[0]].token_start
-    dense = src is None or dst is None  # consecutive rows of one length: the batch is a view
-    if src is None or dst is None:
+    if fresh.padding is None:  # consecutive rows of one length: the batch is a view
         qb, kb, vb = (t[start : start + batch * length].unflatten(0, (batch, length)) for t in (q, k, v))
     else:
-        qb, kb, vb = (_padded(t[first:], src, dst, batch, length) for t in (q, k, v))
+        qb, kb, vb = (_padded(t[first:], *fresh.padding, batch, length) for t in (q, k, v))
     out = F.scaled_dot_product_attention(
         qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), is_causal=True, enable_gqa=True
     )  # [B, H, L, hd]
     rows = out.transpose(1, 2).flatten(0, 1)  # [B * L, H, hd]
-    if dense and batch == len(plan.prefills):
+    if fresh.padding is None and batch == len(plan.prefills):
         return rows
     result = q.new_empty(q.shape[0] - first, *q.shape[1:])
-    if src is None or dst is None:  # (dense)
+    if fresh.padding is None:
         result[start - first : start - first + batch * length] = rows
     else:
+        src, dst = fresh.padding
         result.index_copy_(0, src, rows.index_select(0, dst))
     batched = set(fresh.members)
     for i, seq in enumerate(plan.prefills):

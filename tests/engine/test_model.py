@@ -217,9 +217,9 @@ def test_fresh_prompts_attended_as_one_batch_match_hf(
         for got, (seq, n) in zip(runner.step(work), work, strict=True):
             torch.testing.assert_close(got, refs[id(seq)][seq.computed - n : seq.computed], atol=atol, rtol=0)
     padded, pair, alone, _, view = made
-    assert padded is not None and padded.src is not None and padded.members == (0, 1, 2, 3)
-    assert pair is not None and pair.src is not None and pair.max_len == 13
-    assert alone is None and view is not None and view.src is None and view.max_len == 12
+    assert padded is not None and padded.padding is not None and padded.members == (0, 1, 2, 3)
+    assert pair is not None and pair.padding is not None and pair.max_len == 13
+    assert alone is None and view is not None and view.padding is None and view.max_len == 12
 
 
 LLAMA3_ROPE = {
