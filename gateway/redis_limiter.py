@@ -20,7 +20,9 @@ logger = logging.getLogger(__name__)
 _REASONS = {1: "rate_limited", 2: "tokens_exhausted"}
 
 # Shared head: `now` from the Redis clock and the token level of KEYS[tok] refilled to now.
-# Numbers go back to Redis through string.format: Lua's default number->string keeps only 14 digits.
+# Numbers go back to Redis through string.format: Lua's default number->string keeps only 14 digits. TTLs round up
+# to whole ms after taking off 1 us: `now` (~1.8e9 s as a double) carries ~0.2 us of noise, which made a 200 ms TTL
+# 201 ms now and then.
 _LEVEL = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -32,7 +34,7 @@ end
 local function store_level(key, level, cap, rate)
   if level >= cap then redis.call('DEL', key) return end
   redis.call('HSET', key, 'tokens', string.format('%.17g', level), 'ts', string.format('%.17g', now))
-  redis.call('PEXPIRE', key, string.format('%d', math.max(1, math.ceil((cap - level) / rate * 1000))))
+  redis.call('PEXPIRE', key, string.format('%d', math.max(1, math.ceil((cap - level) / rate * 1000 - 0.001))))
 end
 """
 
@@ -63,7 +65,7 @@ if req_wait > 0 or tok_wait > 0 then
 end
 tat = tat + interval
 redis.call('SET', KEYS[1], string.format('%.17g', tat), 'PX',
-           string.format('%d', math.max(1, math.ceil((tat - now) * 1000))))
+           string.format('%d', math.max(1, math.ceil((tat - now) * 1000 - 0.001))))
 store_level(KEYS[2], level - need, cap, rate)
 return {1, 0, '0', math.floor((now + span - tat) / interval + eps), string.format('%.17g', tat - now)}
 """
