@@ -33,11 +33,51 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
 
+#if defined(__AVX512F__)
+using loragate_cpu::load16;
+using loragate_cpu::store16;
+
+// A row of n = 16 k: two passes, each 16 columns at a time (the sum, the residual's rounding and the fp32 copy of the
+// row in the first; the scaling in the second), where the loop below makes five.
+template <typename T>
+void norm_row16(const T* in, const T* add, T* res, const float* wf, T* out, float* r, int64_t n, float eps) {
+  __m512 ss0 = _mm512_setzero_ps(), ss1 = _mm512_setzero_ps();
+  for (int64_t e = 0; e < n; e += 16) {
+    __m512 v = load16(in + e);
+    if (add != nullptr) {  // residual (in) += add, rounded as the residual's dtype holds it
+      store16(res + e, _mm512_add_ps(v, load16(add + e)));
+      v = load16(res + e);
+    }
+    _mm512_storeu_ps(r + e, v);
+    if ((e & 16) == 0) {
+      ss0 = _mm512_fmadd_ps(v, v, ss0);
+    } else {
+      ss1 = _mm512_fmadd_ps(v, v, ss1);
+    }
+  }
+  const float ss = _mm512_reduce_add_ps(_mm512_add_ps(ss0, ss1));
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(ss / static_cast<float>(n) + eps));
+  for (int64_t e = 0; e < n; e += 16)
+    store16(out + e, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(r + e), inv), _mm512_loadu_ps(wf + e)));
+}
+#endif
+
 template <typename T>
 void norm_rows(const T* in, int64_t in_stride, const T* add, int64_t add_stride, T* res, int64_t res_stride,
                const T* w, T* out, int64_t out_stride, int64_t rows, int64_t n, float eps) {
   std::vector<float> wf(n);
   to_float_row(w, wf.data(), n);
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    at::parallel_for(0, rows, grain(n), [&](int64_t lo, int64_t hi) {
+      std::vector<float> row(n);
+      for (int64_t t = lo; t < hi; ++t)
+        norm_row16(in + t * in_stride, add == nullptr ? nullptr : add + t * add_stride, res + t * res_stride,
+                   wf.data(), out + t * out_stride, row.data(), n, eps);
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, rows, grain(n), [&](int64_t lo, int64_t hi) {
     std::vector<float> row(n), other(n);
     float* r = row.data();
@@ -123,6 +163,19 @@ void silu_mul_f32(float* __restrict gate, const float* __restrict up, int64_t n)
   }
 }
 
+#if defined(__AVX512F__)
+// 16 of silu_mul_f32 at once; 1 / (1 + E) as the reciprocal estimate and one Newton step (within an ulp or two of
+// the division, whose throughput was half the loop's time).
+inline __m512 silu_mul16(__m512 x, __m512 up) {
+  const __m512 big = loragate_cpu::exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+  const __m512 num = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), x, big);
+  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), big);
+  __m512 inv = _mm512_rcp14_ps(den);
+  inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
+  return _mm512_mul_ps(_mm512_mul_ps(num, inv), up);
+}
+#endif
+
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
@@ -138,6 +191,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       for (int64_t t = lo; t < hi; ++t) {
         const T* g = in + t * in_stride;
         T* dst = o + t * n;
+#if defined(__AVX512F__)
+        if (n % 16 == 0) {
+          for (int64_t e = 0; e < n; e += 16) store16(dst + e, silu_mul16(load16(g + e), load16(g + n + e)));
+          continue;
+        }
+#endif
         to_float_row(g, gate.data(), n);
         to_float_row(g + n, up.data(), n);
         silu_mul_f32(gate.data(), up.data(), n);
@@ -190,6 +249,18 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
         const float* s = sp + t * hd;
         for (int64_t h = 0; h < rotated; ++h) {
           T* head = row + h * hd;
+#if defined(__AVX512F__)
+          if (half % 16 == 0) {  // both halves 16 columns at a time, in registers
+            for (int64_t e = 0; e < half; e += 16) {
+              const __m512 lo_x = load16(head + e), hi_x = load16(head + half + e);
+              store16(head + e, _mm512_fmadd_ps(lo_x, _mm512_loadu_ps(c + e),
+                                                _mm512_mul_ps(hi_x, _mm512_loadu_ps(s + e))));
+              store16(head + half + e, _mm512_fmadd_ps(hi_x, _mm512_loadu_ps(c + half + e),
+                                                       _mm512_mul_ps(lo_x, _mm512_loadu_ps(s + half + e))));
+            }
+            continue;
+          }
+#endif
           to_float_row(head, x.data(), hd);
 #pragma omp simd
           for (int64_t e = 0; e < half; ++e) y[e] = x[e] * c[e] + x[e + half] * s[e];
