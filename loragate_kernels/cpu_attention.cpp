@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -129,6 +130,87 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, 
 // are loaded. A page's rows of one kv head are read once per query head of its group, from L1 after the first.
 using loragate_cpu::load16;
 
+// Lane o of the result = the sum of a[o]'s 16 lanes: a transpose folded into the adds (45 shuffles and adds for
+// 16 sums, where one horizontal sum each takes ~8).
+inline __m512 transpose_sum16(const __m512 (&a)[16]) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit chunk: (a0+a2, b0+b2, a1+a3, b1+b3) of rows a = 2i, b = 2i + 1
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int j = 0; j < 4; ++j)  // per 128-bit chunk: one partial of each of rows 4j .. 4j + 3
+    y[j] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
+
+// The scores of m <= 16 positions (key rows `s_tok` apart from k) against one query head, one to a lane (lanes
+// past m hold 0). bf16 on CPUs with the bf16 dot instruction: the raw bf16 query (`qb`, 32 to a register) against
+// the keys, pairs multiplied exactly and summed in fp32, then scaled; otherwise the query in fp32, pre-scaled (`qv`).
+template <typename T, int NC>
+inline __m512 scores16(const __m512* qv, const __m512i* qb, __m512 scale, const T* k, int64_t s_tok, int64_t m) {
+  __m512 acc[16];
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (int o = 0; o < 16; ++o) {
+      acc[o] = _mm512_setzero_ps();
+      if (o < m)
+        for (int c = 0; c < NC / 2; ++c)
+          acc[o] = _mm512_dpbf16_ps(acc[o], (__m512bh)qb[c], (__m512bh)_mm512_loadu_si512(k + o * s_tok + 32 * c));
+    }
+    return _mm512_mul_ps(transpose_sum16(acc), scale);
+  }
+#endif
+  for (int o = 0; o < 16; ++o) {
+    acc[o] = _mm512_setzero_ps();
+    if (o < m)
+      for (int c = 0; c < NC; ++c) acc[o] = _mm512_fmadd_ps(qv[c], load16(k + o * s_tok + 16 * c), acc[o]);
+  }
+  return transpose_sum16(acc);
+}
+
+#if defined(__AVX512BF16__)
+// row[0, 16 NC) = sum over positions p < n of s[p] v_p, bf16 values (rows `s_tok` apart in pages `s_page` apart from
+// v0, through `table`) and bf16-exact probabilities s: two positions a bf16 dot instruction, their rows interleaved
+// element by element (so each pair is (v_p[e], v_p+1[e]) against (s[p], s[p+1])), sums in fp32. The interleave works
+// within 128-bit chunks: `lo` gathers elements 8k .. 8k+3 of each 32, `hi` elements 8k+4 .. 8k+7, put back in order
+// at the end.
+template <int NC>
+inline void weighted_values_bf16(const float* s, int64_t n, const c10::BFloat16* v0, const int64_t* table,
+                                 int64_t s_page, int64_t s_tok, int64_t block_size, float* row) {
+  constexpr int NB = NC / 2;  // registers of 32 bf16 a row
+  __m512 lo[NB], hi[NB];
+  for (int c = 0; c < NB; ++c) lo[c] = hi[c] = _mm512_setzero_ps();
+  const auto bits = [](float f) {  // the bf16 that f (already rounded to one) is
+    uint32_t b;
+    std::memcpy(&b, &f, sizeof b);
+    return b >> 16;
+  };
+  for (int64_t p0 = 0; p0 < n; p0 += block_size) {
+    const c10::BFloat16* v = v0 + table[p0 / block_size] * s_page;
+    const int64_t count = std::min(block_size, n - p0);
+    for (int64_t o = 0; o < count; o += 2) {
+      const bool pair = o + 1 < count;
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(
+          static_cast<int32_t>(bits(s[p0 + o]) | (pair ? bits(s[p0 + o + 1]) << 16 : 0u)));
+      for (int c = 0; c < NB; ++c) {
+        const __m512i a = _mm512_loadu_si512(v + o * s_tok + 32 * c);
+        const __m512i b = pair ? _mm512_loadu_si512(v + (o + 1) * s_tok + 32 * c) : _mm512_setzero_si512();
+        lo[c] = _mm512_dpbf16_ps(lo[c], (__m512bh)_mm512_unpacklo_epi16(a, b), w);
+        hi[c] = _mm512_dpbf16_ps(hi[c], (__m512bh)_mm512_unpackhi_epi16(a, b), w);
+      }
+    }
+  }
+  // lane 4k + j of lo is element 8k + j, of hi element 8k + 4 + j (k < 4, j < 4) of each 32
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int c = 0; c < NB; ++c) {
+    _mm512_store_ps(row + 32 * c, _mm512_permutex2var_ps(lo[c], first, hi[c]));
+    _mm512_store_ps(row + 32 * c + 16, _mm512_permutex2var_ps(lo[c], second, hi[c]));
+  }
+}
+#endif
+
 template <typename T, int NC>
 void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
                    int64_t table_stride, const int64_t* lens, double scale) {
@@ -156,21 +238,33 @@ void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache
       for (int64_t h = 0; h < num_heads; ++h) {
         const int64_t g = h / group;
         __m512 qv[NC];
+        __m512i qb[NC / 2];
         for (int c = 0; c < NC; ++c) qv[c] = _mm512_mul_ps(load16(qp + d * q_d + h * q_h + 16 * c), vscale);
-        float top = -INFINITY;
+        if constexpr (std::is_same_v<T, c10::BFloat16>)
+          for (int c = 0; c < NC / 2; ++c) qb[c] = _mm512_loadu_si512(qp + d * q_d + h * q_h + 32 * c);
+        float* s = scores.data();
+        __m512 tops = _mm512_set1_ps(-INFINITY);
         for (int64_t p0 = 0; p0 < n; p0 += block_size) {  // page by page: no division per position
           const T* k = cp + table[p0 / block_size] * s_page + g * s_head;
           const int64_t count = std::min(block_size, n - p0);
-          for (int64_t o = 0; o < count; ++o, k += s_tok) {
-            __m512 acc = _mm512_mul_ps(qv[0], load16(k));
-            for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), acc);
-            const float v = _mm512_reduce_add_ps(acc);
-            scores[p0 + o] = v;
-            top = std::max(top, v);
+          for (int64_t o = 0; o < count; o += 16) {  // 16 positions a register
+            const int64_t m = std::min<int64_t>(16, count - o);
+            const __mmask16 live = static_cast<__mmask16>((1u << m) - 1);
+            const __m512 v = scores16<T, NC>(qv, qb, vscale, k + o * s_tok, s_tok, m);
+            _mm512_mask_storeu_ps(s + p0 + o, live, v);
+            tops = _mm512_mask_max_ps(tops, live, tops, v);
           }
         }
-        float* s = scores.data();
+        const float top = _mm512_reduce_max_ps(tops);
         softmax_row<T>(s, n, top);
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          weighted_values_bf16<NC>(s, n, cp + s_kv + g * s_head, table, s_page, s_tok, block_size, row);
+          T* dst = op + d * o_d + h * o_h;
+          for (int64_t e = 0; e < head_dim; e += 16) loragate_cpu::store16(dst + e, _mm512_load_ps(row + e));
+          continue;
+        }
+#endif
         __m512 acc[NC];
         for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
         for (int64_t p0 = 0; p0 < n; p0 += block_size) {
