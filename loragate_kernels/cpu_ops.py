@@ -40,7 +40,14 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_lora.cpp", "cpu_attention.cpp", "cpu_layer.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp")
+    for name in (
+        "cpu_lora.cpp",
+        "cpu_attention.cpp",
+        "cpu_layer.cpp",
+        "cpu_sampling.cpp",
+        "cpu_gemm.cpp",
+        "cpu_amx.cpp",
+    )
 ]
 HEADERS = [Path(__file__).with_name("cpu_common.h")]
 # -fno-trapping-math lets GCC vectorize the float -> int conversion in the ops' e^x (no value changes).

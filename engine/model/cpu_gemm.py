@@ -13,6 +13,11 @@ that multiplies it (`gemm_backend`, loragate_kernels/__init__.py, picks the rout
   2-core AVX-512 Xeon), and by oneDNN over the same tensor above (prefill, where the weight is reused across hundreds
   of rows and oneDNN reaches the same speed without its packed copy). bf16 weights that oneDNN packs keep its packed
   layout on this route too (with AMX it ran 2.7x a bf16 version of the kernel at 32 rows: docs/performance.md).
+- "cpp" with bf16 weights on a CPU with AMX: loragate_kernels/cpu_amx.cpp at every row count, over its own tile layout
+  of the weight (`amx_usable`): it streams a decode step's weights at ~23 GB/s where oneDNN's packed GEMMs read
+  ~16 (a step's 121 GEMMs at 32 rows, 2-core AMX VM: 16.7 -> 11.6 ms); at 512 rows it runs ~10% behind oneDNN
+  (56 -> 62 ms for a prompt step's layer GEMMs), kept rather than a second copy of every weight for prefill.
+  Layers whose dims are not multiples of 32 keep oneDNN's layout.
 - "torch": plain nn.Linear (CUDA, or forced).
 
 `prepack_linears(model)` swaps every projection for a `PackedLinear` on a CPU model. oneDNN's packed layout is its
@@ -94,6 +99,17 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
+@functools.cache
+def amx_usable() -> bool:
+    """Whether bf16 GEMMs can run on loragate_kernels/cpu_amx.cpp here: the CPU has AMX (amx_tile, amx_bf16), the
+    C++ ops built with it, and Linux lets this process use the tiles."""
+    from loragate_kernels import cpu_ops
+
+    if not {"amx_tile", "amx_bf16"} <= cpu_flags() or not cpu_ops.load():
+        return False
+    return bool(torch.ops.loragate_cpu.amx_ready())
+
+
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """The dtype a `dtype` model's packed GEMMs compute in on this CPU (None: not packed, plain F.linear).
 
@@ -111,8 +127,9 @@ def gemm_dtype(dtype: torch.dtype) -> torch.dtype | None:
 class PackedLinear(nn.Module):
     """y = x @ weight.T + bias with the weight laid out once for this CPU's GEMMs; x [T, in] -> [T, out] in x's
     dtype. The weight is kept in `compute_dtype` (default: its own; see `gemm_dtype`), inputs are cast to it and
-    outputs back. `skinny` (the "cpp" route, fp32 only): the row-major weight, loragate_kernels/cpu_gemm.cpp up to
-    SKINNY_ROWS rows and oneDNN above; else oneDNN's packed layout for every row count."""
+    outputs back. On the "cpp" route (`skinny`): fp32 weights stay row-major for loragate_kernels/cpu_gemm.cpp up to
+    SKINNY_ROWS rows and oneDNN above; bf16 ones take loragate_kernels/cpu_amx.cpp's tile layout where `amx_usable`
+    and both dims are multiples of 32 (`self.amx`). Everything else: oneDNN's packed layout for every row count."""
 
     def __init__(
         self,
@@ -125,10 +142,19 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         compute_dtype = compute_dtype or weight.dtype
         self.skinny = skinny and compute_dtype == torch.float32
+        self.amx = (
+            skinny
+            and compute_dtype == torch.bfloat16
+            and self.out_features % 32 == 0
+            and self.in_features % 32 == 0
+            and amx_usable()
+        )
         plain = weight.detach().to(compute_dtype)
-        # the row-major weight itself (no copy when it is already fp32 and contiguous), or oneDNN's packed copy
+        # the row-major weight itself (no copy when it is already fp32 and contiguous), or a packed copy
         if self.skinny:
             self.weight = plain.contiguous()
+        elif self.amx:
+            self.weight = torch.ops.loragate_cpu.amx_pack_weight(plain)
         else:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_ROWS_HINT)
         self.bias = None if bias is None else bias.detach().to(compute_dtype).contiguous()
@@ -142,6 +168,8 @@ class PackedLinear(nn.Module):
         if x.dim() != 2:
             return self._linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
         rows = x.shape[0]
+        if self.amx:
+            return torch.ops.loragate_cpu.amx_linear(x, self.weight, self.bias)
         if self.skinny and rows <= SKINNY_ROWS:
             return torch.ops.loragate_cpu.skinny_linear(x, self.weight, self.bias)
         if not onednn_available():  # the "cpp" route forced on a torch without oneDNN
@@ -155,7 +183,7 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(wide, self.weight, self.bias, "none", [], "")[:rows]
 
     def extra_repr(self) -> str:
-        route = "cpu_gemm.cpp" if self.skinny else "oneDNN"
+        route = "cpu_gemm.cpp" if self.skinny else "cpu_amx.cpp" if self.amx else "oneDNN"
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{shape}, bias={self.bias is not None}, {route}"
 
@@ -193,6 +221,8 @@ def gemm_route(model: nn.Module) -> str:
     if not packed:
         return "plain F.linear"
     dtype = str(packed[0].weight.dtype).removeprefix("torch.")
+    if any(m.amx for m in packed):
+        return f"loragate_kernels/cpu_amx.cpp (AMX tiles) at every row count, in {dtype}"
     if any(m.skinny for m in packed):
         return f"loragate_kernels/cpu_gemm.cpp up to {SKINNY_ROWS} rows, oneDNN above, in {dtype}"
     return f"oneDNN-prepacked weights, in {dtype}"
@@ -206,11 +236,11 @@ def warm_up_gemms(model: nn.Module, max_rows: int, max_head_rows: int) -> int:
     shapes: dict[tuple[int, int, bool], PackedLinear] = {}
     head = getattr(model, "lm_head", None)
     for module in model.modules():
-        if isinstance(module, PackedLinear) and module is not head:
+        if isinstance(module, PackedLinear) and module is not head and not module.amx:  # AMX builds no kernels
             shapes.setdefault((module.in_features, module.out_features, module.bias is None), module)
     counts = sorted({gemm_rows(n) for n in range(1, max(1, max_rows) + 1)})
     calls = [(m, n) for m in shapes.values() for n in counts]
-    if isinstance(head, PackedLinear):
+    if isinstance(head, PackedLinear) and not head.amx:
         calls += [(head, n) for n in sorted({gemm_rows(n) for n in range(1, max(1, max_head_rows) + 1)})]
     with torch.inference_mode():
         for module, n in calls:
