@@ -1,7 +1,8 @@
 """The CPU path's C++ ops, built once per machine: batched LoRA (loragate_kernels/cpu_lora.cpp), paged decode attention
 (loragate_kernels/cpu_attention.cpp), a decoder layer's fused elementwise ops (loragate_kernels/cpu_layer.cpp: RMSNorm
-with the residual add, SiLU-and-mul, RoPE with the K/V cache write) and the greedy pick
-(loragate_kernels/cpu_sampling.cpp), registered as `torch.ops.loragate_cpu.*`.
+with the residual add, SiLU-and-mul, RoPE with the K/V cache write), the greedy pick
+(loragate_kernels/cpu_sampling.cpp) and the GEMMs (loragate_kernels/cpu_gemm.cpp for fp32, cpu_amx.cpp for bf16 on AMX
+tiles), registered as `torch.ops.loragate_cpu.*`.
 
 Why C++: a step of 32 decodes over 8 adapters is, on SmolLM2, ~2,600 tiny matmuls per step as torch ops
 (`lora_sgmv_group`, the twin), and ~330 batched ones over per-step weight copies padded to the step's largest
