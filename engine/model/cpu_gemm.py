@@ -12,7 +12,8 @@ that multiplies it (`gemm_backend`, loragate_kernels/__init__.py, picks the rout
   stall on the first read; W1's step GEMMs at M = 32 ~90 -> ~130 GFLOP/s on a 2-core AVX2 EPYC, ~180 -> ~210 on a
   2-core AVX-512 Xeon), and by oneDNN over the same tensor above (prefill, where the weight is reused across hundreds
   of rows and oneDNN reaches the same speed without its packed copy). bf16 weights that oneDNN packs keep its packed
-  layout on this route too (with AMX it ran 2.7x a bf16 version of the kernel at 32 rows: docs/performance.md).
+  layout on this route where the CPU has no AMX (an AVX-512 bf16 version of the kernel ran at 1/2.7 of oneDNN's
+  AMX kernels at 32 rows: docs/performance.md).
 - "cpp" with bf16 weights on a CPU with AMX: loragate_kernels/cpu_amx.cpp at every row count, over its own tile layout
   of the weight (`amx_usable`): it streams a decode step's weights at ~23 GB/s where oneDNN's packed GEMMs read
   ~16 (a step's 121 GEMMs at 32 rows, 2-core AMX VM: 16.7 -> 11.6 ms); at 512 rows it runs ~10% behind oneDNN
