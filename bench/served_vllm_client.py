@@ -8,7 +8,10 @@ under vLLM's interpreter: random 128-token prompts, 64 new tokens (EOS ignored),
 `--concurrency` at once, greedy. Printed per system and burst: output tok/s, mean and p99 TTFT, mean TPOT, and
 first burst / warm.
 
-    python bench/served_vllm_client.py --vllm-python VENV/bin/python [--dtype float32] [--prompts 64]
+`--dtype float32,bfloat16` runs both dtypes in turn (`make bench` does); `--json` writes {dtype: {"loragate":
+{"first", "warm"}, "vllm": {...}, "prompts", "concurrency"}}, each burst's figures as vLLM's client reports them.
+
+    python bench/served_vllm_client.py --vllm-python VENV/bin/python [--dtype float32[,bfloat16]] [--prompts 64]
                                        [--concurrency 32] [--systems loragate,vllm] [--json PATH]
                                        [--loragate-args "--max-num-seqs 64"]
 """
@@ -57,8 +60,8 @@ def burst(vllm_python: str, base: str, model_dir: Path, args: argparse.Namespace
     return json.loads(line.removeprefix("RESULT "))
 
 
-def serve(system: str, args: argparse.Namespace, model_dir: Path, port: int, log: Path) -> Any:
-    base, dtype, vllm_python = f"http://127.0.0.1:{port}", args.dtype, args.vllm_python
+def serve(system: str, args: argparse.Namespace, dtype: str, model_dir: Path, port: int, log: Path) -> Any:
+    base, vllm_python = f"http://127.0.0.1:{port}", args.vllm_python
     if system == "loragate":
         argv = [sys.executable, "-m", "loragate", "engine", "--model", "smollm2", "--dtype", dtype, "--threads", "2"]
         argv += ["--port", str(port), "--served-model-name", NAME, *args.loragate_args.split()]
@@ -89,7 +92,7 @@ def ready(url: str) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", required=True)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16, or both comma-separated (run in turn)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--json", type=Path)
@@ -99,12 +102,22 @@ def main() -> None:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not systems or set(systems) - {"loragate", "vllm"}:
         ap.error("--systems takes loragate, vllm or both")
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    if not dtypes or set(dtypes) - {"float32", "bfloat16"}:
+        ap.error("--dtype takes float32, bfloat16 or both")
     model_dir = resolve_model("smollm2").path
     work = Path(tempfile.mkdtemp(prefix="served-vllm-client-"))
-    figures: dict[str, Any] = {"dtype": args.dtype, "prompts": args.prompts, "concurrency": args.concurrency}
+    results = {dtype: run_dtype(args, dtype, systems, model_dir, work) for dtype in dtypes}
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def run_dtype(args: argparse.Namespace, dtype: str, systems: list[str], model_dir: Path, work: Path) -> dict[str, Any]:
+    """Both bursts on each system's server at `dtype`; prints them and returns their figures."""
+    figures: dict[str, Any] = {"prompts": args.prompts, "concurrency": args.concurrency}
     for system in systems:
         port = free_port()
-        proc = serve(system, args, model_dir, port, work / f"{system}.log")
+        proc = serve(system, args, dtype, model_dir, port, work / f"{system}-{dtype}.log")
         try:
             first = burst(args.vllm_python, f"http://127.0.0.1:{port}", model_dir, args, seed=1)
             warm = burst(args.vllm_python, f"http://127.0.0.1:{port}", model_dir, args, seed=2)
@@ -120,9 +133,8 @@ def main() -> None:
         print(f"{system:8s} first burst / warm {first['output_throughput'] / warm['output_throughput']:.2f}")
     if len(systems) == 2:
         ratio = figures["loragate"]["warm"]["output_throughput"] / figures["vllm"]["warm"]["output_throughput"]
-        print(f"warm output tok/s, loragate / vLLM: {ratio:.2f}x ({args.dtype}, 2 threads)")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2))
+        print(f"warm output tok/s, loragate / vLLM: {ratio:.2f}x ({dtype}, 2 threads)")
+    return figures
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The pure functions of bench/report.py (`make bench`'s summary, record and plots); nothing is run or measured.
 
 Covered: cpu_info and flags_text (the machine line), dig / num / times (formatting helpers), w1_cells and
-w1_ratios, table, scale_rows, serving_lines, gateway_table, priority_table, step_table, summary (on the recorded
+w1_ratios, table, scale_rows, serving_lines, gateway_table, priority_table, step_table, compare_table and
+served_table (the vLLM comparisons, and the commands of their parts), summary (on the recorded
 bench/results/2026-12-01-vm.json and on records with parts missing or failed), plot (PNG files, matplotlib Agg),
 parse_parts, result_stem and command_line. Expected figures are read from the JSON record and formatted here.
 """
@@ -450,3 +451,106 @@ def test_command_line() -> None:
     assert name == "BENCH_ARGS" and shlex.split(value) == argv  # the shell gives make the arguments back
     assert report.command_line([], under_make=True) == "make bench"
     assert shlex.split(report.command_line(argv, under_make=False)) == ["python", "bench/report.py", *argv]
+
+
+# -- the vLLM comparisons (bench/w1_compare.py, bench/served_vllm_client.py) -----------------------------------
+
+COMPARE = {
+    "medians": {
+        f"{system} {dtype} {row}": value
+        for (system, dtype, row), value in {
+            ("loragate", "float32", "base"): 523.1,
+            ("loragate", "float32", "mixed"): 437.5,
+            ("vllm", "float32", "base"): 391.4,
+            ("vllm", "float32", "mixed"): 111.2,
+            ("loragate", "bfloat16", "base"): 1411.0,
+            ("loragate", "bfloat16", "mixed"): 1020.0,
+            ("vllm", "bfloat16", "base"): 817.4,
+            ("vllm", "bfloat16", "mixed"): 138.3,
+        }.items()
+    },
+    "threads": 2,
+}
+
+
+def burst(tok_s: float, ttft: float, tpot: float) -> dict[str, float]:
+    return {"output_throughput": tok_s, "mean_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "mean_tpot_ms": tpot}
+
+
+SERVED = {
+    "float32": {
+        "loragate": {"first": burst(300.0, 1300, 86.0), "warm": burst(290.0, 1385, 88.5)},
+        "vllm": {"first": burst(235.2, 2322, 100.7), "warm": burst(250.0, 2149, 96.1)},
+    },
+    "bfloat16": {
+        "loragate": {"first": burst(762.0, 400, 34.0), "warm": burst(762.0, 458, 34.6)},
+        "vllm": {"first": burst(600.0, 522, 45.6), "warm": burst(610.0, 466, 44.9)},
+    },
+}
+
+
+def ok(figures: Any) -> dict[str, Any]:
+    return {"status": "ok", "seconds": 1.0, "figures": figures}
+
+
+def test_compare_table() -> None:
+    lines = report.compare_table({"compare": ok(COMPARE)}).splitlines()
+    assert split_cells(lines[0]) == ["W1 tok/s, median", "loragate", "vLLM-CPU", "loragate / vLLM", "LoRA / base"]
+    med = COMPARE["medians"]
+    for line, (dtype, row) in zip(
+        lines[2:], [(d, r) for d in ("float32", "bfloat16") for r in ("base", "mixed")], strict=True
+    ):
+        ours, theirs = med[f"loragate {dtype} {row}"], med[f"vllm {dtype} {row}"]
+        want = [f"{dtype} {row}", f"{ours:.1f}", f"{theirs:.1f}", f"{ours / theirs:.2f}x"]
+        if row == "mixed":
+            want.append(f"{ours / med[f'loragate {dtype} base']:.2f}x")
+        assert split_cells(line) == want
+    assert report.compare_table({}) is None
+    assert report.compare_table({"compare": {"status": "failed"}}) is None
+
+
+def test_served_table() -> None:
+    lines = report.served_table({"served": ok(SERVED)}).splitlines()
+    assert len(lines) == 4
+    for line, dtype in zip(lines[2:], ("float32", "bfloat16"), strict=True):
+        ours, theirs = SERVED[dtype]["loragate"], SERVED[dtype]["vllm"]
+        warm_ours, warm_theirs = ours["warm"]["output_throughput"], theirs["warm"]["output_throughput"]
+        first_warm = [r["first"]["output_throughput"] / r["warm"]["output_throughput"] for r in (ours, theirs)]
+        assert split_cells(line) == [
+            dtype,
+            f"{warm_ours:.1f}",
+            f"{warm_theirs:.1f}",
+            f"{warm_ours / warm_theirs:.2f}x",
+            f"{ours['warm']['mean_ttft_ms']:.0f} / {theirs['warm']['mean_ttft_ms']:.0f}",
+            f"{ours['warm']['mean_tpot_ms']:.1f} / {theirs['warm']['mean_tpot_ms']:.1f}",
+            f"{first_warm[0]:.2f}x / {first_warm[1]:.2f}x",
+        ]
+    only_fp32 = report.served_table({"served": ok({"float32": SERVED["float32"]})}).splitlines()
+    assert len(only_fp32) == 3 and only_fp32[2].startswith("float32")
+    assert report.served_table({"served": ok({"float16": {}})}) is None
+    assert report.served_table({}) is None
+
+
+def test_the_vllm_parts_run_both_dtypes_against_the_given_interpreter(tmp_path: Path) -> None:
+    out, vllm = tmp_path / "out.json", "/venv/bin/python"
+    [compare] = report.part_commands("compare", report.Sizes(), out, tmp_path, vllm)
+    assert Path(compare[1]).name == "w1_compare.py"
+    assert compare[compare.index("--vllm-python") + 1] == vllm
+    assert compare[compare.index("--dtypes") + 1] == "float32,bfloat16"
+    assert compare[compare.index("--json") + 1] == str(out)
+    [served] = report.part_commands("served", report.Sizes.quick(), out, tmp_path, vllm)
+    assert Path(served[1]).name == "served_vllm_client.py"
+    assert served[served.index("--dtype") + 1] == "float32,bfloat16"
+    assert served[served.index("--concurrency") + 1] == str(report.Sizes.quick().requests)
+    assert served[served.index("--json") + 1] == str(out)
+    assert set(report.VLLM_PARTS) == {"vllm", "compare", "served"} <= set(report.PARTS)
+
+
+def test_summary_shows_the_vllm_comparisons(record: dict[str, Any]) -> None:
+    record["parts"]["compare"] = ok(COMPARE)
+    record["parts"]["served"] = ok(SERVED)
+    text = report.summary(record)
+    assert "W1 on equal terms (bench/w1_compare.py" in text
+    assert line_starting(text, "bfloat16 base").split()[-1] == f"{1411.0 / 817.4:.2f}x"
+    served = text.split("served, vLLM's own benchmark client", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert split_cells(served[3])[:4] == ["float32", "290.0", "250.0", f"{290.0 / 250.0:.2f}x"]
