@@ -124,10 +124,12 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, 
 
 #if defined(__AVX512F__)
 // The same computation with AVX-512 intrinsics for head dims of 32, 64 and 128 (NC = head_dim / 16 vectors of 16
-// floats): a query head's 16-float chunks stay in registers while it meets every key of a page (a dot product is
-// NC fused multiply-adds and one horizontal sum), and its output accumulates in NC registers across the context
-// (no load and store of the sum per position, as the loop above has). K and V rows are converted to fp32 as they
-// are loaded. A page's rows of one kv head are read once per query head of its group, from L1 after the first.
+// floats): a query head stays in registers while it meets the keys of a page 16 positions at a time (16 dot
+// products summed into one register of scores, `transpose_sum16`), and its output accumulates in registers across
+// the context (no load and store of the sum per position, as the loop above has). K and V rows are converted to
+// fp32 as they are loaded, except in bf16 on CPUs with the bf16 dot instruction, which multiplies them as they are
+// (`scores16`, `weighted_values_bf16`). A page's rows of one kv head are read once per query head of its group,
+// from L1 after the first.
 using loragate_cpu::load16;
 
 // Lane o of the result = the sum of a[o]'s 16 lanes: a transpose folded into the adds (45 shuffles and adds for
@@ -240,7 +242,7 @@ void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache
         __m512 qv[NC];
         __m512i qb[NC / 2];
         for (int c = 0; c < NC; ++c) qv[c] = _mm512_mul_ps(load16(qp + d * q_d + h * q_h + 16 * c), vscale);
-        if constexpr (std::is_same_v<T, c10::BFloat16>)
+        if constexpr (std::is_same_v<T, c10::BFloat16>)  // the raw query, for the bf16 dot instruction
           for (int c = 0; c < NC / 2; ++c) qb[c] = _mm512_loadu_si512(qp + d * q_d + h * q_h + 32 * c);
         float* s = scores.data();
         __m512 tops = _mm512_set1_ps(-INFINITY);
