@@ -149,11 +149,20 @@ inline __m512 transpose_sum16(const __m512 (&a)[16]) {
 // The scores of m <= 16 positions (key rows `s_tok` apart from k) against one query head, one to a lane (lanes
 // past m hold 0). bf16 on CPUs with the bf16 dot instruction: the raw bf16 query (`qb`, 32 to a register) against
 // the keys, pairs multiplied exactly and summed in fp32, then scaled; otherwise the query in fp32, pre-scaled (`qv`).
+// Whether T's products run on the bf16 dot instruction (bf16 on CPUs that have it).
+template <typename T>
+constexpr bool kBf16Dots =
+#if defined(__AVX512BF16__)
+    std::is_same_v<T, c10::BFloat16>;
+#else
+    false;
+#endif
+
 template <typename T, int NC>
 inline __m512 scores16(const __m512* qv, const __m512i* qb, __m512 scale, const T* k, int64_t s_tok, int64_t m) {
   __m512 acc[16];
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (kBf16Dots<T>) {
     for (int o = 0; o < 16; ++o) {
       acc[o] = _mm512_setzero_ps();
       if (o < m)
@@ -241,9 +250,10 @@ void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache
         const int64_t g = h / group;
         __m512 qv[NC];
         __m512i qb[NC / 2];
-        for (int c = 0; c < NC; ++c) qv[c] = _mm512_mul_ps(load16(qp + d * q_d + h * q_h + 16 * c), vscale);
-        if constexpr (std::is_same_v<T, c10::BFloat16>)  // the raw query, for the bf16 dot instruction
+        if constexpr (kBf16Dots<T>)  // the raw query, for the bf16 dot instruction
           for (int c = 0; c < NC / 2; ++c) qb[c] = _mm512_loadu_si512(qp + d * q_d + h * q_h + 32 * c);
+        else  // in fp32, scaled
+          for (int c = 0; c < NC; ++c) qv[c] = _mm512_mul_ps(load16(qp + d * q_d + h * q_h + 16 * c), vscale);
         float* s = scores.data();
         __m512 tops = _mm512_set1_ps(-INFINITY);
         for (int64_t p0 = 0; p0 < n; p0 += block_size) {  // page by page: no division per position
@@ -260,7 +270,7 @@ void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache
         const float top = _mm512_reduce_max_ps(tops);
         softmax_row<T>(s, n, top);
 #if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if constexpr (kBf16Dots<T>) {
           weighted_values_bf16<NC>(s, n, cp + s_kv + g * s_head, table, s_page, s_tok, block_size, row);
           T* dst = op + d * o_d + h * o_h;
           for (int64_t e = 0; e < head_dim; e += 16) loragate_cpu::store16(dst + e, _mm512_load_ps(row + e));
