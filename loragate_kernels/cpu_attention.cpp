@@ -131,20 +131,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, 
 // (`scores16`, `weighted_values_bf16`). A page's rows of one kv head are read once per query head of its group,
 // from L1 after the first.
 using loragate_cpu::load16;
-
-// Lane o of the result = the sum of a[o]'s 16 lanes: a transpose folded into the adds (45 shuffles and adds for
-// 16 sums, where one horizontal sum each takes ~8).
-inline __m512 transpose_sum16(const __m512 (&a)[16]) {
-  __m512 x[8], y[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit chunk: (a0+a2, b0+b2, a1+a3, b1+b3) of rows a = 2i, b = 2i + 1
-    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int j = 0; j < 4; ++j)  // per 128-bit chunk: one partial of each of rows 4j .. 4j + 3
-    y[j] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
-  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
-}
+using loragate_cpu::transpose_sum16;
 
 // The scores of m <= 16 positions (key rows `s_tok` apart from k) against one query head, one to a lane (lanes
 // past m hold 0). bf16 on CPUs with the bf16 dot instruction: the raw bf16 query (`qb`, 32 to a register) against

@@ -25,6 +25,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_lora.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -236,24 +238,30 @@ void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias, 
   });
 }
 
-at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x_in.device().is_cpu() && weight.device().is_cpu(), "skinny_linear: CPU tensors only");
+// x's checks and the output; `run` fills it.
+at::Tensor skinny_output(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear: CPU tensors only");
   const auto dtype = weight.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat && x_in.scalar_type() == dtype, "skinny_linear: x and weight must be float32, not ",
-              x_in.scalar_type(), " and ", dtype);
-  TORCH_CHECK(x_in.dim() == 2 && weight.dim() == 2, "skinny_linear: x [M, K] and weight [N, K] must be 2-D");
-  TORCH_CHECK(x_in.size(1) == weight.size(1), "skinny_linear: x has ", x_in.size(1), " columns, weight ",
-              weight.size(1));
+  TORCH_CHECK(dtype == at::kFloat && x.scalar_type() == dtype, "skinny_linear: x and weight must be float32, not ",
+              x.scalar_type(), " and ", dtype);
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "skinny_linear: x [M, K] and weight [N, K] must be 2-D");
+  TORCH_CHECK(x.size(1) == weight.size(1), "skinny_linear: x has ", x.size(1), " columns, weight ", weight.size(1));
   TORCH_CHECK(weight.is_contiguous(), "skinny_linear: weight must be contiguous");
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const int64_t N = weight.size(0);
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
                 "skinny_linear: bias must be a contiguous ", dtype, " [", N, "]");
   }
-  at::Tensor y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (M == 0 || N == 0) return y;
-  if (K == 0) return bias.has_value() ? y.copy_(bias->expand({M, N})) : y.zero_();
+  return at::empty({x.size(0), N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+void skinny_run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    bias.has_value() ? y.copy_(bias->expand({M, N})) : y.zero_();
+    return;
+  }
   const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
 #if defined(__AVX512F__)
   run<Avx512F32>(x, weight, b, y);
@@ -262,11 +270,39 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight, const
 #else
   run<Scalar>(x, weight, b, y);
 #endif
+}
+
+at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  at::Tensor y = skinny_output(x, weight, bias);
+  skinny_run(x, weight, bias, y);
+  return y;
+}
+
+// skinny_linear with a group's LoRA added: loragate_kernels/cpu_lora.cpp's op on its output (the same arguments), in
+// one call where there were two (a decode step makes 120 of each, and a call costs several microseconds of dispatch
+// between kernels that have just evicted the dispatcher from the caches).
+at::Tensor skinny_linear_lora(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                              const at::Tensor& segments, const at::Tensor& pool, const at::Tensor& block,
+                              at::IntArrayRef out_cols) {
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  at::Tensor y = skinny_output(x, weight, bias);
+  loragate_cpu::LoraPlan& plan = loragate_cpu::plan_lora(y, x, segments, pool, block, out_cols);  // checks first
+  skinny_run(x, weight, bias, y);
+  loragate_cpu::run_lora(plan);
   return y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(loragate_cpu, m) { m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(loragate_cpu, m) {
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def(
+      "skinny_linear_lora(Tensor x, Tensor weight, Tensor? bias, Tensor segments, Tensor pool, Tensor block, "
+      "int[] out_cols) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(loragate_cpu, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
+TORCH_LIBRARY_IMPL(loragate_cpu, CPU, m) {
+  m.impl("skinny_linear", &skinny_linear);
+  m.impl("skinny_linear_lora", &skinny_linear_lora);
+}

@@ -50,7 +50,7 @@ SOURCES = [
         "cpu_amx.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name("cpu_common.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu_lora.h")]
 # -fno-trapping-math lets GCC vectorize the float -> int conversion in the ops' e^x (no value changes).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 _lock = threading.Lock()
@@ -108,37 +108,39 @@ def _build() -> tuple[bool, str]:
 def lora_sgmv_group_cpu(
     y: torch.Tensor,
     x: torch.Tensor,
-    seg_starts: torch.Tensor,
-    seg_slots: torch.Tensor,
+    segments: torch.Tensor,
     pool: torch.Tensor,
-    tables: GroupTables,
+    block: torch.Tensor,
     out_cols: Sequence[int],
 ) -> None:
     """y += the group's LoRA deltas for every segment, in place: loragate_kernels/reference.py `lora_sgmv_group`'s
-    result (the oracle; sums in another order), with the index tables as the device tier's int64 tensors.
+    result (the oracle; sums in another order), with the index tables as one block of the device tier's table.
 
     Shapes:
-        y:          [T, out_cols[-1]]  columns contiguous, rows any stride; fp32, bf16 or fp16 like x and pool
-        x:          [T, in_features]   columns contiguous
-        seg_starts: [S + 1] int64;  seg_slots: [S] int64 (segments with no rows, or a rank-0 slot, are skipped)
-        pool:       [N]                one layer's pool, contiguous
-        tables:     a_offsets [slots], ranks / b_offsets / h_cols [M, slots], rank_total [slots], all int64
-        out_cols:   [M + 1]            the modules' column boundaries in y
+        y:        [T, out_cols[-1]]  columns contiguous, rows any stride; fp32, bf16 or fp16 like x and pool
+        x:        [T, in_features]   columns contiguous
+        segments: [2 S + 1] int64    the S + 1 segment starts, then the S slots (segments with no rows, or a
+                                     rank-0 slot, are skipped)
+        pool:     [N]                one layer's pool, contiguous
+        block:    [2 + 3 M, slots]   int64, contiguous: a_offsets, ranks[M], b_offsets[M], h_cols[M], rank_total
+                                     (`pack_tables`; M >= the group's modules, which use the first rows)
+        out_cols: [modules + 1]      the modules' column boundaries in y
     Raises RuntimeError on inconsistent arguments (a table entry past the pool, a slot out of range).
     """
-    torch.ops.loragate_cpu.lora_sgmv_group(
-        y,
-        x,
-        seg_starts,
-        seg_slots,
-        pool,
-        tables.a_offsets,
-        tables.ranks,
-        tables.b_offsets,
-        tables.h_cols,
-        tables.rank_total,
-        out_cols,
-    )
+    torch.ops.loragate_cpu.lora_sgmv_group(y, x, segments, pool, block, out_cols)
+
+
+def pack_tables(tables: GroupTables, modules: int | None = None) -> torch.Tensor:
+    """A group's tables as the op's block [2 + 3 M, slots] int64 (M = `modules`, default the tables' own)."""
+    m = tables.ranks.shape[0] if modules is None else modules
+    block = torch.zeros(2 + 3 * m, tables.a_offsets.numel(), dtype=torch.int64)
+    n = tables.ranks.shape[0]
+    block[0] = tables.a_offsets
+    block[1 : 1 + n] = tables.ranks
+    block[1 + m : 1 + m + n] = tables.b_offsets
+    block[1 + 2 * m : 1 + 2 * m + n] = tables.h_cols
+    block[1 + 3 * m] = tables.rank_total
+    return block
 
 
 def paged_decode_attention_cpu(

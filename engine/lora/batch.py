@@ -18,6 +18,7 @@ import torch
 
 from engine.lora.peft_config import GROUPS, module_features
 from engine.model.config import ModelConfig
+from engine.model.cpu_gemm import PackedLinear
 from loragate_kernels.cpu_ops import lora_sgmv_group_cpu
 from loragate_kernels.reference import lora_bmm_group, lora_sgmv_group
 
@@ -90,7 +91,7 @@ class LoraBatch:
     weights: PoolWeights
     plan: Any = None  # loragate_kernels.sgmv.SgmvPlan
     stacked: Any = None  # engine.lora.stacks.StackPlan
-    segments: tuple[torch.Tensor, torch.Tensor] | None = None  # the C++ op's (seg_starts, seg_slots), int64
+    segments: torch.Tensor | None = None  # the C++ op's seg_starts then seg_slots, one int64 tensor
     # the Triton kernels' rank bound per group (None: weights.max_rank); a captured graph's is larger
     max_rank: dict[str, int] | None = None
 
@@ -102,6 +103,18 @@ class LoraBatch:
 class LayerLora:
     batch: LoraBatch
     index: int
+
+    def linear(self, group: str, proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """proj(x) plus the group's deltas: one op where proj's GEMM route fuses them (the CPU's fp32 decode GEMM,
+        engine/model/cpu_gemm.py PackedLinear `fused_lora`), else proj(x) and then `apply`."""
+        batch, w, i = self.batch, self.batch.weights, self.index
+        if batch.segments is not None and isinstance(proj, PackedLinear):
+            y = proj.fused_lora(x, batch.segments, w.layer_pools[i], w.mirror.blocks[i][group], w.out_cols[group])
+            if y is not None:
+                return y
+        y = proj(x)
+        self.apply(group, y, x)
+        return y
 
     def apply(self, group: str, y: torch.Tensor, x: torch.Tensor) -> None:
         """y [T, out] += the batch's LoRA deltas for the group's modules in this layer; x [T, in]."""
@@ -122,8 +135,7 @@ class LayerLora:
             )
             return
         if batch.segments is not None:  # CPU, the C++ op (loragate_kernels/cpu_ops.py)
-            starts, slots = batch.segments
-            lora_sgmv_group_cpu(y, x, starts, slots, w.layer_pools[i], w.mirror.tables[i][group], w.out_cols[group])
+            lora_sgmv_group_cpu(y, x, batch.segments, w.layer_pools[i], w.mirror.blocks[i][group], w.out_cols[group])
             return
         if batch.stacked is not None:
             stack = batch.stacked.stack

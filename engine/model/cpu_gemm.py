@@ -183,6 +183,21 @@ class PackedLinear(nn.Module):
         wide[rows:] = 0
         return torch.ops.mkldnn._linear_pointwise(wide, self.weight, self.bias, "none", [], "")[:rows]
 
+    def fused_lora(
+        self, x: torch.Tensor, segments: torch.Tensor, pool: torch.Tensor, block: torch.Tensor, out_cols: list[int]
+    ) -> torch.Tensor | None:
+        """This layer with a LoRA group's deltas added (loragate_kernels/cpu_ops.py `lora_sgmv_group_cpu`'s
+        arguments) in one op where its route has one (loragate_kernels/cpu_gemm.cpp `skinny_linear_lora`,
+        cpu_amx.cpp `amx_linear_lora`: a step's 120 LoRA calls cost no dispatch of their own); None elsewhere, and
+        the caller adds the deltas itself."""
+        if x.dim() != 2 or x.dtype != self.weight.dtype:
+            return None
+        if self.amx:
+            return torch.ops.loragate_cpu.amx_linear_lora(x, self.weight, self.bias, segments, pool, block, out_cols)
+        if self.skinny and x.shape[0] <= SKINNY_ROWS:
+            return torch.ops.loragate_cpu.skinny_linear_lora(x, self.weight, self.bias, segments, pool, block, out_cols)
+        return None
+
     def extra_repr(self) -> str:
         route = "cpu_gemm.cpp" if self.skinny else "cpu_amx.cpp" if self.amx else "oneDNN"
         shape = f"in_features={self.in_features}, out_features={self.out_features}"

@@ -32,10 +32,10 @@ class StepInterrupted(Exception):
 
 
 class LayerLoraDelta(Protocol):
-    """One layer's LoRA deltas for a step: `apply` adds them to a projection's output in place."""
+    """One layer's LoRA deltas for a step: `linear` computes a projection with them added."""
 
-    def apply(self, group: str, y: torch.Tensor, x: torch.Tensor) -> None:
-        """y [T, out] (a fused projection's output) += the deltas of the group's modules for x [T, in].
+    def linear(self, group: str, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """proj(x) [T, out] (a fused projection's output) plus the deltas of the group's modules for x [T, in].
 
         Groups (engine/lora/peft_config.py GROUPS) follow the fused projections: "qkv" (q|k|v columns),
         "o", "gate_up" (gate|up columns), "down"."""
@@ -134,15 +134,11 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes this step's K/V into layer_cache."""
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]: q | k | v
-        if lora is not None:
-            lora.apply("qkv", qkv, x)  # q, k and v deltas into their columns: one shrink for the three
+        # [T, q_size + 2 * kv_size]: q | k | v, with the q, k and v deltas in their columns (one shrink for the three)
+        qkv = self.qkv_proj(x) if lora is None else lora.linear("qkv", self.qkv_proj, x)
         q, k, v = ops.rope_write_kv(qkv, cos, sin, layer_cache, plan, self.num_heads)
         out = paged_attention(q, k, v, layer_cache, plan, kv_written=True).reshape(num_tokens, self.q_size)
-        y = self.o_proj(out)  # [T, hidden]
-        if lora is not None:
-            lora.apply("o", y, out)
-        return y
+        return self.o_proj(out) if lora is None else lora.linear("o", self.o_proj, out)  # [T, hidden]
 
 
 class LlamaMLP(nn.Module):
@@ -154,14 +150,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, lora: LayerLoraDelta | None, ops: LayerOps) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]: gate | up
-        if lora is not None:
-            lora.apply("gate_up", gate_up, x)
+        # [T, 2 * intermediate]: gate | up
+        gate_up = self.gate_up_proj(x) if lora is None else lora.linear("gate_up", self.gate_up_proj, x)
         act = ops.silu_mul(gate_up)  # [T, intermediate]
-        y = self.down_proj(act)
-        if lora is not None:
-            lora.apply("down", y, act)
-        return y
+        return self.down_proj(act) if lora is None else lora.linear("down", self.down_proj, act)
 
 
 class LlamaDecoderLayer(nn.Module):

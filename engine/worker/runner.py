@@ -226,8 +226,7 @@ class ModelRunner:
 
             plan = plan_segments(starts, seg_slots, self.device, skip_slot=null)
         elif self.lora_backend == "cpp":  # the C++ op reads the segments as tensors, made once for every layer
-            table = torch.tensor(starts + seg_slots, dtype=torch.int64)
-            op_segments = (table[: len(starts)], table[len(starts) :])
+            op_segments = torch.tensor(starts + seg_slots, dtype=torch.int64)
         elif tier.stacks is not None:  # the torch path: a decoding step's adapters at once (engine/lora/stacks.py)
             stacked = tier.stacks.plan(starts, seg_slots, null)
         return LoraBatch(starts, seg_slots, tier.weights, plan, stacked, op_segments)

@@ -34,16 +34,15 @@ def tables_of(case: GroupCase) -> GroupTables:
     )
 
 
+def segments_of(case: GroupCase) -> torch.Tensor:
+    return torch.tensor(case.seg_starts + case.seg_slots, dtype=torch.int64)
+
+
 def run_op(case: GroupCase, tables: GroupTables | None = None) -> None:
-    cpu_ops.lora_sgmv_group_cpu(
-        case.y,
-        case.x,
-        torch.tensor(case.seg_starts, dtype=torch.int64),
-        torch.tensor(case.seg_slots, dtype=torch.int64),
-        case.pool,
-        tables or tables_of(case),
-        case.out_cols,
-    )
+    """The op as the engine calls it: the tables packed as the device tier's block (three module rows, the most a
+    group has, of which a group of fewer uses the first)."""
+    block = cpu_ops.pack_tables(tables or tables_of(case), modules=3)
+    cpu_ops.lora_sgmv_group_cpu(case.y, case.x, segments_of(case), case.pool, block, case.out_cols)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -102,17 +101,27 @@ def test_the_op_refuses_tables_outside_the_pool() -> None:
     for tables, message in ((bad_a, "A overruns"), (bad_b, "B overruns"), (negative, "A overruns")):
         with pytest.raises(RuntimeError, match=message):
             run_op(case, tables)
-    starts, slots = torch.tensor(case.seg_starts), torch.tensor(case.seg_slots)
-    with pytest.raises(RuntimeError, match="names slot"):
-        cpu_ops.lora_sgmv_group_cpu(case.y, case.x, starts, slots + 100, case.pool, good, case.out_cols)
-    with pytest.raises(RuntimeError, match="nondecreasing"):
-        cpu_ops.lora_sgmv_group_cpu(case.y, case.x, starts.flip(0), slots, case.pool, good, case.out_cols)
-    with pytest.raises(RuntimeError, match="out_cols"):
-        cpu_ops.lora_sgmv_group_cpu(case.y, case.x, starts, slots, case.pool, good, [0, 40, 64])
-    with pytest.raises(RuntimeError, match="int64"):
-        cpu_ops.lora_sgmv_group_cpu(case.y, case.x, starts.int(), slots, case.pool, good, case.out_cols)
-    with pytest.raises(RuntimeError, match="share a dtype"):
-        cpu_ops.lora_sgmv_group_cpu(case.y, case.x.double(), starts, slots, case.pool, good, case.out_cols)
+    block = cpu_ops.pack_tables(good)
+    segments = segments_of(case)
+    num_segs = len(case.seg_slots)
+    bad_slot = segments.clone()
+    bad_slot[num_segs + 1 :] += 100
+    backwards = segments.clone()
+    backwards[: num_segs + 1] = backwards[: num_segs + 1].flip(0)
+
+    args = {"y": case.y, "x": case.x, "segments": segments, "pool": case.pool, "block": block}
+    for changes, message in (
+        ({"segments": bad_slot}, "names slot"),
+        ({"segments": backwards}, "nondecreasing"),
+        ({"segments": segments[:-1]}, "2 S \\+ 1"),
+        ({"segments": segments.int()}, "int64"),
+        ({"block": block[:-1]}, "block must be"),
+        ({"block": cpu_ops.pack_tables(good)[:, :-1].contiguous()}, "names slot"),
+        ({"x": case.x.double()}, "share a dtype"),
+        ({"out_cols": [0, 40, 64]}, "out_cols"),
+    ):
+        with pytest.raises(RuntimeError, match=message):
+            cpu_ops.lora_sgmv_group_cpu(**{**args, "out_cols": case.out_cols, **changes})  # type: ignore[arg-type]
     assert torch.equal(case.y, before)  # refused before writing anything
 
 
@@ -134,3 +143,34 @@ def test_the_backend_seam_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_build_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAGATE_CPU_OPS", "0")
     assert cpu_ops._build() == (False, "LORAGATE_CPU_OPS=0")
+
+
+FUSED = [
+    pytest.param(torch.float32, "skinny_linear", id="fp32-skinny"),
+    pytest.param(torch.bfloat16, "amx_linear", id="bf16-amx"),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("dtype", "gemm"), FUSED)
+def test_a_fused_gemm_equals_the_gemm_then_the_op(dtype: torch.dtype, gemm: str, layout: str) -> None:
+    """skinny_linear_lora and amx_linear_lora (one call for a projection and its LoRA group): the GEMM's output with
+    the op applied, bit for bit; refused arguments raise before anything is computed."""
+    if gemm == "amx_linear" and not torch.ops.loragate_cpu.amx_ready():
+        pytest.skip("this CPU or build has no AMX tiles")
+    case = make_group_case(64, [64, 32, 32], layout, dtype, seed=3)
+    g = torch.Generator().manual_seed(4)
+    weight = (torch.randn(case.out_cols[-1], 64, generator=g) * 0.1).to(dtype)
+    bias = (torch.randn(case.out_cols[-1], generator=g) * 0.1).to(dtype)
+    packed = weight if gemm == "skinny_linear" else torch.ops.loragate_cpu.amx_pack_weight(weight)
+    block = cpu_ops.pack_tables(tables_of(case), modules=3)
+    plain = getattr(torch.ops.loragate_cpu, gemm)
+    fused = getattr(torch.ops.loragate_cpu, f"{gemm}_lora")
+    expected = plain(case.x, packed, bias)
+    cpu_ops.lora_sgmv_group_cpu(expected, case.x, segments_of(case), case.pool, block, case.out_cols)
+    got = fused(case.x, packed, bias, segments_of(case), case.pool, block, case.out_cols)
+    assert torch.equal(got, expected)
+    bad = segments_of(case)
+    bad[len(case.seg_slots) + 1 :] += 100
+    with pytest.raises(RuntimeError, match="names slot"):
+        fused(case.x, packed, bias, bad, case.pool, block, case.out_cols)
