@@ -8,11 +8,13 @@
 //            where the pool holds B_mk.T as [r_mk, out_m] row-major: an output row gains r_mk scaled rows of it
 //
 // Products and sums in fp32 whatever the weights' dtype (fp32, bf16 or fp16); y is read, added to and rounded
-// once. The work is a list of units, one per (segment, module, chunk of up to 32 rows): a unit's shrink and expand
-// need nothing from any other unit (h lives in the unit), so the whole call is one parallel region with no barrier,
-// each thread taking a run of consecutive units of about equal cost (the bytes of their weights, plus their
-// multiply-adds). A decode step's units are an adapter's few rows against its A and B.T, so the call streams each
-// weight once, in pool order; a prefill chunk re-reads a unit's weights from L1/L2 for each 4 rows.
+// once. The work is a list of units, one per (segment, chunk of up to 32 rows): a unit's shrink (over its
+// adapter's A stacked for the group's modules, rank_total rows) and its expands need nothing from any other unit
+// (h lives in the unit), so the whole call is one parallel region with no barrier, each thread taking a run of
+// consecutive units of about equal cost (the bytes of their weights, plus their multiply-adds). A unit reads its
+// adapter's weights for the group in pool order (stacked A, then each module's B.T: one contiguous sweep), asked for
+// ahead of use as one stream per thread; a decode step streams each weight once, a prefill chunk re-reads a unit's
+// weights from L1/L2 for each 4 rows. A step's first call on a thread pays for its work lists; later ones reuse them.
 //
 // With AVX-512 the shrink takes 4 rows of x against 4 rows of A at once (16 sums in registers, folded into one
 // register at the end by `transpose_sum16`; bf16 on the CPU's bf16 dot instruction where it has one) and the
@@ -176,37 +178,11 @@ inline void by_fours(int64_t rows, F1 f1, F2 f2, F3 f3, F4 f4) {
 }
 #endif
 
-// One unit: rows [t0, t1) of a segment against one module of its adapter. h: the thread's scratch (rows x r).
-template <typename T>
-void run_unit(const T* a, const T* b_t, int64_t r, int64_t d, int64_t out, const T* x, int64_t xs, int64_t rows,
-              T* y, int64_t ys, float* h) {
-  const int64_t hs = r;
-#if defined(__AVX512F__)
-  by_fours(
-      rows, [&](int64_t t) { shrink_rows<T, 1>(a, r, d, x + t * xs, xs, h + t * hs, hs); },
-      [&](int64_t t) { shrink_rows<T, 2>(a, r, d, x + t * xs, xs, h + t * hs, hs); },
-      [&](int64_t t) { shrink_rows<T, 3>(a, r, d, x + t * xs, xs, h + t * hs, hs); },
-      [&](int64_t t) { shrink_rows<T, 4>(a, r, d, x + t * xs, xs, h + t * hs, hs); });
-  const int64_t full = out / kCols * kCols;
-  for (int64_t c = 0; c < full; c += kCols)
-    by_fours(
-        rows, [&](int64_t t) { expand_rows<T, 1>(b_t + c, out, r, h + t * hs, hs, y + t * ys + c, ys); },
-        [&](int64_t t) { expand_rows<T, 2>(b_t + c, out, r, h + t * hs, hs, y + t * ys + c, ys); },
-        [&](int64_t t) { expand_rows<T, 3>(b_t + c, out, r, h + t * hs, hs, y + t * ys + c, ys); },
-        [&](int64_t t) { expand_rows<T, 4>(b_t + c, out, r, h + t * hs, hs, y + t * ys + c, ys); });
-  if (full < out) expand_plain(b_t, r, out, full, h, hs, rows, y, ys);
-#else
-  shrink_plain(a, r, d, x, xs, rows, h, hs);
-  expand_plain(b_t, r, out, 0, h, hs, rows, y, ys);
-#endif
-}
-
-// A cursor over part p's weights in the order run_part reads them (each unit's A rows, then its B.T): `prefetch(n)`
-// asks for the next n bytes of them into L2 and moves past them.
+// A cursor over part p's weights in the order its units read them (each unit's stacked A, then its modules' B.T):
+// `prefetch(n)` asks for the next n bytes of them into L2 and moves past them.
 struct LoraStream {
   const loragate_cpu::LoraPlan& plan;
-  int64_t unit, end, offset = 0;
-  int which = 0;
+  int64_t unit, end, offset = 0, which = 0;
 
   LoraStream(const loragate_cpu::LoraPlan& plan, int64_t p) : plan(plan), unit(plan.bounds[p]), end(plan.bounds[p + 1]) {}
 
@@ -219,30 +195,63 @@ struct LoraStream {
       bytes -= take;
       if (offset >= n) {
         offset = 0;
-        if (++which == 2) which = 0, ++unit;
+        if (++which > plan.num_modules()) which = 0, ++unit;
       }
     }
   }
 };
 
+// One unit: rows [t0, t1) of a segment against its adapter's modules in the group. h: the thread's scratch
+// (rows x the adapter's rank over the group).
+template <typename T>
+void run_unit(const loragate_cpu::LoraPlan& plan, int64_t i, float* h) {
+  const loragate_cpu::LoraUnit u = plan.units[i];
+  const int64_t k = plan.slots[u.seg], ns = plan.num_slots, hs = plan.rank_total[k], rows = u.t1 - u.t0, d = plan.d;
+  const T* a = reinterpret_cast<const T*>(plan.weights(i, 0).first);
+  const T* x = reinterpret_cast<const T*>(plan.x) + u.t0 * plan.x_stride;
+  const int64_t xs = plan.x_stride, ys = plan.y_stride;
+#if defined(__AVX512F__)
+  by_fours(
+      rows, [&](int64_t t) { shrink_rows<T, 1>(a, hs, d, x + t * xs, xs, h + t * hs, hs); },
+      [&](int64_t t) { shrink_rows<T, 2>(a, hs, d, x + t * xs, xs, h + t * hs, hs); },
+      [&](int64_t t) { shrink_rows<T, 3>(a, hs, d, x + t * xs, xs, h + t * hs, hs); },
+      [&](int64_t t) { shrink_rows<T, 4>(a, hs, d, x + t * xs, xs, h + t * hs, hs); });
+#else
+  shrink_plain(a, hs, d, x, xs, rows, h, hs);
+#endif
+  for (int64_t m = 0; m < plan.num_modules(); ++m) {
+    const int64_t r = plan.ranks[m * ns + k], out = plan.out_cols[m + 1] - plan.out_cols[m];
+    if (r == 0) continue;
+    const T* b_t = reinterpret_cast<const T*>(plan.weights(i, 1 + m).first);
+    const float* hm = h + plan.h_cols[m * ns + k];
+    T* y = reinterpret_cast<T*>(plan.y) + u.t0 * ys + plan.out_cols[m];
+#if defined(__AVX512F__)
+    const int64_t full = out / kCols * kCols;
+    for (int64_t c = 0; c < full; c += kCols)
+      by_fours(
+          rows, [&](int64_t t) { expand_rows<T, 1>(b_t + c, out, r, hm + t * hs, hs, y + t * ys + c, ys); },
+          [&](int64_t t) { expand_rows<T, 2>(b_t + c, out, r, hm + t * hs, hs, y + t * ys + c, ys); },
+          [&](int64_t t) { expand_rows<T, 3>(b_t + c, out, r, hm + t * hs, hs, y + t * ys + c, ys); },
+          [&](int64_t t) { expand_rows<T, 4>(b_t + c, out, r, hm + t * hs, hs, y + t * ys + c, ys); });
+    if (full < out) expand_plain(b_t, r, out, full, hm, hs, rows, y, ys);
+#else
+    expand_plain(b_t, r, out, 0, hm, hs, rows, y, ys);
+#endif
+  }
+}
+
 template <typename T>
 void run_part(const loragate_cpu::LoraPlan& plan, int64_t p) {
-  thread_local std::vector<float> scratch;  // this thread's h: up to 32 rows x the largest rank
-  scratch.resize(static_cast<size_t>(kRowChunk * plan.max_r));
-  const T* xp = reinterpret_cast<const T*>(plan.x);
-  T* yp = reinterpret_cast<T*>(plan.y);
-  const int64_t begin = plan.bounds[p], end = plan.bounds[p + 1], d = plan.d, ns = plan.num_slots;
-  // the part's weights as one stream, asked for kAhead bytes ahead of use
+  thread_local std::vector<float> scratch;  // this thread's h: up to 32 rows x the largest rank over the group
+  scratch.resize(static_cast<size_t>(kRowChunk * plan.max_rank_total));
+  // the part's weights as one stream, asked for kAhead bytes ahead of each unit's
   LoraStream stream(plan, p);
   stream.prefetch(kAhead);
-  for (int64_t i = begin; i < end; ++i) {
-    const loragate_cpu::LoraUnit u = plan.units[i];
-    const int64_t k = plan.slots[u.seg], m = u.module, r = plan.ranks[m * ns + k];
-    const int64_t out = plan.out_cols[m + 1] - plan.out_cols[m];
-    stream.prefetch(r * (d + out) * static_cast<int64_t>(sizeof(T)));
-    run_unit(reinterpret_cast<const T*>(plan.weights(i, 0).first), reinterpret_cast<const T*>(plan.weights(i, 1).first),
-             r, d, out, xp + u.t0 * plan.x_stride, plan.x_stride, u.t1 - u.t0,
-             yp + u.t0 * plan.y_stride + plan.out_cols[m], plan.y_stride, scratch.data());
+  for (int64_t i = plan.bounds[p]; i < plan.bounds[p + 1]; ++i) {
+    int64_t bytes = 0;
+    for (int64_t w = 0; w <= plan.num_modules(); ++w) bytes += plan.weights(i, w).second;
+    stream.prefetch(bytes);
+    run_unit<T>(plan, i, scratch.data());
   }
 }
 
@@ -262,10 +271,10 @@ void lora_sgmv_group(at::Tensor y, const at::Tensor& x, const at::Tensor& segmen
 
 namespace loragate_cpu {
 
-std::pair<const char*, int64_t> LoraPlan::weights(int64_t i, int which) const {
-  const LoraUnit u = units[i];
-  const int64_t k = slots[u.seg], m = u.module, r = ranks[m * num_slots + k];
-  if (which == 0) return {pool + (a_off[k] + h_cols[m * num_slots + k] * d) * elem, r * d * elem};
+std::pair<const char*, int64_t> LoraPlan::weights(int64_t i, int64_t which) const {
+  const int64_t k = slots[units[i].seg];
+  if (which == 0) return {pool + a_off[k] * elem, rank_total[k] * d * elem};
+  const int64_t m = which - 1, r = ranks[m * num_slots + k];
   return {pool + b_off[m * num_slots + k] * elem, r * (out_cols[m + 1] - out_cols[m]) * elem};
 }
 
@@ -318,9 +327,10 @@ LoraPlan& plan_lora(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
   plan.b_off = b_off;
   plan.h_cols = h_cols;
   plan.out_cols.assign(out_cols.begin(), out_cols.end());
+  plan.rank_total = rank_total;
   plan.units.clear();
   plan.bounds.clear();
-  plan.max_r = 0;
+  plan.max_rank_total = 0;
 
   // the units, and their running cost: a unit's weights cost their bytes once (from memory) plus a read from
   // cache per 4 rows' multiply-adds
@@ -334,7 +344,8 @@ LoraPlan& plan_lora(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
     TORCH_CHECK(k >= 0 && k < num_slots, "segment ", s, " names slot ", k, " of ", num_slots);
     const int64_t big_r = rank_total[k];
     if (rows == 0 || big_r == 0) continue;
-    TORCH_CHECK(a_off[k] >= 0 && a_off[k] + big_r * d <= pool_size, "slot ", k, "'s A overruns the pool");
+    TORCH_CHECK(big_r > 0 && a_off[k] >= 0 && a_off[k] + big_r * d <= pool_size, "slot ", k, "'s A overruns the pool");
+    int64_t weights = big_r * d;
     for (int64_t m = 0; m < num_modules; ++m) {
       const int64_t r = ranks[m * num_slots + k], out = out_cols[m + 1] - out_cols[m];
       if (r == 0) continue;
@@ -342,13 +353,14 @@ LoraPlan& plan_lora(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
                   "slot ", k, "'s rank columns exceed its group rank");
       TORCH_CHECK(b_off[m * num_slots + k] >= 0 && b_off[m * num_slots + k] + r * out <= pool_size,
                   "slot ", k, "'s B overruns the pool");
-      plan.max_r = std::max(plan.max_r, r);
-      for (int64_t t0 = starts[s]; t0 < starts[s + 1]; t0 += kRowChunk) {
-        const int64_t t1 = std::min(starts[s + 1], t0 + kRowChunk);
-        total += r * (d + out) * (8 + (t1 - t0));
-        plan.units.push_back({s, m, t0, t1});
-        cost.push_back(total);
-      }
+      weights += r * out;
+    }
+    plan.max_rank_total = std::max(plan.max_rank_total, big_r);
+    for (int64_t t0 = starts[s]; t0 < starts[s + 1]; t0 += kRowChunk) {
+      const int64_t t1 = std::min(starts[s + 1], t0 + kRowChunk);
+      total += weights * (8 + (t1 - t0));
+      plan.units.push_back({s, t0, t1});
+      cost.push_back(total);
     }
   }
   if (plan.units.empty()) return plan;

@@ -10,10 +10,10 @@
 
 namespace loragate_cpu {
 
-// Rows [t0, t1) of segment `seg` against module `module` of its adapter: a shrink and an expand that need nothing
-// from any other unit.
+// Rows [t0, t1) of segment `seg` against every module of its adapter in the group: the shrink over the stacked A,
+// then an expand per module; nothing from any other unit.
 struct LoraUnit {
-  int64_t seg, module, t0, t1;
+  int64_t seg, t0, t1;
 };
 
 // One call's work: the checked arguments as pointers, the units, and their split into parts of about equal cost
@@ -23,16 +23,18 @@ struct LoraPlan {
   char* y = nullptr;
   const char* x = nullptr;
   const char* pool = nullptr;
-  int64_t elem = 0, x_stride = 0, y_stride = 0, d = 0, num_slots = 0, max_r = 0;
+  int64_t elem = 0, x_stride = 0, y_stride = 0, d = 0, num_slots = 0, max_rank_total = 0;
   const int64_t *starts = nullptr, *slots = nullptr, *a_off = nullptr, *ranks = nullptr, *b_off = nullptr,
-                *h_cols = nullptr;
+                *h_cols = nullptr, *rank_total = nullptr;
   std::vector<int64_t> out_cols;
   std::vector<LoraUnit> units;
   std::vector<int64_t> bounds;
 
   int64_t parts() const { return bounds.empty() ? 0 : static_cast<int64_t>(bounds.size()) - 1; }
-  // unit i's A rows (which = 0) or B.T (which = 1): where they start in the pool and their bytes
-  std::pair<const char*, int64_t> weights(int64_t i, int which) const;
+  int64_t num_modules() const { return static_cast<int64_t>(out_cols.size()) - 1; }
+  // unit i's stacked A (which = 0) or module which - 1's B.T: where they start in the pool and their bytes (the
+  // order the unit reads them, and the pool's: engine/lora/batch.py SlotTables)
+  std::pair<const char*, int64_t> weights(int64_t i, int64_t which) const;
 };
 
 // Checks the op's arguments (TORCH_CHECK, before anything is written) and plans the call, one part per thread of
