@@ -3,8 +3,8 @@
 with the residual add, SiLU-and-mul, RoPE with the K/V cache write), the greedy pick
 (loragate_kernels/cpu_sampling.cpp) and the GEMMs (loragate_kernels/cpu_gemm.cpp for fp32, cpu_amx.cpp for bf16 on AMX
 tiles), registered as `torch.ops.loragate_cpu.*`. Each GEMM has a twin with a LoRA group fused
-(`skinny_linear_lora`, `amx_linear_lora`: the GEMM, then the LoRA op on its output, in one call; engine/model/cpu_gemm.py
-PackedLinear `fused_lora`), which saves a step 120 calls into the dispatcher.
+(`skinny_linear_lora`, `amx_linear_lora`: the GEMM, then the LoRA op on its output, in one call;
+engine/model/cpu_gemm.py PackedLinear `fused_lora`), which saves a step 120 calls into the dispatcher.
 
 Why C++: a step of 32 decodes over 8 adapters is, on SmolLM2, ~2,600 tiny matmuls per step as torch ops
 (`lora_sgmv_group`, the twin), and ~330 batched ones over per-step weight copies padded to the step's largest
