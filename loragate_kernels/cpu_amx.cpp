@@ -196,9 +196,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   return y;
 }
 
-// amx_linear with a group's LoRA added: loragate_kernels/cpu_lora.cpp's op on its output (the same arguments), in
-// one call where there were two (a decode step makes 120 of each, and a call costs several microseconds of dispatch
-// between kernels that have just evicted the dispatcher from the caches).
+// amx_linear with a group's LoRA added, in one call: as cpu_gemm.cpp's skinny_linear_lora.
 at::Tensor amx_linear_lora(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                            const at::Tensor& segments, const at::Tensor& pool, const at::Tensor& block,
                            at::IntArrayRef out_cols) {

@@ -287,7 +287,7 @@ at::Tensor skinny_linear_lora(const at::Tensor& x_in, const at::Tensor& weight, 
                               at::IntArrayRef out_cols) {
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   at::Tensor y = skinny_output(x, weight, bias);
-  loragate_cpu::LoraPlan& plan = loragate_cpu::plan_lora(y, x, segments, pool, block, out_cols);  // checks first
+  const loragate_cpu::LoraPlan& plan = loragate_cpu::plan_lora(y, x, segments, pool, block, out_cols);  // checks first
   skinny_run(x, weight, bias, y);
   loragate_cpu::run_lora(plan);
   return y;
