@@ -1,7 +1,7 @@
 """One step's LoRA work: which rows use which adapter slot, and where the slots' weights sit in the pool.
 
 The runner groups a step's rows into segments by adapter slot (`LoraBatch`); the model asks it for each
-layer's deltas, one call per fused projection (`LoraBatch.layer(i).apply(group, y, x)`,
+layer's deltas, one call per fused projection (`LoraBatch.layer(i).linear(group, proj, x)`,
 engine/model/llama.py's `LoraDelta` protocol), and the SGMV kernels add them, reading A and scale-folded B
 straight from the unified page pool through the slot tables the device tier (engine/lora/device_tier.py)
 keeps: the torch twin (loragate_kernels/reference.py, the CPU path) from Python lists, the Triton kernels
@@ -105,8 +105,8 @@ class LayerLora:
     index: int
 
     def linear(self, group: str, proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """proj(x) plus the group's deltas: one op where proj's GEMM route fuses them (the CPU's fp32 decode GEMM,
-        engine/model/cpu_gemm.py PackedLinear `fused_lora`), else proj(x) and then `apply`."""
+        """proj(x) plus the group's deltas: one op where proj's GEMM route fuses them (the CPU's C++ GEMMs with the
+        C++ LoRA op: engine/model/cpu_gemm.py PackedLinear `fused_lora`), else proj(x) and then `apply`."""
         batch, w, i = self.batch, self.batch.weights, self.index
         if batch.segments is not None and isinstance(proj, PackedLinear):
             y = proj.fused_lora(x, batch.segments, w.layer_pools[i], w.mirror.blocks[i][group], w.out_cols[group])
