@@ -153,30 +153,26 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
   return out;
 }
 
-// x's and packed's checks, and the output amx_run fills.
-at::Tensor amx_output(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_ready(), "amx_linear: this build or process cannot use AMX tiles");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.stride(1) == 1,
               "x must be a 2-D bf16 CPU tensor with contiguous columns");
   TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 32,
               "packed must be amx_pack_weight's [N/32, K/32, 2, 16, 32]");
-  const int64_t n = packed.size(0) * BLOCK_N;
-  TORCH_CHECK(x.size(1) == packed.size(1) * BLOCK_K, "x has ", x.size(1), " columns, the weight ",
-              packed.size(1) * BLOCK_K);
+  const int64_t m = x.size(0), k = x.size(1), num_blocks = packed.size(0), k_blocks = packed.size(1);
+  const int64_t n = num_blocks * BLOCK_N;
+  TORCH_CHECK(k == k_blocks * BLOCK_K, "x has ", k, " columns, the weight ", k_blocks * BLOCK_K);
+  const c10::BFloat16* bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
                     bias->scalar_type() == at::kBFloat16,
                 "bias must be a contiguous bf16 [", n, "]");
+    bias_ptr = bias->data_ptr<c10::BFloat16>();
   }
-  return at::empty({x.size(0), n}, x.options());
-}
-
-void amx_run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
-  const int64_t m = x.size(0), k = x.size(1), num_blocks = packed.size(0), k_blocks = packed.size(1);
-  if (m == 0) return;
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
 #if defined(LORAGATE_AMX)
-  const c10::BFloat16* bias_ptr = bias.has_value() && bias->defined() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   // The tiles read 16 rows at a time: a row count that is not a multiple of 16 gets a zero-padded copy of x.
   const int64_t m_pad = (m + 15) / 16 * 16;
   at::Tensor a = x;
@@ -186,13 +182,8 @@ void amx_run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<
     a.narrow(0, m, m_pad - m).zero_();
   }
   multiply(a.data_ptr<c10::BFloat16>(), a.stride(0), m_pad, m, packed.data_ptr<c10::BFloat16>(), num_blocks, k_blocks,
-           bias_ptr, y.data_ptr<c10::BFloat16>(), num_blocks * BLOCK_N);
+           bias_ptr, y.data_ptr<c10::BFloat16>(), n);
 #endif
-}
-
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  at::Tensor y = amx_output(x, packed, bias);
-  amx_run(x, packed, bias, y);
   return y;
 }
 
@@ -200,10 +191,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
 at::Tensor amx_linear_lora(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                            const at::Tensor& segments, const at::Tensor& pool, const at::Tensor& block,
                            at::IntArrayRef out_cols) {
-  at::Tensor y = amx_output(x, packed, bias);
-  const loragate_cpu::LoraPlan& plan = loragate_cpu::plan_lora(y, x, segments, pool, block, out_cols);  // checks first
-  amx_run(x, packed, bias, y);
-  loragate_cpu::run_lora(plan);
+  at::Tensor y = amx_linear(x, packed, bias);
+  loragate_cpu::add_lora(y, x, segments, pool, block, out_cols);
   return y;
 }
 

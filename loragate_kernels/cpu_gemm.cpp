@@ -238,30 +238,24 @@ void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias, 
   });
 }
 
-// x's checks and the output; `run` fills it.
-at::Tensor skinny_output(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear: CPU tensors only");
+at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.device().is_cpu() && weight.device().is_cpu(), "skinny_linear: CPU tensors only");
   const auto dtype = weight.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat && x.scalar_type() == dtype, "skinny_linear: x and weight must be float32, not ",
-              x.scalar_type(), " and ", dtype);
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "skinny_linear: x [M, K] and weight [N, K] must be 2-D");
-  TORCH_CHECK(x.size(1) == weight.size(1), "skinny_linear: x has ", x.size(1), " columns, weight ", weight.size(1));
+  TORCH_CHECK(dtype == at::kFloat && x_in.scalar_type() == dtype, "skinny_linear: x and weight must be float32, not ",
+              x_in.scalar_type(), " and ", dtype);
+  TORCH_CHECK(x_in.dim() == 2 && weight.dim() == 2, "skinny_linear: x [M, K] and weight [N, K] must be 2-D");
+  TORCH_CHECK(x_in.size(1) == weight.size(1), "skinny_linear: x has ", x_in.size(1), " columns, weight ",
+              weight.size(1));
   TORCH_CHECK(weight.is_contiguous(), "skinny_linear: weight must be contiguous");
-  const int64_t N = weight.size(0);
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
                 "skinny_linear: bias must be a contiguous ", dtype, " [", N, "]");
   }
-  return at::empty({x.size(0), N}, x.options().memory_format(at::MemoryFormat::Contiguous));
-}
-
-void skinny_run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  if (M == 0 || N == 0) return;
-  if (K == 0) {
-    bias.has_value() ? y.copy_(bias->expand({M, N})) : y.zero_();
-    return;
-  }
+  at::Tensor y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return bias.has_value() ? y.copy_(bias->expand({M, N})) : y.zero_();
   const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
 #if defined(__AVX512F__)
   run<Avx512F32>(x, weight, b, y);
@@ -270,12 +264,6 @@ void skinny_run(const at::Tensor& x, const at::Tensor& weight, const c10::option
 #else
   run<Scalar>(x, weight, b, y);
 #endif
-}
-
-at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  at::Tensor y = skinny_output(x, weight, bias);
-  skinny_run(x, weight, bias, y);
   return y;
 }
 
@@ -286,10 +274,8 @@ at::Tensor skinny_linear_lora(const at::Tensor& x_in, const at::Tensor& weight, 
                               const at::Tensor& segments, const at::Tensor& pool, const at::Tensor& block,
                               at::IntArrayRef out_cols) {
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  at::Tensor y = skinny_output(x, weight, bias);
-  const loragate_cpu::LoraPlan& plan = loragate_cpu::plan_lora(y, x, segments, pool, block, out_cols);  // checks first
-  skinny_run(x, weight, bias, y);
-  loragate_cpu::run_lora(plan);
+  at::Tensor y = skinny_linear(x, weight, bias);
+  loragate_cpu::add_lora(y, x, segments, pool, block, out_cols);
   return y;
 }
 

@@ -44,6 +44,38 @@ constexpr int64_t kRowChunk = 32;  // rows per unit: a prefill segment becomes s
 constexpr int64_t kCols = 64;      // output columns the expand holds in registers
 constexpr int64_t kAhead = 16384;  // how far ahead of its reads a part asks for its weights
 
+// Rows [t0, t1) of segment `seg` against every module of its adapter in the group: the shrink over the stacked A,
+// then an expand per module; nothing from any other unit.
+struct LoraUnit {
+  int64_t seg, t0, t1;
+};
+
+// One call's work: the checked arguments as pointers, the units, and their split into parts of about equal cost
+// (part p runs units [bounds[p], bounds[p + 1]), in order; one part per thread).
+struct LoraPlan {
+  at::ScalarType dtype = at::kFloat;
+  char* y = nullptr;
+  const char* x = nullptr;
+  const char* pool = nullptr;
+  int64_t elem = 0, x_stride = 0, y_stride = 0, d = 0, num_slots = 0, max_rank_total = 0;
+  const int64_t *starts = nullptr, *slots = nullptr, *a_off = nullptr, *ranks = nullptr, *b_off = nullptr,
+                *h_cols = nullptr, *rank_total = nullptr;
+  std::vector<int64_t> out_cols;
+  std::vector<LoraUnit> units;
+  std::vector<int64_t> bounds;
+
+  int64_t parts() const { return bounds.empty() ? 0 : static_cast<int64_t>(bounds.size()) - 1; }
+  int64_t num_modules() const { return static_cast<int64_t>(out_cols.size()) - 1; }
+  // unit i's stacked A (which = 0) or module which - 1's B.T: where they start in the pool and their bytes (the
+  // order the unit reads them, and the pool's: engine/lora/batch.py SlotTables)
+  std::pair<const char*, int64_t> weights(int64_t i, int64_t which) const {
+    const int64_t k = slots[units[i].seg];
+    if (which == 0) return {pool + a_off[k] * elem, rank_total[k] * d * elem};
+    const int64_t m = which - 1, r = ranks[m * num_slots + k];
+    return {pool + b_off[m * num_slots + k] * elem, r * (out_cols[m + 1] - out_cols[m]) * elem};
+  }
+};
+
 // h[t, j] = x[t] . a[j] for t < rows, j < r (h's rows `hs` apart), and y[t] += h[t] @ b_t: the loops the compiler
 // vectorizes, for CPUs without AVX-512 and for what the AVX-512 blocks leave (columns past the last 64).
 template <typename T>
@@ -181,10 +213,10 @@ inline void by_fours(int64_t rows, F1 f1, F2 f2, F3 f3, F4 f4) {
 // A cursor over part p's weights in the order its units read them (each unit's stacked A, then its modules' B.T):
 // `prefetch(n)` asks for the next n bytes of them into L2 and moves past them.
 struct LoraStream {
-  const loragate_cpu::LoraPlan& plan;
+  const LoraPlan& plan;
   int64_t unit, end, offset = 0, which = 0;
 
-  LoraStream(const loragate_cpu::LoraPlan& plan, int64_t p) : plan(plan), unit(plan.bounds[p]), end(plan.bounds[p + 1]) {}
+  LoraStream(const LoraPlan& plan, int64_t p) : plan(plan), unit(plan.bounds[p]), end(plan.bounds[p + 1]) {}
 
   void prefetch(int64_t bytes) {
     while (bytes > 0 && unit < end) {
@@ -204,8 +236,8 @@ struct LoraStream {
 // One unit: rows [t0, t1) of a segment against its adapter's modules in the group. h: the thread's scratch
 // (rows x the adapter's rank over the group).
 template <typename T>
-void run_unit(const loragate_cpu::LoraPlan& plan, int64_t i, float* h) {
-  const loragate_cpu::LoraUnit u = plan.units[i];
+void run_unit(const LoraPlan& plan, int64_t i, float* h) {
+  const LoraUnit u = plan.units[i];
   const int64_t k = plan.slots[u.seg], ns = plan.num_slots, hs = plan.rank_total[k], rows = u.t1 - u.t0, d = plan.d;
   const T* a = reinterpret_cast<const T*>(plan.weights(i, 0).first);
   const T* x = reinterpret_cast<const T*>(plan.x) + u.t0 * plan.x_stride;
@@ -241,7 +273,7 @@ void run_unit(const loragate_cpu::LoraPlan& plan, int64_t i, float* h) {
 }
 
 template <typename T>
-void run_part(const loragate_cpu::LoraPlan& plan, int64_t p) {
+void run_part(const LoraPlan& plan, int64_t p) {
   thread_local std::vector<float> scratch;  // this thread's h: up to 32 rows x the largest rank over the group
   scratch.resize(static_cast<size_t>(kRowChunk * plan.max_rank_total));
   // the part's weights as one stream, asked for kAhead bytes ahead of each unit's
@@ -261,27 +293,14 @@ const int64_t* ints(const at::Tensor& t, const char* name) {
   return t.data_ptr<int64_t>();
 }
 
-// The op: y += the group's deltas.
-void lora_sgmv_group(at::Tensor y, const at::Tensor& x, const at::Tensor& segments, const at::Tensor& pool,
-                     const at::Tensor& block, at::IntArrayRef out_cols) {
-  loragate_cpu::run_lora(loragate_cpu::plan_lora(y, x, segments, pool, block, out_cols));
-}
-
-}  // namespace
-
-namespace loragate_cpu {
-
-std::pair<const char*, int64_t> LoraPlan::weights(int64_t i, int64_t which) const {
-  const int64_t k = slots[units[i].seg];
-  if (which == 0) return {pool + a_off[k] * elem, rank_total[k] * d * elem};
-  const int64_t m = which - 1, r = ranks[m * num_slots + k];
-  return {pool + b_off[m * num_slots + k] * elem, r * (out_cols[m + 1] - out_cols[m]) * elem};
-}
 
 // segments: [2 S + 1] int64, the S + 1 segment starts then the S slots. block: [2 + 3 M, slots] int64, one
 // (layer, group)'s rows of the device tier's table (engine/lora/device_tier.py DeviceMirror): a_offsets, ranks[M],
 // b_offsets[M], h_cols[M], rank_total, with M >= the modules out_cols names (groups of fewer use the first rows).
 // Two tensors where there were seven: a decode step makes 120 calls, and each argument costs the dispatcher time.
+// Checks every argument (TORCH_CHECK, before anything is written) and plans the call, one part per thread of
+// at::get_num_threads(). The plan is the calling thread's own, reused from call to call (a step makes 120 calls with
+// the same few hundred units, and an allocation each would cost more than a decode unit's work).
 LoraPlan& plan_lora(const at::Tensor& y, const at::Tensor& x, const at::Tensor& segments, const at::Tensor& pool,
                     const at::Tensor& block, at::IntArrayRef out_cols) {
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), "y and x must be [T, *] with equal T");
@@ -370,13 +389,14 @@ LoraPlan& plan_lora(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
   plan.bounds.assign(1, 0);
   int64_t i = 0;
   for (int64_t p = 1; p < parts; ++p) {
-    while (i < n && (2 * cost[i] - (cost[i] - (i ? cost[i - 1] : 0))) * parts < 2 * p * total) ++i;
+    while (i < n && (cost[i] + (i ? cost[i - 1] : 0)) * parts < 2 * p * total) ++i;  // 2 x midpoint
     plan.bounds.push_back(i);
   }
   plan.bounds.push_back(n);
   return plan;
 }
 
+// y += the planned deltas: every part on its own thread of ATen's pool, in one parallel region.
 void run_lora(const LoraPlan& plan) {
   at::parallel_for(0, plan.parts(), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; ++p) {
@@ -389,7 +409,18 @@ void run_lora(const LoraPlan& plan) {
   });
 }
 
+// The op: y += the group's deltas.
+void lora_sgmv_group(at::Tensor y, const at::Tensor& x, const at::Tensor& segments, const at::Tensor& pool,
+                     const at::Tensor& block, at::IntArrayRef out_cols) {
+  run_lora(plan_lora(y, x, segments, pool, block, out_cols));
+}
+
 }  // namespace
+
+void loragate_cpu::add_lora(at::Tensor& y, const at::Tensor& x, const at::Tensor& segments, const at::Tensor& pool,
+                            const at::Tensor& block, at::IntArrayRef out_cols) {
+  lora_sgmv_group(y, x, segments, pool, block, out_cols);
+}
 
 TORCH_LIBRARY(loragate_cpu, m) {
   m.def(
