@@ -12,9 +12,10 @@
 // adapter's A stacked for the group's modules, rank_total rows) and its expands need nothing from any other unit
 // (h lives in the unit), so the whole call is one parallel region with no barrier, each thread taking a run of
 // consecutive units of about equal cost (the bytes of their weights, plus their multiply-adds). A unit reads its
-// adapter's weights for the group in pool order (stacked A, then each module's B.T: one contiguous sweep), asked for
-// ahead of use as one stream per thread; a decode step streams each weight once, a prefill chunk re-reads a unit's
-// weights from L1/L2 for each 4 rows. A step's first call on a thread pays for its work lists; later ones reuse them.
+// adapter's weights for the group in pool order (stacked A, then each module's B.T: one contiguous sweep); a thread
+// asks for the next unit's weights a few lines at a time while it computes this one (`LoraStream`), so the memory
+// works while the core does. A decode step streams each weight once, a prefill chunk re-reads a unit's weights from
+// L1/L2 for each 4 rows. A step's first call on a thread pays for its work lists; later ones reuse them.
 //
 // With AVX-512 the shrink takes 4 rows of x against 4 rows of A at once (16 sums in registers, folded into one
 // register at the end by `transpose_sum16`; bf16 on the CPU's bf16 dot instruction where it has one) and the
@@ -42,7 +43,7 @@ using loragate_cpu::to_f;
 
 constexpr int64_t kRowChunk = 32;  // rows per unit: a prefill segment becomes several units
 constexpr int64_t kCols = 64;      // output columns the expand holds in registers
-constexpr int64_t kAhead = 16384;  // how far ahead of its reads a part asks for its weights
+constexpr int kDrip = 4;           // lines of the next unit's weights asked for per inner-loop step
 
 // Rows [t0, t1) of segment `seg` against every module of its adapter in the group: the shrink over the stacked A,
 // then an expand per module; nothing from any other unit.
@@ -76,12 +77,63 @@ struct LoraPlan {
   }
 };
 
+// A cursor over part p's weights in the order its units read them (each unit's stacked A, then its modules' B.T),
+// asking for them into L2 a line at a time. Before a unit runs, `finish(i)` asks for whatever of it is not yet asked
+// for; while it runs, its kernels' inner loops call `drip()`, which asks for kDrip lines of the unit after it
+// (`ahead` = that unit's index). So memory fetches the next unit while the core computes this one: asked for all at
+// once, the lines queue behind one another and the core waits for them; asked for a few per step, they arrive while
+// it works.
+struct LoraStream {
+  const LoraPlan& plan;
+  int64_t unit, end, which = -1;  // the region the cursor is in: unit's weights `which` (plan.weights)
+  const char* cur = nullptr;      // the next line to ask for, `left` bytes before its region's end
+  int64_t left = 0;
+  int64_t ahead = -1;
+
+  LoraStream(const LoraPlan& plan, int64_t p) : plan(plan), unit(plan.bounds[p]), end(plan.bounds[p + 1]) {
+    next_region();
+  }
+
+  void next_region() {
+    while (unit < end) {
+      if (++which > plan.num_modules()) {
+        which = 0;
+        if (++unit == end) break;
+      }
+      const auto [p, n] = plan.weights(unit, which);
+      if (n > 0) {
+        cur = p;
+        left = n;
+        return;
+      }
+    }
+    cur = nullptr;
+    left = 0;
+  }
+  void line() {
+    if (left <= 0) return;
+    __builtin_prefetch(cur, 0, 2);  // prefetcht1: into L2
+    cur += 64;
+    left -= 64;
+    if (left <= 0) next_region();
+  }
+  void finish(int64_t i) {
+    while (unit <= i && left > 0) line();
+  }
+  void drip() {
+    if (unit <= ahead)
+      for (int k = 0; k < kDrip; ++k) line();
+  }
+};
+
 // h[t, j] = x[t] . a[j] for t < rows, j < r (h's rows `hs` apart), and y[t] += h[t] @ b_t: the loops the compiler
 // vectorizes, for CPUs without AVX-512 and for what the AVX-512 blocks leave (columns past the last 64).
 template <typename T>
-void shrink_plain(const T* a, int64_t r, int64_t d, const T* x, int64_t xs, int64_t rows, float* h, int64_t hs) {
+void shrink_plain(const T* a, int64_t r, int64_t d, const T* x, int64_t xs, int64_t rows, float* h, int64_t hs,
+                  LoraStream& ahead) {
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t j = 0; j < r; ++j) {
+      ahead.drip();
       const T *xr = x + t * xs, *aj = a + j * d;
       float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
@@ -92,12 +144,13 @@ void shrink_plain(const T* a, int64_t r, int64_t d, const T* x, int64_t xs, int6
 
 template <typename T>
 void expand_plain(const T* b_t, int64_t r, int64_t out, int64_t c0, const float* h, int64_t hs, int64_t rows, T* y,
-                  int64_t ys) {
+                  int64_t ys, LoraStream& ahead) {
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t c = c0; c < out; c += kCols) {
       const int64_t width = std::min(kCols, out - c);
       float acc[kCols] = {0.f};
       for (int64_t q = 0; q < r; ++q) {
+        ahead.drip();
         const float hq = h[t * hs + q];
         const T* row = b_t + q * out + c;
 #pragma omp simd
@@ -136,7 +189,8 @@ inline __m512 load16_upto(const T* p, int64_t e, int64_t n) {
 // in registers, one load of each x and A element per block, folded into one register by transpose_sum16 (lane
 // 4 t + jj). Rows of A past jn repeat the last (never read past the adapter's rows); their sums are dropped.
 template <typename T, int TT>
-inline void shrink_block(const T* a, int64_t jn, int64_t d, const T* x, int64_t xs, float* h, int64_t hs) {
+inline void shrink_block(const T* a, int64_t jn, int64_t d, const T* x, int64_t xs, float* h, int64_t hs,
+                         LoraStream& ahead) {
   const T* ar[4];
   for (int jj = 0; jj < 4; ++jj) ar[jj] = a + std::min<int64_t>(jj, jn - 1) * d;
   __m512 acc[16];
@@ -145,6 +199,7 @@ inline void shrink_block(const T* a, int64_t jn, int64_t d, const T* x, int64_t 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if constexpr (kBf16Dots<T>) {
     for (; e + 32 <= d; e += 32) {
+      ahead.drip();
       __m512bh av[4];
       for (int jj = 0; jj < 4; ++jj) av[jj] = (__m512bh)_mm512_loadu_si512(ar[jj] + e);
       for (int t = 0; t < TT; ++t) {
@@ -155,6 +210,7 @@ inline void shrink_block(const T* a, int64_t jn, int64_t d, const T* x, int64_t 
   }
 #endif
   for (; e < d; e += 16) {
+    ahead.drip();
     __m512 av[4];
     for (int jj = 0; jj < 4; ++jj) av[jj] = load16_upto(ar[jj], e, d);
     for (int t = 0; t < TT; ++t) {
@@ -169,18 +225,22 @@ inline void shrink_block(const T* a, int64_t jn, int64_t d, const T* x, int64_t 
 }
 
 template <typename T, int TT>
-inline void shrink_rows(const T* a, int64_t r, int64_t d, const T* x, int64_t xs, float* h, int64_t hs) {
-  for (int64_t j = 0; j < r; j += 4) shrink_block<T, TT>(a + j * d, std::min<int64_t>(4, r - j), d, x, xs, h + j, hs);
+inline void shrink_rows(const T* a, int64_t r, int64_t d, const T* x, int64_t xs, float* h, int64_t hs,
+                        LoraStream& ahead) {
+  for (int64_t j = 0; j < r; j += 4)
+    shrink_block<T, TT>(a + j * d, std::min<int64_t>(4, r - j), d, x, xs, h + j, hs, ahead);
 }
 
 // y[R rows, 64 columns] += h[R rows, r] @ B.T[r, 64 columns] with the 4 x R sums in registers: each B.T row is
 // converted once for the R rows, and each y row is read, added to and rounded once.
 template <typename T, int R>
-inline void expand_rows(const T* b_t, int64_t out, int64_t r, const float* h, int64_t hs, T* y, int64_t ys) {
+inline void expand_rows(const T* b_t, int64_t out, int64_t r, const float* h, int64_t hs, T* y, int64_t ys,
+                        LoraStream& ahead) {
   __m512 acc[R][4];
   for (int i = 0; i < R; ++i)
     for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
   for (int64_t q = 0; q < r; ++q) {
+    ahead.drip();
     const T* row = b_t + q * out;
     __m512 b[4];
     for (int c = 0; c < 4; ++c) b[c] = load16(row + 16 * c);
@@ -210,33 +270,10 @@ inline void by_fours(int64_t rows, F1 f1, F2 f2, F3 f3, F4 f4) {
 }
 #endif
 
-// A cursor over part p's weights in the order its units read them (each unit's stacked A, then its modules' B.T):
-// `prefetch(n)` asks for the next n bytes of them into L2 and moves past them.
-struct LoraStream {
-  const LoraPlan& plan;
-  int64_t unit, end, offset = 0, which = 0;
-
-  LoraStream(const LoraPlan& plan, int64_t p) : plan(plan), unit(plan.bounds[p]), end(plan.bounds[p + 1]) {}
-
-  void prefetch(int64_t bytes) {
-    while (bytes > 0 && unit < end) {
-      const auto [p, n] = plan.weights(unit, which);
-      const int64_t take = std::min(bytes, n - offset);
-      for (int64_t l = offset; l < offset + take; l += 64) __builtin_prefetch(p + l, 0, 2);  // prefetcht1: into L2
-      offset += take;
-      bytes -= take;
-      if (offset >= n) {
-        offset = 0;
-        if (++which > plan.num_modules()) which = 0, ++unit;
-      }
-    }
-  }
-};
-
 // One unit: rows [t0, t1) of a segment against its adapter's modules in the group. h: the thread's scratch
 // (rows x the adapter's rank over the group).
 template <typename T>
-void run_unit(const LoraPlan& plan, int64_t i, float* h) {
+void run_unit(const LoraPlan& plan, int64_t i, float* h, LoraStream& ahead) {
   const LoraUnit u = plan.units[i];
   const int64_t k = plan.slots[u.seg], ns = plan.num_slots, hs = plan.rank_total[k], rows = u.t1 - u.t0, d = plan.d;
   const T* a = reinterpret_cast<const T*>(plan.weights(i, 0).first);
@@ -244,12 +281,12 @@ void run_unit(const LoraPlan& plan, int64_t i, float* h) {
   const int64_t xs = plan.x_stride, ys = plan.y_stride;
 #if defined(__AVX512F__)
   by_fours(
-      rows, [&](int64_t t) { shrink_rows<T, 1>(a, hs, d, x + t * xs, xs, h + t * hs, hs); },
-      [&](int64_t t) { shrink_rows<T, 2>(a, hs, d, x + t * xs, xs, h + t * hs, hs); },
-      [&](int64_t t) { shrink_rows<T, 3>(a, hs, d, x + t * xs, xs, h + t * hs, hs); },
-      [&](int64_t t) { shrink_rows<T, 4>(a, hs, d, x + t * xs, xs, h + t * hs, hs); });
+      rows, [&](int64_t t) { shrink_rows<T, 1>(a, hs, d, x + t * xs, xs, h + t * hs, hs, ahead); },
+      [&](int64_t t) { shrink_rows<T, 2>(a, hs, d, x + t * xs, xs, h + t * hs, hs, ahead); },
+      [&](int64_t t) { shrink_rows<T, 3>(a, hs, d, x + t * xs, xs, h + t * hs, hs, ahead); },
+      [&](int64_t t) { shrink_rows<T, 4>(a, hs, d, x + t * xs, xs, h + t * hs, hs, ahead); });
 #else
-  shrink_plain(a, hs, d, x, xs, rows, h, hs);
+  shrink_plain(a, hs, d, x, xs, rows, h, hs, ahead);
 #endif
   for (int64_t m = 0; m < plan.num_modules(); ++m) {
     const int64_t r = plan.ranks[m * ns + k], out = plan.out_cols[m + 1] - plan.out_cols[m];
@@ -261,13 +298,13 @@ void run_unit(const LoraPlan& plan, int64_t i, float* h) {
     const int64_t full = out / kCols * kCols;
     for (int64_t c = 0; c < full; c += kCols)
       by_fours(
-          rows, [&](int64_t t) { expand_rows<T, 1>(b_t + c, out, r, hm + t * hs, hs, y + t * ys + c, ys); },
-          [&](int64_t t) { expand_rows<T, 2>(b_t + c, out, r, hm + t * hs, hs, y + t * ys + c, ys); },
-          [&](int64_t t) { expand_rows<T, 3>(b_t + c, out, r, hm + t * hs, hs, y + t * ys + c, ys); },
-          [&](int64_t t) { expand_rows<T, 4>(b_t + c, out, r, hm + t * hs, hs, y + t * ys + c, ys); });
-    if (full < out) expand_plain(b_t, r, out, full, hm, hs, rows, y, ys);
+          rows, [&](int64_t t) { expand_rows<T, 1>(b_t + c, out, r, hm + t * hs, hs, y + t * ys + c, ys, ahead); },
+          [&](int64_t t) { expand_rows<T, 2>(b_t + c, out, r, hm + t * hs, hs, y + t * ys + c, ys, ahead); },
+          [&](int64_t t) { expand_rows<T, 3>(b_t + c, out, r, hm + t * hs, hs, y + t * ys + c, ys, ahead); },
+          [&](int64_t t) { expand_rows<T, 4>(b_t + c, out, r, hm + t * hs, hs, y + t * ys + c, ys, ahead); });
+    if (full < out) expand_plain(b_t, r, out, full, hm, hs, rows, y, ys, ahead);
 #else
-    expand_plain(b_t, r, out, 0, hm, hs, rows, y, ys);
+    expand_plain(b_t, r, out, 0, hm, hs, rows, y, ys, ahead);
 #endif
   }
 }
@@ -276,14 +313,11 @@ template <typename T>
 void run_part(const LoraPlan& plan, int64_t p) {
   thread_local std::vector<float> scratch;  // this thread's h: up to 32 rows x the largest rank over the group
   scratch.resize(static_cast<size_t>(kRowChunk * plan.max_rank_total));
-  // the part's weights as one stream, asked for kAhead bytes ahead of each unit's
   LoraStream stream(plan, p);
-  stream.prefetch(kAhead);
   for (int64_t i = plan.bounds[p]; i < plan.bounds[p + 1]; ++i) {
-    int64_t bytes = 0;
-    for (int64_t w = 0; w <= plan.num_modules(); ++w) bytes += plan.weights(i, w).second;
-    stream.prefetch(bytes);
-    run_unit<T>(plan, i, scratch.data());
+    stream.finish(i);
+    stream.ahead = i + 1;
+    run_unit<T>(plan, i, scratch.data(), stream);
   }
 }
 
