@@ -49,7 +49,7 @@ from engine.model.sources import cache_root, load_tokenizer, resolve_model  # no
 
 
 def side_ids(side: str, requests: int) -> list[str | None]:
-    """The adapter id of each W1 request on a side (ids as `shared_engine`'s adapter directory names them)."""
+    """The adapter id of each W1 request on a side (ids as `shared_config`'s adapter directory names them)."""
     if side == "base":
         return [None] * requests
     if side == "mixed":
@@ -60,15 +60,15 @@ def side_ids(side: str, requests: int) -> list[str | None]:
     return [f"a{k:04d}" for k in zipf_choices(int(count), requests)]
 
 
-def shared_engine(dtype: str, registered: int) -> LLMEngine:
-    """An engine that can run any side: `registered` adapter ids over the 8 W1 weight sets (id k on set k % 8)."""
+def shared_config(dtype: str, registered: int) -> EngineConfig:
+    """One configuration for every engine, so any can run any side: `registered` adapter ids over the 8 W1 weight
+    sets (id k on set k % 8)."""
     root = cache_root() / "bench-adapters"
     weight_dirs = make_w1_adapters(resolve_model("smollm2").path, root / "w1")
     scale_dir = scale_adapter_dir(weight_dirs, root, registered)
-    config = EngineConfig(
+    return EngineConfig(
         model="smollm2", dtype=dtype, pool_mb=1024, adapter_dir=str(scale_dir), max_device_adapters=SCALE_TIER
     )
-    return LLMEngine(config)
 
 
 def main() -> None:
@@ -88,7 +88,8 @@ def main() -> None:
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     ids = {side: side_ids(side, args.requests) for side in sides}
     registered = max([8] + [int(side.partition(":")[2]) for side in sides if side.startswith("zipf:")])
-    engines = [shared_engine(args.dtype, registered) for _ in sides]
+    config = shared_config(args.dtype, registered)
+    engines = [LLMEngine(config) for _ in sides]
     params = SamplingParams(max_tokens=args.new_tokens, min_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     first = sides[0]
     print(
