@@ -33,6 +33,7 @@ adapter-scale curve). `--quick` is a smoke run with small counts, written as `<d
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import importlib.metadata
 import json
@@ -172,8 +173,62 @@ def other_cpus_now(seconds: float = 2.0) -> float | None:
 
 
 def children_cpu_s() -> float:
+    """CPU-seconds of this process's children that have ended and been waited for (with their own such)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def adopt_orphans() -> bool:
+    """Become the subreaper of this process's descendants (Linux): a process whose parent ends first (vLLM's
+    server leaves its engine process so when stopped) is handed to this process instead of init, and
+    `reap_children` waits for it, so its CPU time joins `children_cpu_s` as its part's own rather than counting
+    as another process's. False where the kernel refuses or is not Linux."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def own_children() -> list[int]:
+    """The pids of this process's living children (adopted orphans included), from /proc."""
+    pids: list[int] = []
+    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
+        try:
+            pids += [int(pid) for pid in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def reap_children(grace_s: float = 10.0) -> None:
+    """Wait for every child this process still has (a part's adopted orphans: runs between parts, when no part's
+    own process is left), SIGKILLing those still running after `grace_s`, so that none runs into the next part
+    and their CPU time is counted (`children_cpu_s`)."""
+    deadline, killed = time.monotonic() + grace_s, False
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid:
+            continue
+        if time.monotonic() > deadline:
+            children = own_children()
+            if killed or not children:
+                return  # (what /proc does not show, or will not die, is left; its time counts as another's)
+            for child in children:
+                try:
+                    os.kill(child, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            deadline, killed = time.monotonic() + grace_s, True
+        time.sleep(0.05)
 
 
 def kill_group(pgid: int) -> None:
@@ -197,12 +252,13 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 30) -> None:
 
 
 def run_part(
-    part: str, commands: list[list[str]], out: Path, log: Path, timeout_s: float, verbose: bool
+    part: str, commands: list[list[str]], out: Path, log: Path, timeout_s: float, verbose: bool, reap: bool = False
 ) -> dict[str, Any]:
     """Run one part's commands: {"status": "ok" | "failed", "seconds", "other_cpus", "figures" | "error"}.
 
     `other_cpus` is how many CPUs other processes kept busy on average meanwhile (the machine's busy time
-    less this part's own), so a figure measured beside someone else's work can be told from a real one."""
+    less this part's own: its processes', the orphans they left included once `adopt_orphans` has run), so a
+    figure measured beside someone else's work can be told from a real one."""
     start, busy0, own0 = time.monotonic(), cpu_busy_s(), children_cpu_s()
     result: dict[str, Any] = {}
     with log.open("wb") as sink:
@@ -232,6 +288,8 @@ def run_part(
             if proc.returncode != 0:
                 result.update(status="failed", error=f"exit {proc.returncode}: {shlex.join(argv)}")
                 break
+    if reap:  # this process adopts orphans (`adopt_orphans`): collect the part's
+        reap_children()
     wall, busy1 = time.monotonic() - start, cpu_busy_s()
     result["seconds"] = round(wall, 1)
     if busy0 is not None and busy1 is not None and wall > 0:
@@ -767,6 +825,7 @@ def main() -> None:
         "parts": {},
     }
     work = Path(tempfile.mkdtemp(prefix="loragate-bench-"))
+    adopting = adopt_orphans()  # a part's orphaned processes count as its own CPU time, not another's
     print(f"running {', '.join(p for p in PARTS if p not in skip)} one after another; logs in {work}", flush=True)
     busy = other_cpus_now()
     if busy is not None and busy >= BUSY_CPUS:
@@ -778,7 +837,9 @@ def main() -> None:
         commands = part_commands(part, sizes, out, work, args.vllm_python)
         print(f"[{part}] {shlex.join(commands[-1])}", flush=True)
         try:
-            result = run_part(part, commands, out, work / f"{part}.log", args.part_timeout_s, args.verbose)
+            result = run_part(
+                part, commands, out, work / f"{part}.log", args.part_timeout_s, args.verbose, reap=adopting
+            )
         except KeyboardInterrupt:  # subprocess.run has killed the part's process: keep what the others measured
             record["parts"][part] = {
                 "status": "failed",

@@ -554,3 +554,64 @@ def test_summary_shows_the_vllm_comparisons(record: dict[str, Any]) -> None:
     assert line_starting(text, "bfloat16 base").split()[-1] == f"{1411.0 / 817.4:.2f}x"
     served = text.split("served, vLLM's own benchmark client", 1)[1].split("\n\n", 1)[0].splitlines()
     assert split_cells(served[3])[:4] == ["float32", "290.0", "250.0", f"{290.0 / 250.0:.2f}x"]
+
+
+# -- a part's own CPU time --------------------------------------------------------------------------------
+
+# A part as vLLM's server behaves when stopped: its process starts a child that starts a grandchild (burning
+# ~1.5 CPU-seconds) and ends at once, leaving the grandchild an orphan; the part's process waits for the
+# grandchild's marker, then writes its JSON.
+ORPHAN_PART = """
+import json, subprocess, sys, time
+from pathlib import Path
+out, marker = Path(sys.argv[1]), Path(sys.argv[2])
+burn = "import time, pathlib, sys\\nwhile time.process_time() < 1.5: pass\\npathlib.Path(sys.argv[1]).touch()"
+spawn = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {burn!r}, {str(marker)!r}])"
+subprocess.run([sys.executable, "-c", spawn], check=True)
+deadline = time.monotonic() + 60
+while not marker.exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+out.write_text(json.dumps({"ok": True}))
+"""
+
+# Runs the part twice in a fresh interpreter (becoming a subreaper lasts for the process): first as run_part did
+# before orphans were adopted, then after `adopt_orphans`; prints how much CPU time each run counted as its own.
+ORPHAN_DRIVER = """
+import importlib.util, json, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("bench_report", sys.argv[1])
+report = importlib.util.module_from_spec(spec)
+sys.modules["bench_report"] = report
+spec.loader.exec_module(report)
+tmp, script = Path(sys.argv[2]), sys.argv[3]
+own = {}
+for name in ("not adopting", "adopting"):
+    reap = name == "adopting" and report.adopt_orphans()
+    out, marker = tmp / f"{name}.json", tmp / f"{name}.marker"
+    before = report.children_cpu_s()
+    result = report.run_part(
+        "orphan", [[sys.executable, script, str(out), str(marker)]], out, tmp / f"{name}.log", 120, False, reap=reap
+    )
+    assert result["status"] == "ok", result
+    own[name] = report.children_cpu_s() - before
+print(json.dumps(own))
+"""
+
+
+def test_run_part_counts_the_orphans_a_part_leaves_as_its_own(tmp_path: Path) -> None:
+    import subprocess
+
+    script = tmp_path / "part.py"
+    script.write_text(ORPHAN_PART)
+    driver = subprocess.run(
+        [sys.executable, "-c", ORPHAN_DRIVER, str(REPO / "bench" / "report.py"), str(tmp_path), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert driver.returncode == 0, driver.stderr
+    own = json.loads(driver.stdout.strip().splitlines()[-1])
+    # before: the orphan's ~1.5 CPU-seconds were nobody's (init reaped it), so they counted as another process's
+    assert own["not adopting"] < 1.2
+    # now: the part's process, its child and the orphan, reaped by run_part
+    assert own["adopting"] >= 1.45
