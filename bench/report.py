@@ -288,7 +288,7 @@ def run_part(
             if proc.returncode != 0:
                 result.update(status="failed", error=f"exit {proc.returncode}: {shlex.join(argv)}")
                 break
-    if reap:  # this process adopts orphans (`adopt_orphans`): collect the part's
+    if reap:  # this process adopts orphans (`adopt_orphans`): collect those the part left
         reap_children()
     wall, busy1 = time.monotonic() - start, cpu_busy_s()
     result["seconds"] = round(wall, 1)
