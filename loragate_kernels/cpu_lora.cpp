@@ -78,17 +78,16 @@ struct LoraPlan {
 };
 
 // A cursor over part p's weights in the order its units read them (each unit's stacked A, then its modules' B.T),
-// asking for them into L2 a line at a time. Before a unit runs, `finish(i)` asks for whatever of it is not yet asked
-// for; while it runs, its kernels' inner loops call `drip()`, which asks for kDrip lines of the unit after it
-// (`ahead` = that unit's index). So memory fetches the next unit while the core computes this one: asked for all at
-// once, the lines queue behind one another and the core waits for them; asked for a few per step, they arrive while
-// it works.
+// asking for them into L2 a line at a time. Before unit i runs, `start(i)` asks for whatever of it is not yet asked
+// for; while it runs, its kernels' inner loops call `drip()`, which asks for kDrip lines of unit i + 1. So memory
+// fetches the next unit while the core computes this one: asked for all at once, the lines queue behind one another
+// and the core waits for them; asked for a few per step, they arrive while it works.
 struct LoraStream {
   const LoraPlan& plan;
   int64_t unit, end, which = -1;  // the region the cursor is in: unit's weights `which` (plan.weights)
   const char* cur = nullptr;      // the next line to ask for, `left` bytes before its region's end
   int64_t left = 0;
-  int64_t ahead = -1;
+  int64_t last = -1;  // the last unit `drip` asks for: the one after the unit running
 
   LoraStream(const LoraPlan& plan, int64_t p) : plan(plan), unit(plan.bounds[p]), end(plan.bounds[p + 1]) {
     next_region();
@@ -117,11 +116,12 @@ struct LoraStream {
     left -= 64;
     if (left <= 0) next_region();
   }
-  void finish(int64_t i) {
+  void start(int64_t i) {
     while (unit <= i && left > 0) line();
+    last = i + 1;
   }
   void drip() {
-    if (unit <= ahead)
+    if (unit <= last)
       for (int k = 0; k < kDrip; ++k) line();
   }
 };
@@ -315,8 +315,7 @@ void run_part(const LoraPlan& plan, int64_t p) {
   scratch.resize(static_cast<size_t>(kRowChunk * plan.max_rank_total));
   LoraStream stream(plan, p);
   for (int64_t i = plan.bounds[p]; i < plan.bounds[p + 1]; ++i) {
-    stream.finish(i);
-    stream.ahead = i + 1;
+    stream.start(i);
     run_unit<T>(plan, i, scratch.data(), stream);
   }
 }
