@@ -26,11 +26,20 @@ a device tier of 64 adapters.
 `--sides mixed,zipf:512` is the adapter-scale target (512 registered adapters within 10% of 8). Rounds in a multiple
 of the number of sides put every side on every engine equally often. `--backend` picks the CPU's LoRA path
 (loragate_kernels/__init__.py `lora_backend`).
+
+A decode step streams every weight it multiplies from memory, the LoRA op's included: each distinct adapter of the
+batch once (`decode_adapter_bytes`). The last lines print those bytes per side, the machine's read bandwidth
+(`read_bandwidth`) and, for each side against the side before it, the ratio's ceiling (`ratio_ceiling`): what the
+ratio would be if the later side took the earlier one's measured time plus only its extra adapter bytes at that
+bandwidth, every decode step. Over 512 ids W1's 32 requests name 25 adapters (rank sum 236) where over 8 they name 8
+(rank sum 68): the extra reads alone hold zipf:512 / zipf:8 below 0.90 on a 2-core VM streaming ~25 GB/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import os
 import statistics
 import sys
@@ -58,6 +67,42 @@ def side_ids(side: str, requests: int) -> list[str | None]:
     if kind != "zipf" or not count.isdigit() or int(count) < 1:
         raise SystemExit(f"unknown side {side!r}: base, mixed or zipf:N")
     return [f"a{k:04d}" for k in zipf_choices(int(count), requests)]
+
+
+def adapter_elements(adapter_dir: Path) -> int:
+    """How many LoRA weights (every lora_A and lora_B) the PEFT adapter in `adapter_dir` holds, from its safetensors
+    header (no tensor is read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(adapter_dir / "adapter_model.safetensors"), framework="pt") as f:
+        return sum(
+            math.prod(f.get_slice(name).get_shape()) for name in f.keys() if ".lora_A." in name or ".lora_B." in name
+        )
+
+
+def decode_adapter_bytes(ids: list[str | None], adapter_dir: Path, element_size: int) -> int:
+    """The adapter bytes one decode step of a batch naming `ids` reads: each distinct adapter's weights once, at the
+    engine's `element_size` (the unified pool holds them in the model's dtype)."""
+    return sum(adapter_elements(adapter_dir / name) for name in {i for i in ids if i is not None}) * element_size
+
+
+def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
+    """Bytes a second this machine reads from memory on the current torch threads: the best of `repeats` sums over
+    `mib` MiB of fp32, far more than a VM's share of the last-level cache (a step's weights stream from DRAM)."""
+    data = torch.ones(mib * 2**20 // 4)
+    data.sum()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
+
+
+def ratio_ceiling(seconds: float, decode_steps: int, extra_bytes: int, bandwidth: float) -> float:
+    """The most a side reading `extra_bytes` more adapter weights every decode step can reach against a side measured
+    at `seconds` for the same tokens, if those reads cost only their time at `bandwidth` and overlap nothing."""
+    return seconds / (seconds + decode_steps * max(0, extra_bytes) / bandwidth)
 
 
 def shared_config(dtype: str, registered: int) -> EngineConfig:
@@ -139,6 +184,27 @@ def main() -> None:
         f"median of {args.rounds}: "
         + ", ".join(f"{side} {medians[side]:.1f} tok/s (ratio {ratios[side]:.2f})" for side in sides)
     )
+    # what the adapters' reads alone allow: each side against the one before it
+    element = torch.empty((), dtype=engines[0].dtype).element_size()
+    adapter_dir = Path(str(config.adapter_dir))
+    adapter_bytes = {side: decode_adapter_bytes(ids[side], adapter_dir, element) for side in sides}
+    bandwidth = read_bandwidth()
+    print(
+        "adapter bytes a decode step reads: "
+        + ", ".join(
+            f"{side} {adapter_bytes[side] / 1e6:.1f} MB ({len({i for i in ids[side] if i})} adapters)" for side in sides
+        )
+        + f"; read bandwidth {bandwidth / 1e9:.1f} GB/s (best sum over 1 GiB, {args.threads} threads)"
+    )
+    for before, side in itertools.pairwise(sides):
+        measured = statistics.median(r / b for r, b in zip(rates[side], rates[before], strict=True))
+        seconds = args.requests * args.new_tokens / medians[before]
+        extra = adapter_bytes[side] - adapter_bytes[before]
+        ceiling = ratio_ceiling(seconds, args.new_tokens - 1, extra, bandwidth)
+        print(
+            f"{side} / {before}: {measured:.2f} (median of rounds); ceiling {ceiling:.2f} if its "
+            f"{extra / 1e6:+.1f} MB a decode step cost only their reads"
+        )
 
 
 if __name__ == "__main__":
