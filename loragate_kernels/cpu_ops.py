@@ -19,18 +19,20 @@ tensor; the layer ops make it five passes over the rows (engine/model/layer_ops.
 `load()` builds the ops the first time a process asks (torch.utils.cpp_extension with ninja and the system C++
 compiler, ~20 s on 2 cores; later processes reuse the build), for this CPU (`-march=native`; the build's name
 carries a digest of the sources, the CPU's flags and torch's version, so a build directory shared by different
-CPUs never runs the wrong one; LORAGATE_TORCH_EXTENSIONS sets where builds go). Where they cannot be built (no
+CPUs never runs the wrong one; LORAGATE_TORCH_EXTENSIONS sets where builds go; `build_lock` keeps a build that was
+stopped half-way from blocking every later one). Where they cannot be built (no
 compiler, as in the slim engine image), `load()` returns False once with the reason logged, and the engine keeps
 its torch paths (loragate_kernels/__init__.py `lora_backend`, `attention_backend`). LORAGATE_CPU_OPS=0 skips the build.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -83,25 +85,63 @@ def unavailable_reason() -> str | None:
     return None if _state.get("ok", True) else str(_state["reason"])
 
 
+def build_directory() -> Path:
+    """Where the build's files go: LORAGATE_TORCH_EXTENSIONS, else torch's own folder for the build's name."""
+    configured = os.environ.get("LORAGATE_TORCH_EXTENSIONS")
+    if configured:
+        return Path(configured)
+    from torch.utils import cpp_extension
+
+    torch_folder = getattr(cpp_extension, "_get_build_directory", None)  # private: fall back to its documented root
+    if torch_folder is not None:
+        return Path(torch_folder(_build_name(), False))
+    return Path(cpp_extension.get_default_build_root()) / _build_name()
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Held while this process builds into `build_dir`: an flock, which the kernel drops when its holder exits,
+    however it exits. torch's own lock is a file (`lock` in the build directory) that only a build that finishes
+    removes: a process stopped mid-build (a pod killed during its first start, `make serve` interrupted) left it
+    behind, and every later start waited on it forever. Under this lock no other loragate build runs, so a `lock` file
+    found is such a leftover, and goes."""
+    import fcntl
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "loragate-build.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process's build of the CPU ops in %s", build_dir)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            leftover = build_dir / "lock"
+            if leftover.exists():
+                logger.warning("removing %s, left by a build of the CPU ops that was stopped", leftover)
+                leftover.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build() -> tuple[bool, str]:
     if os.environ.get("LORAGATE_CPU_OPS", "1").strip() == "0":
         return False, "LORAGATE_CPU_OPS=0"
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        build_dir = os.environ.get("LORAGATE_TORCH_EXTENSIONS")
-        if build_dir:
-            Path(build_dir).mkdir(parents=True, exist_ok=True)
-        load_extension(
-            name=_build_name(),
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=CFLAGS,
-            # libgomp.so.1 resolves to the copy torch already loaded: one OpenMP runtime, torch's thread count
-            extra_ldflags=["-fopenmp"],
-            build_directory=build_dir,
-            is_python_module=False,
-            verbose=False,
-        )
+        build_dir = build_directory()
+        with build_lock(build_dir):
+            load_extension(
+                name=_build_name(),
+                sources=[str(source) for source in SOURCES],
+                extra_cflags=CFLAGS,
+                # libgomp.so.1 resolves to the copy torch already loaded: one OpenMP runtime, torch's thread count
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # no compiler or ninja, a failed build: the torch path serves instead
         return False, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
     return True, ""
