@@ -419,13 +419,16 @@ def test_a_full_disk_cache_evicts_the_least_recently_used_adapter_never_one_in_u
         assert _text(_complete(base, headers["two"])) == _peft_text(tiny_model_dir, dirs["two"])  # fetched again
         assert sorted(p.name for p in cache.iterdir()) == sorted([sha["two"], sha["three"]])  # "one" evicted
 
-        # In use: a long stream on "three" pins it. "two" is used after it, so "three" is the least recently
-        # used when "one" needs room; "two" goes instead, and "three"'s stream runs on to its end.
-        stream = _LongStream(base, headers["three"], max_tokens=900)
+        # In use: a long stream on "three" pins it (1,000 tokens, as many as the tiny model's 1,024 positions allow:
+        # it must outlast fetching and serving "one", which end ~0.8 s before it on a quiet 2-core machine). "two" is
+        # used after it, so "three" is the least recently used when "one" needs room; "two" goes instead, and
+        # "three"'s stream runs on to its end.
+        stream = _LongStream(base, headers["three"], max_tokens=1000)
         assert stream.started.wait(60) and stream.ended_at is None
         assert _complete(base, headers["two"]).status_code == 200
-        assert _text(_complete(base, headers["one"])) == _peft_text(tiny_model_dir, dirs["one"])
-        one_served_at = time.monotonic()
+        one = _complete(base, headers["one"])
+        one_served_at = time.monotonic()  # before PEFT's reference runs: its seconds are not the engine's
+        assert _text(one) == _peft_text(tiny_model_dir, dirs["one"])
         assert sorted(p.name for p in cache.iterdir()) == sorted([sha["one"], sha["three"]])
         stream.join()
         assert stream.status == 200
