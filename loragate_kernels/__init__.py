@@ -2,8 +2,8 @@
 `reference.py`, which are the test oracle and the CPU path where the C++ ops cannot be built) and paged decode
 attention (Triton `paged_attention.py`, the CPU's C++ op `cpu_attention.cpp`; the torch path is in
 engine/model/attention.py), and a decoder layer's fused elementwise ops on the CPU (`cpu_layer.cpp`; the torch
-twins are in engine/model/layer_ops.py), the CPU's fp32 GEMM for few rows (`cpu_gemm.cpp`) and its bf16 GEMM on AMX
-tiles (`cpu_amx.cpp`; F.linear is the twin of both).
+twins are in engine/model/layer_ops.py), the CPU's fp32 GEMM for few rows (`cpu_gemm.cpp`) and its bf16 GEMM over a
+tile layout, on AMX tiles or the bf16 dot instruction (`cpu_amx.cpp`; F.linear is the twin of both).
 `cpu_ops.py` builds the C++ ops.
 
 `lora_backend(device)` and `attention_backend(device)` are the seams: "triton" for CUDA tensors; for CPU ones "cpp"
@@ -12,8 +12,8 @@ LORAGATE_ATTENTION_BACKEND (torch|triton|cpp) force one: the tests run the Trito
 under Triton's interpreter (loragate_kernels/triton_jit.py), and the torch paths. `layer_backend(device)` is the seam of
 the layer ops and the sampler's greedy pick ("cpp" or "torch"; CUDA runs torch's; LORAGATE_LAYER_BACKEND forces one).
 `gemm_backend(device)` is the seam of the CPU path's projections and LM head (engine/model/cpu_gemm.py): "cpp"
-(fp32: `cpu_gemm.cpp` for decode-sized row counts, oneDNN above; bf16: `cpu_amx.cpp` where the CPU has AMX, else
-oneDNN-prepacked weights), "onednn" (oneDNN-prepacked weights) or "torch" (plain
+(fp32: `cpu_gemm.cpp` for decode-sized row counts, oneDNN above; bf16: `cpu_amx.cpp` where the CPU has AMX or
+avx512_bf16, else oneDNN-prepacked weights), "onednn" (oneDNN-prepacked weights) or "torch" (plain
 F.linear, CUDA's); LORAGATE_GEMM_BACKEND forces one. Importing triton is left to the caller that needs it.
 """
 
@@ -89,8 +89,8 @@ def gemm_backend(device: torch.device) -> str:
     FMA (AVX-512 ones included) where the C++ ops build, "cpp" (loragate_kernels/cpu_gemm.cpp for fp32 GEMMs up to
     engine/model/cpu_gemm.py SKINNY_ROWS rows: decode steps stream every weight from memory, and there it outran
     oneDNN's kernels, ~1.3x on an AVX2 EPYC and ~1.15x on an AVX-512 Xeon; oneDNN over the same row-major weight
-    above; bf16 weights on loragate_kernels/cpu_amx.cpp where the CPU has AMX, else oneDNN-packed where oneDNN packs
-    bf16); "onednn" (oneDNN-prepacked weights) on
+    above; bf16 weights on loragate_kernels/cpu_amx.cpp where the CPU has AMX or avx512_bf16, else oneDNN-packed
+    where oneDNN packs bf16); "onednn" (oneDNN-prepacked weights) on
     other CPUs with oneDNN; else "torch" (plain F.linear; CUDA). LORAGATE_GEMM_BACKEND=torch|onednn|cpp forces one
     ("onednn" on a torch without oneDNN is refused)."""
     from loragate_kernels import cpu_ops

@@ -1,17 +1,25 @@
-// The CPU path's bf16 GEMM on AMX tiles (loragate_kernels/cpu_ops.py builds this file; engine/model/cpu_gemm.py
-// decides where it runs; F.linear is its oracle in tests/kernels/test_cpu_amx.py):
+// The CPU path's bf16 GEMM over its own tile layout of the weight (loragate_kernels/cpu_ops.py builds this file;
+// engine/model/cpu_gemm.py decides where it runs; F.linear is its oracle in tests/kernels/test_cpu_amx.py):
 //
 //   amx_pack_weight(weight)           weight [N, K] bf16 -> the tile layout below (N and K multiples of 32)
-//   amx_linear(x, packed, bias)       x [M, K] @ weight^T (+ bias [N]) -> new [M, N] bf16, sums in fp32
-//   amx_ready()                       whether this build has the AMX kernel and Linux lets the process use tiles
+//   amx_linear(x, packed, bias)       x [M, K] @ weight^T (+ bias [N]) -> new [M, N] bf16, sums in fp32: on AMX
+//                                     tiles where the process can use them, else on the AVX-512 bf16 dot instruction
+//   dot_linear(x, packed, bias)       the same on the bf16 dot instruction, AMX or not (tests run it everywhere)
+//   amx_ready(), dot_ready()          whether this build has the AMX kernel and Linux lets the process use tiles;
+//                                     whether it has the dot kernel
 //
 // A decode step multiplies tens of rows by every weight of the model once, so its GEMMs stream the weights from
 // memory: on a 2-core AVX-512 + AMX VM, oneDNN's packed bf16 GEMMs read a decode step's 270 MB at ~16 GB/s, a plain
-// sum at ~21-27. This kernel reads each thread's share of a weight as one sequential stream (the layout below puts
+// sum at ~21-27. The AMX kernel reads each thread's share of a weight as one sequential stream (the layout below puts
 // a block of 32 output columns, all of K, in one contiguous run, and a thread takes consecutive blocks), asks for
 // the lines 8 KB ahead into L2 as it goes, and multiplies on the tile unit (two 16 x 32 tiles of x against two
 // 32 x 16 tiles of the weight into four 16 x 16 fp32 accumulators per 32 columns of K): ~23 GB/s at 32 rows.
 // At hundreds of rows (prefill) it runs ~10% behind oneDNN's packed GEMMs (docs/performance.md).
+//
+// Without AMX (an AVX-512 + avx512_bf16 EPYC), the dot kernel reads the same layout: a 64-byte row of it is one K
+// pair for 16 output columns, which is what the bf16 dot instruction multiplies against a broadcast pair of x. A tile
+// is 4 rows of x by 96 output columns (24 fp32 sums in registers, no horizontal sums), a thread takes runs of 96
+// columns, and the first pass over a run asks for its lines 8 KB ahead.
 //
 // Layout: packed[N / 32][K / 32][2][16][32]: for block nb of 32 output columns and block kb of 32 columns of K,
 // tile t (its columns 16 t .. 16 t + 15) holds in row r the pairs (k = 2r, 2r + 1) of each of its 16 columns, as
@@ -24,8 +32,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "cpu_lora.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define LORAGATE_AMX 1
@@ -121,6 +134,133 @@ void multiply(const c10::BFloat16* a, int64_t a_stride, int64_t m_pad, int64_t m
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define LORAGATE_DOT_BF16 1
+constexpr int64_t DOT_PREFETCH_KB = 4;  // how many K blocks (2 KB of a column block each) ahead a first pass asks for
+
+// A thread's next run of column blocks, asked for into L2 a few lines per K block of the current run's passes, so
+// that memory fetches it while the core computes.
+struct Ahead {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t per_kb = 0;  // lines a K block asks for
+  inline void issue() {
+    for (int64_t i = 0; i < per_kb && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
+// Rows [0, MT) of x against NB consecutive column blocks (32 output columns each) of the tile layout, on the bf16 dot
+// instruction: for each pair of K columns, a 64-byte row of the layout holds that pair for 16 output columns, and
+// each x row's pair is broadcast against it (MT x 2 NB sums in registers; no horizontal sums). `first`: the thread's
+// first pass over its first run, which nothing asked for: it asks for the lines DOT_PREFETCH_KB K blocks ahead.
+template <int MT, int NB>
+inline void dot_tile(const c10::BFloat16* a, int64_t a_stride, const c10::BFloat16* blocks, int64_t block_elems,
+                     int64_t k_blocks, const c10::BFloat16* bias, c10::BFloat16* y, int64_t n, bool first,
+                     const char* stream_end, Ahead& ahead) {
+  __m512 acc[MT][2 * NB];
+#pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 6
+    for (int v = 0; v < 2 * NB; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    if (first)
+#pragma GCC unroll 3
+      for (int b = 0; b < NB; ++b) {
+        const char* soon =
+            reinterpret_cast<const char*>(blocks + b * block_elems + (kb + DOT_PREFETCH_KB) * 2 * TILE_ELEMS);
+        if (soon + 2 * TILE_ELEMS * 2 <= stream_end)
+          for (int64_t line = 0; line < 2 * TILE_ELEMS * 2; line += 64) _mm_prefetch(soon + line, _MM_HINT_T1);
+      }
+    ahead.issue();
+    const c10::BFloat16* xk = a + kb * BLOCK_K;
+#pragma GCC unroll 2
+    for (int r = 0; r < 16; ++r) {
+      __m512i wv[2 * NB];
+#pragma GCC unroll 6
+      for (int v = 0; v < 2 * NB; ++v) {
+        wv[v] = _mm512_loadu_si512(blocks + (v / 2) * block_elems + ((kb * 2 + v % 2) * 16 + r) * 32);
+        asm volatile("" : "+v"(wv[v]));
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, xk + m * a_stride + 2 * r, sizeof pair);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 6
+        for (int v = 0; v < 2 * NB; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], (__m512bh)wv[v], xb);
+      }
+    }
+  }
+#pragma GCC unroll 6
+  for (int v = 0; v < 2 * NB; ++v) {
+    __m512 b16 = _mm512_setzero_ps();
+    if (bias != nullptr)
+      b16 = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + 16 * v))), 16));
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * n + 16 * v),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][v], b16)));
+  }
+}
+
+template <int NB>
+void dot_rows(int64_t mt, const c10::BFloat16* a, int64_t a_stride, const c10::BFloat16* blocks, int64_t block_elems,
+              int64_t k_blocks, const c10::BFloat16* bias, c10::BFloat16* y, int64_t n, bool first, const char* end,
+              Ahead& ahead) {
+  switch (mt) {
+    case 4: return dot_tile<4, NB>(a, a_stride, blocks, block_elems, k_blocks, bias, y, n, first, end, ahead);
+    case 3: return dot_tile<3, NB>(a, a_stride, blocks, block_elems, k_blocks, bias, y, n, first, end, ahead);
+    case 2: return dot_tile<2, NB>(a, a_stride, blocks, block_elems, k_blocks, bias, y, n, first, end, ahead);
+    default: return dot_tile<1, NB>(a, a_stride, blocks, block_elems, k_blocks, bias, y, n, first, end, ahead);
+  }
+}
+
+constexpr int64_t DOT_GROUP = 3;  // column blocks a tile takes: 96 output columns, 24 sums in registers at 4 rows
+
+void dot_multiply(const c10::BFloat16* a, int64_t a_stride, int64_t m, const c10::BFloat16* packed, int64_t num_blocks,
+                  int64_t k_blocks, const c10::BFloat16* bias, c10::BFloat16* y, int64_t n) {
+  const int64_t block_elems = k_blocks * 2 * TILE_ELEMS;
+  const int64_t groups = (num_blocks + DOT_GROUP - 1) / DOT_GROUP;
+  at::parallel_for(0, groups, 1, [&](int64_t lo, int64_t hi) {
+    const char* end = reinterpret_cast<const char*>(packed + std::min(num_blocks, hi * DOT_GROUP) * block_elems);
+    const int64_t m_tiles = (m + 3) / 4;
+    for (int64_t g = lo; g < hi; ++g) {
+      const int64_t nb0 = g * DOT_GROUP, nbs = std::min(DOT_GROUP, num_blocks - nb0);
+      const c10::BFloat16* blocks = packed + nb0 * block_elems;
+      const c10::BFloat16* b = bias ? bias + nb0 * BLOCK_N : nullptr;
+      // the thread's next run, asked for over this run's passes (its first run asks ahead in its own first pass)
+      Ahead ahead;
+      if (g + 1 < hi) {
+        ahead.next = reinterpret_cast<const char*>(blocks + nbs * block_elems);
+        ahead.end = std::min(end, ahead.next + DOT_GROUP * block_elems * 2);
+        ahead.per_kb = ((ahead.end - ahead.next) / 64 + m_tiles * k_blocks - 1) / (m_tiles * k_blocks);
+      }
+      for (int64_t m0 = 0; m0 < m; m0 += 4) {
+        const int64_t mt = std::min<int64_t>(4, m - m0);
+        c10::BFloat16* yt = y + m0 * n + nb0 * BLOCK_N;
+        const c10::BFloat16* at = a + m0 * a_stride;
+        const bool first = m0 == 0 && g == lo;
+        switch (nbs) {
+          case 3: dot_rows<3>(mt, at, a_stride, blocks, block_elems, k_blocks, b, yt, n, first, end, ahead); break;
+          case 2: dot_rows<2>(mt, at, a_stride, blocks, block_elems, k_blocks, b, yt, n, first, end, ahead); break;
+          default: dot_rows<1>(mt, at, a_stride, blocks, block_elems, k_blocks, b, yt, n, first, end, ahead); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
+// Whether this build has the bf16 dot kernel (a CPU with AVX-512 bf16).
+bool dot_ready() {
+#if defined(LORAGATE_DOT_BF16)
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool amx_ready() {
 #if defined(LORAGATE_AMX)
   return tiles_permitted();
@@ -153,8 +293,9 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
   return out;
 }
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_ready(), "amx_linear: this build or process cannot use AMX tiles");
+// The tile layout's GEMM on one kernel: AMX tiles (`tiles`) or the bf16 dot instruction. Checks every argument first.
+at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       bool tiles) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.stride(1) == 1,
               "x must be a 2-D bf16 CPU tensor with contiguous columns");
   TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
@@ -172,6 +313,13 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   }
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
+  if (!tiles) {
+#if defined(LORAGATE_DOT_BF16)
+    dot_multiply(x.data_ptr<c10::BFloat16>(), x.stride(0), m, packed.data_ptr<c10::BFloat16>(), num_blocks, k_blocks,
+                 bias_ptr, y.data_ptr<c10::BFloat16>(), n);
+#endif
+    return y;
+  }
 #if defined(LORAGATE_AMX)
   // The tiles read 16 rows at a time: a row count that is not a multiple of 16 gets a zero-padded copy of x.
   const int64_t m_pad = (m + 15) / 16 * 16;
@@ -187,6 +335,19 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   return y;
 }
 
+// The layout's GEMM on AMX tiles where the process can use them, else on the bf16 dot instruction.
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_ready() || dot_ready(), "amx_linear: this build or process can use neither AMX tiles nor the "
+              "AVX-512 bf16 dot instruction");
+  return tile_linear(x, packed, bias, amx_ready());
+}
+
+// The layout's GEMM on the bf16 dot instruction, whether or not the CPU has AMX (tests run it on both kinds).
+at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(dot_ready(), "dot_linear: this build has no AVX-512 bf16 dot instruction");
+  return tile_linear(x, packed, bias, false);
+}
+
 // amx_linear with a group's LoRA added, in one call: as cpu_gemm.cpp's skinny_linear_lora.
 at::Tensor amx_linear_lora(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                            const at::Tensor& segments, const at::Tensor& pool, const at::Tensor& block,
@@ -200,8 +361,10 @@ at::Tensor amx_linear_lora(const at::Tensor& x, const at::Tensor& packed, const 
 
 TORCH_LIBRARY_FRAGMENT(loragate_cpu, m) {
   m.def("amx_ready() -> bool", &amx_ready);  // no tensor arguments: one kernel for every dispatch key
+  m.def("dot_ready() -> bool", &dot_ready);
   m.def("amx_pack_weight(Tensor weight) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("dot_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def(
       "amx_linear_lora(Tensor x, Tensor packed, Tensor? bias, Tensor segments, Tensor pool, Tensor block, "
       "int[] out_cols) -> Tensor");
@@ -210,5 +373,6 @@ TORCH_LIBRARY_FRAGMENT(loragate_cpu, m) {
 TORCH_LIBRARY_IMPL(loragate_cpu, CPU, m) {
   m.impl("amx_pack_weight", &amx_pack_weight);
   m.impl("amx_linear", &amx_linear);
+  m.impl("dot_linear", &dot_linear);
   m.impl("amx_linear_lora", &amx_linear_lora);
 }

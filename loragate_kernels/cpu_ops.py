@@ -2,8 +2,8 @@
 (loragate_kernels/cpu_attention.cpp), a decoder layer's fused elementwise ops (loragate_kernels/cpu_layer.cpp: RMSNorm
 with the residual add, SiLU-and-mul, RoPE with the K/V cache write), the greedy pick
 (loragate_kernels/cpu_sampling.cpp) and the GEMMs (loragate_kernels/cpu_gemm.cpp for fp32, cpu_amx.cpp for bf16 on AMX
-tiles), registered as `torch.ops.loragate_cpu.*`. Each GEMM has a twin with a LoRA group fused
-(`skinny_linear_lora`, `amx_linear_lora`: the GEMM, then the LoRA op on its output, in one call;
+tiles or the bf16 dot instruction), registered as `torch.ops.loragate_cpu.*`. Each GEMM has a twin with a LoRA group
+fused (`skinny_linear_lora`, `amx_linear_lora`: the GEMM, then the LoRA op on its output, in one call;
 engine/model/cpu_gemm.py PackedLinear `fused_lora`), which saves a step 120 calls into the dispatcher.
 
 Why C++: a step of 32 decodes over 8 adapters is, on SmolLM2, ~2,600 tiny matmuls per step as torch ops

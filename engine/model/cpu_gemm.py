@@ -12,13 +12,13 @@ that multiplies it (`gemm_backend`, loragate_kernels/__init__.py, picks the rout
   stall on the first read; W1's step GEMMs at M = 32 ~90 -> ~130 GFLOP/s on a 2-core AVX2 EPYC, ~180 -> ~210 on a
   2-core AVX-512 Xeon), and by oneDNN over the same tensor above (prefill, where the weight is reused across hundreds
   of rows and oneDNN reaches the same speed without its packed copy). bf16 weights that oneDNN packs keep its packed
-  layout on this route where the CPU has no AMX (an AVX-512 bf16 version of the kernel ran at 1/2.7 of oneDNN's
-  AMX kernels at 32 rows: docs/performance.md).
-- "cpp" with bf16 weights on a CPU with AMX: loragate_kernels/cpu_amx.cpp at every row count, over its own tile layout
-  of the weight (`amx_usable`): it streams a decode step's weights at ~23 GB/s where oneDNN's packed GEMMs read
-  ~16 (a step's 121 GEMMs at 32 rows, 2-core AMX VM: 16.7 -> 11.6 ms); at 512 rows it runs ~10% behind oneDNN
-  (56 -> 62 ms for a prompt step's layer GEMMs), kept rather than a second copy of every weight for prefill.
-  Layers whose dims are not multiples of 32 keep oneDNN's layout.
+  layout on this route where the CPU has neither AMX nor avx512_bf16.
+- "cpp" with bf16 weights on a CPU with AMX or avx512_bf16: loragate_kernels/cpu_amx.cpp at every row count, over
+  its own tile layout of the weight (`tiles_usable`). On AMX tiles (`amx_usable`) it streams a decode step's weights
+  at ~23 GB/s where oneDNN's packed GEMMs read ~16 (a step's 121 GEMMs at 32 rows, 2-core AMX VM: 16.7 -> 11.6 ms);
+  at 512 rows it runs ~10% behind oneDNN (56 -> 62 ms for a prompt step's layer GEMMs), kept rather than a second
+  copy of every weight for prefill. Without AMX, on the bf16 dot instruction (2-core avx512_bf16 EPYC: 29.4 -> 23.0
+  ms at 32 rows, 2-3% ahead at 512). Layers whose dims are not multiples of 32 keep oneDNN's layout.
 - "torch": plain nn.Linear (CUDA, or forced).
 
 `prepack_linears(model)` swaps every projection for a `PackedLinear` on a CPU model. oneDNN's packed layout is its
@@ -111,6 +111,20 @@ def amx_usable() -> bool:
     return bool(torch.ops.loragate_cpu.amx_ready())
 
 
+@functools.cache
+def tiles_usable() -> bool:
+    """Whether bf16 GEMMs can run on loragate_kernels/cpu_amx.cpp's tile layout here: on AMX tiles (`amx_usable`),
+    or on its bf16 dot kernel where the CPU has avx512_bf16 and no AMX (docs/performance.md, the eighth session:
+    ahead of oneDNN's packed kernels at decode batches, and one copy of the weight for every row count)."""
+    from loragate_kernels import cpu_ops
+
+    if amx_usable():
+        return True
+    if "avx512_bf16" not in cpu_flags() or not cpu_ops.load():
+        return False
+    return bool(torch.ops.loragate_cpu.dot_ready())
+
+
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """The dtype a `dtype` model's packed GEMMs compute in on this CPU (None: not packed, plain F.linear).
 
@@ -129,8 +143,8 @@ class PackedLinear(nn.Module):
     """y = x @ weight.T + bias with the weight laid out once for this CPU's GEMMs; x [T, in] -> [T, out] in x's
     dtype. The weight is kept in `compute_dtype` (default: its own; see `gemm_dtype`), inputs are cast to it and
     outputs back. On the "cpp" route (`skinny`): fp32 weights stay row-major for loragate_kernels/cpu_gemm.cpp up to
-    SKINNY_ROWS rows and oneDNN above; bf16 ones take loragate_kernels/cpu_amx.cpp's tile layout where `amx_usable`
-    and both dims are multiples of 32 (`self.amx`). Everything else: oneDNN's packed layout for every row count."""
+    SKINNY_ROWS rows and oneDNN above; bf16 ones take loragate_kernels/cpu_amx.cpp's tile layout where `tiles_usable`
+    and both dims are multiples of 32 (`self.tiles`). Everything else: oneDNN's packed layout for every row count."""
 
     def __init__(
         self,
@@ -143,18 +157,18 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         compute_dtype = compute_dtype or weight.dtype
         self.skinny = skinny and compute_dtype == torch.float32
-        self.amx = (
+        self.tiles = (
             skinny
             and compute_dtype == torch.bfloat16
             and self.out_features % 32 == 0
             and self.in_features % 32 == 0
-            and amx_usable()
+            and tiles_usable()
         )
         plain = weight.detach().to(compute_dtype)
         # the row-major weight itself (no copy when it is already fp32 and contiguous), or a packed copy
         if self.skinny:
             self.weight = plain.contiguous()
-        elif self.amx:
+        elif self.tiles:
             self.weight = torch.ops.loragate_cpu.amx_pack_weight(plain)
         else:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_ROWS_HINT)
@@ -169,7 +183,7 @@ class PackedLinear(nn.Module):
         if x.dim() != 2:
             return self._linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
         rows = x.shape[0]
-        if self.amx:
+        if self.tiles:
             return torch.ops.loragate_cpu.amx_linear(x, self.weight, self.bias)
         if self.skinny and rows <= SKINNY_ROWS:
             return torch.ops.loragate_cpu.skinny_linear(x, self.weight, self.bias)
@@ -192,14 +206,14 @@ class PackedLinear(nn.Module):
         the caller adds the deltas itself."""
         if x.dim() != 2 or x.dtype != self.weight.dtype:
             return None
-        if self.amx:
+        if self.tiles:
             return torch.ops.loragate_cpu.amx_linear_lora(x, self.weight, self.bias, segments, pool, block, out_cols)
         if self.skinny and x.shape[0] <= SKINNY_ROWS:
             return torch.ops.loragate_cpu.skinny_linear_lora(x, self.weight, self.bias, segments, pool, block, out_cols)
         return None
 
     def extra_repr(self) -> str:
-        route = "cpu_gemm.cpp" if self.skinny else "cpu_amx.cpp" if self.amx else "oneDNN"
+        route = "cpu_gemm.cpp" if self.skinny else "cpu_amx.cpp" if self.tiles else "oneDNN"
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{shape}, bias={self.bias is not None}, {route}"
 
@@ -237,8 +251,9 @@ def gemm_route(model: nn.Module) -> str:
     if not packed:
         return "plain F.linear"
     dtype = str(packed[0].weight.dtype).removeprefix("torch.")
-    if any(m.amx for m in packed):
-        return f"loragate_kernels/cpu_amx.cpp (AMX tiles) at every row count, in {dtype}"
+    if any(m.tiles for m in packed):
+        kernel = "AMX tiles" if amx_usable() else "the bf16 dot instruction"
+        return f"loragate_kernels/cpu_amx.cpp's tile layout ({kernel}) at every row count, in {dtype}"
     if any(m.skinny for m in packed):
         return f"loragate_kernels/cpu_gemm.cpp up to {SKINNY_ROWS} rows, oneDNN above, in {dtype}"
     return f"oneDNN-prepacked weights, in {dtype}"
@@ -252,11 +267,11 @@ def warm_up_gemms(model: nn.Module, max_rows: int, max_head_rows: int) -> int:
     shapes: dict[tuple[int, int, bool], PackedLinear] = {}
     head = getattr(model, "lm_head", None)
     for module in model.modules():
-        if isinstance(module, PackedLinear) and module is not head and not module.amx:  # AMX builds no kernels
+        if isinstance(module, PackedLinear) and module is not head and not module.tiles:  # the tile layout: no kernels
             shapes.setdefault((module.in_features, module.out_features, module.bias is None), module)
     counts = sorted({gemm_rows(n) for n in range(1, max(1, max_rows) + 1)})
     calls = [(m, n) for m in shapes.values() for n in counts]
-    if isinstance(head, PackedLinear) and not head.amx:
+    if isinstance(head, PackedLinear) and not head.tiles:
         calls += [(head, n) for n in sorted({gemm_rows(n) for n in range(1, max(1, max_head_rows) + 1)})]
     with torch.inference_mode():
         for module, n in calls:

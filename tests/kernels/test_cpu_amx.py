@@ -1,8 +1,10 @@
-"""The CPU's bf16 GEMM on AMX tiles (loragate_kernels/cpu_amx.cpp) against a float64 oracle and oneDNN: row counts
-that fill the tiles and that do not (padded to 16), one and two row tiles, several column blocks split over 1 and 2
-threads, a bias, inputs with padded row strides, prefill-sized row counts; bad arguments refused with an error. And
-engine/model/cpu_gemm.py's PackedLinear taking it for bf16 layers whose dims are multiples of 32 (oneDNN otherwise).
-Skipped where the CPU has no AMX.
+"""The CPU's bf16 GEMM over its tile layout (loragate_kernels/cpu_amx.cpp), on both its kernels (AMX tiles, and the
+AVX-512 bf16 dot instruction), against a float64 oracle and oneDNN: row counts that fill the tiles and that do not
+(padded to 16 on AMX; 4-row tiles and their remainders on the dot kernel), one and two row tiles, several column
+blocks (runs of 3 on the dot kernel, and the 1 or 2 left over) split over 1 and 2 threads, a bias, inputs with padded
+row strides, prefill-sized row counts; bad arguments refused with an error. And engine/model/cpu_gemm.py's
+PackedLinear taking the layout for bf16 layers whose dims are multiples of 32 (oneDNN otherwise). Each kernel is
+skipped where the CPU or build lacks it.
 """
 
 from __future__ import annotations
@@ -11,14 +13,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.cpu_gemm import PackedLinear, amx_usable
-from loragate_kernels import cpu_ops, onednn_available
+from engine.model.cpu_gemm import PackedLinear, amx_usable, tiles_usable
+from loragate_kernels import cpu_flags, cpu_ops, onednn_available
 
-pytestmark = pytest.mark.skipif(not (cpu_ops.load() and amx_usable()), reason="the CPU has no AMX tiles")
+BUILT = cpu_ops.load()
+HAS_DOT = BUILT and "avx512_bf16" in cpu_flags() and bool(torch.ops.loragate_cpu.dot_ready())
+pytestmark = pytest.mark.skipif(not (amx_usable() or HAS_DOT), reason="no AMX tiles, no AVX-512 bf16")
+KERNELS = [
+    pytest.param("amx", marks=pytest.mark.skipif(not amx_usable(), reason="the CPU has no AMX tiles")),
+    pytest.param("dot", marks=pytest.mark.skipif(not HAS_DOT, reason="the CPU has no AVX-512 bf16")),
+]
 
 
-def amx(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.loragate_cpu.amx_linear(x, torch.ops.loragate_cpu.amx_pack_weight(w), b)
+def tiled(kernel: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T + b through the tile layout on `kernel`: "amx" (amx_linear where AMX runs) or "dot" (dot_linear)."""
+    op = torch.ops.loragate_cpu.amx_linear if kernel == "amx" else torch.ops.loragate_cpu.dot_linear
+    return op(x, torch.ops.loragate_cpu.amx_pack_weight(w), b)
 
 
 def operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -37,31 +47,34 @@ def close_to_oracle(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torc
     assert excess.max().item() <= 0, excess.max().item()
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("m", [1, 5, 15, 16, 17, 31, 32, 33, 48, 64])
-@pytest.mark.parametrize(("n", "k"), [(32, 32), (96, 576), (64, 1536)])
-def test_matches_the_oracle(m: int, n: int, k: int, threads: int) -> None:
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 15, 16, 17, 31, 32, 33, 48, 64])
+@pytest.mark.parametrize(("n", "k"), [(32, 32), (96, 576), (64, 1536), (160, 64)])
+def test_matches_the_oracle(kernel: str, m: int, n: int, k: int, threads: int) -> None:
     torch.set_num_threads(threads)
     x, w, b = operands(m, n, k, seed=m * 1000 + n + k)
-    close_to_oracle(amx(x, w), x, w, None)
-    close_to_oracle(amx(x, w, b), x, w, b)
+    close_to_oracle(tiled(kernel, x, w), x, w, None)
+    close_to_oracle(tiled(kernel, x, w, b), x, w, b)
 
 
-def test_prefill_rows_wide_weights_and_strided_inputs() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_prefill_rows_wide_weights_and_strided_inputs(kernel: str) -> None:
     """512 and 100 rows (several passes of 32 over each block while it is in cache), an LM-head-like weight over
     many blocks, and x a slice of a wider tensor (its rows further apart than its width)."""
     torch.set_num_threads(2)
     x, w, b = operands(512, 192, 576, seed=1)
-    close_to_oracle(amx(x, w, b), x, w, b)
+    close_to_oracle(tiled(kernel, x, w, b), x, w, b)
     wide, w2, _ = operands(100, 4096, 576 + 64, seed=2)
     w2 = w2[:, :576].contiguous()
     for rows in (100, 96):  # padded to 16 rows in a copy; read in place, its stride as it is
         x2 = wide[:rows, :576]
         assert x2.stride(0) != x2.shape[1]
-        close_to_oracle(amx(x2, w2), x2, w2, None)
+        close_to_oracle(tiled(kernel, x2, w2), x2, w2, None)
 
 
-def test_as_close_as_onednn() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_as_close_as_onednn(kernel: str) -> None:
     """On a decode step's qkv shape the kernel's outputs and oneDNN's are each the exact product rounded once:
     they agree to within one bf16 ulp everywhere."""
     if not onednn_available():
@@ -71,7 +84,7 @@ def test_as_close_as_onednn() -> None:
         x, torch.ops.mkldnn._reorder_linear_weight(w, 32), None, "none", [], ""
     ).double()
     ulp = torch.finfo(torch.bfloat16).eps * onednn.abs().clamp_min(1e-3)
-    assert ((amx(x, w).double() - onednn).abs() <= ulp).all()
+    assert ((tiled(kernel, x, w).double() - onednn).abs() <= ulp).all()
 
 
 @pytest.mark.parametrize(
@@ -85,21 +98,25 @@ def test_as_close_as_onednn() -> None:
         (torch.zeros(64, 4).bfloat16().T, torch.zeros(32, 64).bfloat16(), None, "contiguous columns"),
     ],
 )
-def test_bad_arguments_are_refused(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, message: str) -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bad_arguments_are_refused(
+    kernel: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, message: str
+) -> None:
     with pytest.raises(RuntimeError, match=message):
-        amx(x, w, b)
+        tiled(kernel, x, w, b)
 
 
-def test_packed_linear_takes_amx_for_bf16_layers_of_whole_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_linear_takes_the_tile_layout_for_bf16_layers_of_whole_blocks() -> None:
+    assert tiles_usable()  # AMX or the bf16 dot kernel: this module runs only where one of them does
     torch.set_num_threads(2)
     x, w, b = operands(40, 96, 576, seed=4)
     layer = PackedLinear(w, b, skinny=True)
-    assert layer.amx and "cpu_amx.cpp" in layer.extra_repr()
+    assert layer.tiles and "cpu_amx.cpp" in layer.extra_repr()
     close_to_oracle(layer(x), x, w, b)
     close_to_oracle(layer(x[:3]), x[:3], w, b)
     odd = PackedLinear(w[:40], b[:40], skinny=True)  # 40 output columns: not whole blocks of 32
-    assert not odd.amx and "oneDNN" in odd.extra_repr()
+    assert not odd.tiles and "oneDNN" in odd.extra_repr()
     torch.testing.assert_close(
         odd(x), F.linear(x.float(), w[:40].float(), b[:40].float()).bfloat16(), rtol=8e-3, atol=8e-3
     )
-    assert not PackedLinear(w.float(), b.float(), skinny=True).amx  # fp32 weights: cpu_gemm.cpp's route
+    assert not PackedLinear(w.float(), b.float(), skinny=True).tiles  # fp32 weights: cpu_gemm.cpp's route

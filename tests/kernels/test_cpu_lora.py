@@ -147,7 +147,7 @@ def test_the_build_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 FUSED = [
     pytest.param(torch.float32, "skinny_linear", id="fp32-skinny"),
-    pytest.param(torch.bfloat16, "amx_linear", id="bf16-amx"),
+    pytest.param(torch.bfloat16, "amx_linear", id="bf16-tiles"),
 ]
 
 
@@ -156,8 +156,8 @@ FUSED = [
 def test_a_fused_gemm_equals_the_gemm_then_the_op(dtype: torch.dtype, gemm: str, layout: str) -> None:
     """skinny_linear_lora and amx_linear_lora (one call for a projection and its LoRA group): the GEMM's output with
     the op applied, bit for bit; refused arguments raise before anything is computed."""
-    if gemm == "amx_linear" and not torch.ops.loragate_cpu.amx_ready():
-        pytest.skip("this CPU or build has no AMX tiles")
+    if gemm == "amx_linear" and not (torch.ops.loragate_cpu.amx_ready() or torch.ops.loragate_cpu.dot_ready()):
+        pytest.skip("this CPU or build has neither AMX tiles nor the AVX-512 bf16 dot instruction")
     case = make_group_case(64, [64, 32, 32], layout, dtype, seed=3)
     g = torch.Generator().manual_seed(4)
     weight = (torch.randn(case.out_cols[-1], 64, generator=g) * 0.1).to(dtype)
