@@ -18,8 +18,9 @@
 //
 // Without AMX (an AVX-512 + avx512_bf16 EPYC), the dot kernel reads the same layout: a 64-byte row of it is one K
 // pair for 16 output columns, which is what the bf16 dot instruction multiplies against a broadcast pair of x. A tile
-// is 4 rows of x by 96 output columns (24 fp32 sums in registers, no horizontal sums), a thread takes runs of 96
-// columns, and the first pass over a run asks for its lines 8 KB ahead.
+// is 4 rows of x by 96 output columns (24 fp32 sums in registers, no horizontal sums). A thread takes consecutive runs
+// of 96 columns and asks for its next run a few lines per K block while it computes the current one (its first run:
+// 8 KB ahead of its first pass). A decode step's GEMMs at 32 rows on a 2-core EPYC: 29.4 -> 23.0 ms against oneDNN.
 //
 // Layout: packed[N / 32][K / 32][2][16][32]: for block nb of 32 output columns and block kb of 32 columns of K,
 // tile t (its columns 16 t .. 16 t + 15) holds in row r the pairs (k = 2r, 2r + 1) of each of its 16 columns, as
