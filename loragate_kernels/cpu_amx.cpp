@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_common.h"
 #include "cpu_lora.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -193,15 +194,10 @@ inline void dot_tile(const c10::BFloat16* a, int64_t a_stride, const c10::BFloat
     }
   }
 #pragma GCC unroll 6
-  for (int v = 0; v < 2 * NB; ++v) {
-    __m512 b16 = _mm512_setzero_ps();
-    if (bias != nullptr)
-      b16 = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + 16 * v))), 16));
+  for (int v = 0; v < 2 * NB; ++v) {  // rounded to bf16 once, as oneDNN does
+    const __m512 b16 = bias != nullptr ? loragate_cpu::load16(bias + 16 * v) : _mm512_setzero_ps();
 #pragma GCC unroll 4
-    for (int m = 0; m < MT; ++m)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * n + 16 * v),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][v], b16)));
+    for (int m = 0; m < MT; ++m) loragate_cpu::store16(y + m * n + 16 * v, _mm512_add_ps(acc[m][v], b16));
   }
 }
 
