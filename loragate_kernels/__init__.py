@@ -86,13 +86,13 @@ def onednn_available() -> bool:
 
 def gemm_backend(device: torch.device) -> str:
     """How the projections and the LM head multiply on `device` (engine/model/cpu_gemm.py): on a CPU with AVX2 and
-    FMA (AVX-512 ones included) where the C++ ops build, "cpp" (loragate_kernels/cpu_gemm.cpp for fp32 GEMMs up to
-    engine/model/cpu_gemm.py SKINNY_ROWS rows: decode steps stream every weight from memory, and there it outran
-    oneDNN's kernels, ~1.3x on an AVX2 EPYC and ~1.15x on an AVX-512 Xeon; oneDNN over the same row-major weight
-    above; bf16 weights on loragate_kernels/cpu_amx.cpp where the CPU has AMX or avx512_bf16, else oneDNN-packed
-    where oneDNN packs bf16); "onednn" (oneDNN-prepacked weights) on
-    other CPUs with oneDNN; else "torch" (plain F.linear; CUDA). LORAGATE_GEMM_BACKEND=torch|onednn|cpp forces one
-    ("onednn" on a torch without oneDNN is refused)."""
+    FMA (AVX-512 ones included) where the C++ ops build, "cpp" (fp32 GEMMs on loragate_kernels/cpu_panels.cpp at
+    every row count where the CPU has AVX-512; else on cpu_gemm.cpp up to engine/model/cpu_gemm.py SKINNY_ROWS rows:
+    decode steps stream every weight from memory, and there it outran oneDNN's kernels, ~1.3x on an AVX2 EPYC, and
+    oneDNN over the same row-major weight above; bf16 weights on loragate_kernels/cpu_amx.cpp where the CPU has AMX
+    or avx512_bf16, else oneDNN-packed where oneDNN packs bf16); "onednn" (oneDNN-prepacked weights) on other CPUs
+    with oneDNN; else "torch" (plain F.linear; CUDA). LORAGATE_GEMM_BACKEND=torch|onednn|cpp forces one ("onednn"
+    on a torch without oneDNN is refused)."""
     from loragate_kernels import cpu_ops
 
     forced = _forced("LORAGATE_GEMM_BACKEND", ("torch", "onednn", "cpp"))

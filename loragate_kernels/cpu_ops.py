@@ -1,9 +1,10 @@
 """The CPU path's C++ ops, built once per machine: batched LoRA (loragate_kernels/cpu_lora.cpp), paged decode attention
 (loragate_kernels/cpu_attention.cpp), a decoder layer's fused elementwise ops (loragate_kernels/cpu_layer.cpp: RMSNorm
 with the residual add, SiLU-and-mul, RoPE with the K/V cache write), the greedy pick
-(loragate_kernels/cpu_sampling.cpp) and the GEMMs (loragate_kernels/cpu_gemm.cpp for fp32, cpu_amx.cpp for bf16 on AMX
-tiles or the bf16 dot instruction), registered as `torch.ops.loragate_cpu.*`. Each GEMM has a twin with a LoRA group
-fused (`skinny_linear_lora`, `amx_linear_lora`: the GEMM, then the LoRA op on its output, in one call;
+(loragate_kernels/cpu_sampling.cpp) and the GEMMs (loragate_kernels/cpu_panels.cpp for fp32 on AVX-512, cpu_gemm.cpp
+for fp32 on AVX2, cpu_amx.cpp for bf16 on AMX tiles or the bf16 dot instruction), registered as
+`torch.ops.loragate_cpu.*`. Each GEMM has a twin with a LoRA group fused (`panel_linear_lora`,
+`skinny_linear_lora`, `amx_linear_lora`: the GEMM, then the LoRA op on its output, in one call;
 engine/model/cpu_gemm.py PackedLinear `fused_lora`), which saves a step 120 calls into the dispatcher.
 
 Why C++: a step of 32 decodes over 8 adapters is, on SmolLM2, ~2,600 tiny matmuls per step as torch ops
@@ -52,6 +53,7 @@ SOURCES = [
         "cpu_sampling.cpp",
         "cpu_gemm.cpp",
         "cpu_amx.cpp",
+        "cpu_panels.cpp",
     )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_common.h", "cpu_lora.h")]

@@ -6,7 +6,12 @@ that multiplies it (`gemm_backend`, loragate_kernels/__init__.py, picks the rout
   at serving shapes (tens of rows against a wide weight) it reaches about two thirds of what the same GEMM reaches
   with the weight packed ahead of time. Measured on a 2-core AVX-512 VM at W1's shapes (M = 32 rows, SmolLM2-135M):
   fp32 ~115 -> ~200 GFLOP/s, the 49,152-wide LM head ~120 -> ~150; bf16 with AMX ~550 -> ~950.
-- "cpp" (CPUs with AVX2 and FMA, AVX-512 ones included): fp32 weights kept row-major and multiplied by
+- "cpp" with fp32 weights on a CPU with AVX-512: loragate_kernels/cpu_panels.cpp at every row count, over its panel
+  layout of the weight (`panels_usable`; 96 output columns, all of K, k-major). On a 2-core AVX-512 EPYC a step's
+  GEMMs at 32 rows ran 51.1 -> 46.3 ms against cpu_gemm.cpp's row-major kernel, and at 512 rows 723 -> 682 ms
+  against oneDNN on the row-major weight (docs/performance.md, the ninth session). One copy of the weight serves
+  decode and prefill; a tied LM head gets its own panel copy of the embeddings.
+- "cpp" with fp32 weights on a CPU with AVX2 and FMA but no AVX-512: weights kept row-major and multiplied by
   loragate_kernels/cpu_gemm.cpp's `skinny_linear` up to SKINNY_ROWS rows (decode steps, which stream every weight
   from memory: the kernel prefetches the next block of the weight while it computes one, where oneDNN's kernels
   stall on the first read; W1's step GEMMs at M = 32 ~90 -> ~130 GFLOP/s on a 2-core AVX2 EPYC, ~180 -> ~210 on a
@@ -23,8 +28,8 @@ that multiplies it (`gemm_backend`, loragate_kernels/__init__.py, picks the rout
 
 `prepack_linears(model)` swaps every projection for a `PackedLinear` on a CPU model. oneDNN's packed layout is its
 own: the plain weight is dropped (it would double the memory), so a packed model is for serving, not for reading
-weights back. A tied LM head gets its own packed copy of the embedding matrix on the oneDNN route, and reads the
-embeddings themselves on the "cpp" route (`python bench/step_profile.py` shows a step's GEMM time).
+weights back. A tied LM head gets its own copy of the embedding matrix in its route's layout, and reads the
+embeddings themselves on cpu_gemm.cpp's row-major route (`python bench/step_profile.py` shows a step's GEMM time).
 """
 
 from __future__ import annotations
@@ -112,6 +117,17 @@ def amx_usable() -> bool:
 
 
 @functools.cache
+def panels_usable() -> bool:
+    """Whether fp32 GEMMs can run on loragate_kernels/cpu_panels.cpp here: the CPU has AVX-512 and the C++ ops built
+    with it."""
+    from loragate_kernels import cpu_ops
+
+    if "avx512f" not in cpu_flags() or not cpu_ops.load():
+        return False
+    return bool(torch.ops.loragate_cpu.panels_ready())
+
+
+@functools.cache
 def tiles_usable() -> bool:
     """Whether bf16 GEMMs can run on loragate_kernels/cpu_amx.cpp's tile layout here: on AMX tiles (`amx_usable`),
     or on its bf16 dot kernel where the CPU has avx512_bf16 and no AMX (docs/performance.md, the eighth session:
@@ -142,9 +158,11 @@ def gemm_dtype(dtype: torch.dtype) -> torch.dtype | None:
 class PackedLinear(nn.Module):
     """y = x @ weight.T + bias with the weight laid out once for this CPU's GEMMs; x [T, in] -> [T, out] in x's
     dtype. The weight is kept in `compute_dtype` (default: its own; see `gemm_dtype`), inputs are cast to it and
-    outputs back. On the "cpp" route (`skinny`): fp32 weights stay row-major for loragate_kernels/cpu_gemm.cpp up to
-    SKINNY_ROWS rows and oneDNN above; bf16 ones take loragate_kernels/cpu_amx.cpp's tile layout where `tiles_usable`
-    and both dims are multiples of 32 (`self.tiles`). Everything else: oneDNN's packed layout for every row count."""
+    outputs back. On the "cpp" route: fp32 weights take loragate_kernels/cpu_panels.cpp's panel layout where
+    `panels_usable` (`self.panels`, every row count), else stay row-major for loragate_kernels/cpu_gemm.cpp up to
+    SKINNY_ROWS rows and oneDNN above (`self.skinny`); bf16 ones take loragate_kernels/cpu_amx.cpp's tile layout
+    where `tiles_usable` and both dims are multiples of 32 (`self.tiles`). Everything else: oneDNN's packed layout
+    for every row count."""
 
     def __init__(
         self,
@@ -156,7 +174,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         compute_dtype = compute_dtype or weight.dtype
-        self.skinny = skinny and compute_dtype == torch.float32
+        self.panels = skinny and compute_dtype == torch.float32 and panels_usable()
+        self.skinny = skinny and compute_dtype == torch.float32 and not self.panels
         self.tiles = (
             skinny
             and compute_dtype == torch.bfloat16
@@ -166,7 +185,9 @@ class PackedLinear(nn.Module):
         )
         plain = weight.detach().to(compute_dtype)
         # the row-major weight itself (no copy when it is already fp32 and contiguous), or a packed copy
-        if self.skinny:
+        if self.panels:
+            self.weight = torch.ops.loragate_cpu.panel_pack_weight(plain)
+        elif self.skinny:
             self.weight = plain.contiguous()
         elif self.tiles:
             self.weight = torch.ops.loragate_cpu.amx_pack_weight(plain)
@@ -183,6 +204,8 @@ class PackedLinear(nn.Module):
         if x.dim() != 2:
             return self._linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
         rows = x.shape[0]
+        if self.panels:
+            return torch.ops.loragate_cpu.panel_linear(x, self.weight, self.bias, self.out_features)
         if self.tiles:
             return torch.ops.loragate_cpu.amx_linear(x, self.weight, self.bias)
         if self.skinny and rows <= SKINNY_ROWS:
@@ -201,11 +224,15 @@ class PackedLinear(nn.Module):
         self, x: torch.Tensor, segments: torch.Tensor, pool: torch.Tensor, block: torch.Tensor, out_cols: list[int]
     ) -> torch.Tensor | None:
         """This layer with a LoRA group's deltas added (loragate_kernels/cpu_ops.py `lora_sgmv_group_cpu`'s
-        arguments) in one op where its route has one (loragate_kernels/cpu_gemm.cpp `skinny_linear_lora`,
-        cpu_amx.cpp `amx_linear_lora`: a step's 120 LoRA calls cost no dispatch of their own); None elsewhere, and
-        the caller adds the deltas itself."""
+        arguments) in one op where its route has one (loragate_kernels/cpu_panels.cpp `panel_linear_lora`,
+        cpu_gemm.cpp `skinny_linear_lora`, cpu_amx.cpp `amx_linear_lora`: a step's 120 LoRA calls cost no dispatch of
+        their own); None elsewhere, and the caller adds the deltas itself."""
         if x.dim() != 2 or x.dtype != self.weight.dtype:
             return None
+        if self.panels:
+            return torch.ops.loragate_cpu.panel_linear_lora(
+                x, self.weight, self.bias, self.out_features, segments, pool, block, out_cols
+            )
         if self.tiles:
             return torch.ops.loragate_cpu.amx_linear_lora(x, self.weight, self.bias, segments, pool, block, out_cols)
         if self.skinny and x.shape[0] <= SKINNY_ROWS:
@@ -213,9 +240,26 @@ class PackedLinear(nn.Module):
         return None
 
     def extra_repr(self) -> str:
-        route = "cpu_gemm.cpp" if self.skinny else "cpu_amx.cpp" if self.tiles else "oneDNN"
+        routes = {"cpu_panels.cpp": self.panels, "cpu_gemm.cpp": self.skinny, "cpu_amx.cpp": self.tiles}
+        route = next((name for name, taken in routes.items() if taken), "oneDNN")
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{shape}, bias={self.bias is not None}, {route}"
+
+
+PANEL_COLUMNS = 96  # output columns a panel of loragate_kernels/cpu_panels.cpp holds
+
+
+class PanelEmbedding(nn.Module):
+    """An embedding table read from a tied LM head's panel layout ([ceil(V / 96), hidden, 96]: row v of the matrix
+    is column v % 96 of panel v // 96), so a tied fp32 model keeps one copy of the matrix (SmolLM2-135M: 113 MB)
+    instead of a row-major one beside the head's. A step gathers only its own tokens' rows."""
+
+    def __init__(self, panels: torch.Tensor) -> None:
+        super().__init__()
+        self.panels = panels  # the head's tensor, not a parameter of this module: the head owns it
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.panels[input_ids // PANEL_COLUMNS, :, input_ids % PANEL_COLUMNS]
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
@@ -251,6 +295,8 @@ def gemm_route(model: nn.Module) -> str:
     if not packed:
         return "plain F.linear"
     dtype = str(packed[0].weight.dtype).removeprefix("torch.")
+    if any(m.panels for m in packed):
+        return f"loragate_kernels/cpu_panels.cpp's panel layout (AVX-512) at every row count, in {dtype}"
     if any(m.tiles for m in packed):
         kernel = "AMX tiles" if amx_usable() else "the bf16 dot instruction"
         return f"loragate_kernels/cpu_amx.cpp's tile layout ({kernel}) at every row count, in {dtype}"
@@ -267,11 +313,12 @@ def warm_up_gemms(model: nn.Module, max_rows: int, max_head_rows: int) -> int:
     shapes: dict[tuple[int, int, bool], PackedLinear] = {}
     head = getattr(model, "lm_head", None)
     for module in model.modules():
-        if isinstance(module, PackedLinear) and module is not head and not module.tiles:  # the tile layout: no kernels
+        # the tile and panel layouts build no kernels per row count
+        if isinstance(module, PackedLinear) and module is not head and not (module.tiles or module.panels):
             shapes.setdefault((module.in_features, module.out_features, module.bias is None), module)
     counts = sorted({gemm_rows(n) for n in range(1, max(1, max_rows) + 1)})
     calls = [(m, n) for m in shapes.values() for n in counts]
-    if isinstance(head, PackedLinear) and not head.tiles:
+    if isinstance(head, PackedLinear) and not (head.tiles or head.panels):
         calls += [(head, n) for n in sorted({gemm_rows(n) for n in range(1, max(1, max_head_rows) + 1)})]
     with torch.inference_mode():
         for module, n in calls:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
-from engine.model.cpu_gemm import packed_linear, prepack_linears
+from engine.model.cpu_gemm import PackedLinear, PanelEmbedding, packed_linear, prepack_linears
 from engine.model.layer_ops import LayerOps, TorchLayerOps, layer_ops
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, device: torch.device | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Embedding | PanelEmbedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Module | None = None  # nn.Linear, or engine/model/cpu_gemm.py's PackedLinear
@@ -235,16 +235,22 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab]; call it only on the rows that are sampled (the head is wide)."""
-        if self.lm_head is None:  # tied to the embeddings
+        if self.lm_head is None:  # tied to the embeddings (a PanelEmbedding comes with its own head)
+            assert isinstance(self.embed_tokens, nn.Embedding)
             return F.linear(hidden, self.embed_tokens.weight)
         return self.lm_head(hidden)
 
     def prepack(self) -> int:
         """On the CPU: every projection and the LM head with weights laid out for the CPU's GEMMs
-        (engine/model/cpu_gemm.py; a tied head gets a packed copy of the embeddings on the oneDNN route, and reads
-        them as they are on the cpu_gemm.cpp one). Returns how many GEMMs were laid out (0 elsewhere)."""
+        (engine/model/cpu_gemm.py; a tied head gets a copy of the embeddings in its route's layout, and reads them
+        as they are on cpu_gemm.cpp's row-major route; on cpu_panels.cpp's route the embeddings are then read from
+        the head's copy, `PanelEmbedding`, and the row-major one is dropped). Returns how many GEMMs were laid out
+        (0 elsewhere)."""
         count = prepack_linears(self)
-        if count and self.lm_head is None:
-            self.lm_head = packed_linear(self.embed_tokens.weight, None)
-            count += self.lm_head is not None
+        if count and self.lm_head is None and isinstance(self.embed_tokens, nn.Embedding):
+            embeddings = self.embed_tokens.weight
+            head = self.lm_head = packed_linear(embeddings, None)
+            count += head is not None
+            if isinstance(head, PackedLinear) and head.panels and head.weight.dtype == embeddings.dtype:
+                self.embed_tokens = PanelEmbedding(head.weight)
         return count

@@ -27,11 +27,13 @@ from engine.model.cpu_gemm import (
     EXACT_ROWS,
     ROW_BUCKET,
     PackedLinear,
+    PanelEmbedding,
     auto_cpu_dtype,
     gemm_dtype,
     gemm_rows,
     onednn_available,
     onednn_packs,
+    panels_usable,
     warm_up_gemms,
 )
 from engine.model.llama import LlamaForCausalLM
@@ -56,7 +58,7 @@ class PagedRunner:
 
     def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int = 256) -> None:
         self.model, self.block_size = model, block_size
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.norm.weight.dtype
         self.cache = allocate_kv_cache(model.config, num_blocks, block_size, dtype, CPU)
         # Block 0 is never handed out, so padded block-table entries point at a block nobody owns.
         shuffled = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0)) + 1
@@ -270,10 +272,18 @@ def test_prepacked_gemms_match_plain_linear(tmp_path: Path, dtype: torch.dtype, 
         linears + (["lm_head"] if tied else [])
     )
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
-    skinny = gemm_backend == "cpp" and gemm_dtype(dtype) == torch.float32
-    assert {m.skinny for m in packed.modules() if isinstance(m, PackedLinear)} == {skinny}
-    if tied and skinny and dtype == torch.float32:  # no copy of the embeddings
-        assert packed.lm_head.weight.data_ptr() == packed.embed_tokens.weight.data_ptr()
+    cpp_fp32 = gemm_backend == "cpp" and gemm_dtype(dtype) == torch.float32
+    panels = cpp_fp32 and panels_usable()
+    assert {m.panels for m in packed.modules() if isinstance(m, PackedLinear)} == {panels}
+    assert {m.skinny for m in packed.modules() if isinstance(m, PackedLinear)} == {cpp_fp32 and not panels}
+    if tied and cpp_fp32 and dtype == torch.float32:  # one copy of the embeddings: the row-major one, or the panels
+        if panels:
+            assert isinstance(packed.embed_tokens, PanelEmbedding)
+            assert packed.embed_tokens.panels.data_ptr() == packed.lm_head.weight.data_ptr()
+        else:
+            assert packed.lm_head.weight.data_ptr() == packed.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([0, 1, 95, 96, 97, plain.config.vocab_size - 1, 5, 5])  # both sides of a panel's edge
+    assert torch.equal(packed.embed_tokens(ids), plain.embed_tokens(ids))
     x = torch.randn(7, plain.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(packed.compute_logits(x), plain.compute_logits(x), atol=tol, rtol=tol)
@@ -326,6 +336,7 @@ def test_gemm_row_counts_are_bounded_and_warmed(tmp_path: Path, monkeypatch: pyt
         assert (
             padded == rows if rows <= EXACT_ROWS else (padded % ROW_BUCKET == 0 and rows <= padded < rows + ROW_BUCKET)
         )
+    monkeypatch.setenv("LORAGATE_GEMM_BACKEND", "onednn")  # the route that builds a kernel per row count
     model = load_model(build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=2), torch.float32, CPU)
     seen: set[tuple[int, int, int]] = set()
     calls: list[tuple[int, int, int]] = []

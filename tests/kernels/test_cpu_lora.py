@@ -148,29 +148,34 @@ def test_the_build_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
 FUSED = [
     pytest.param(torch.float32, "skinny_linear", id="fp32-skinny"),
     pytest.param(torch.bfloat16, "amx_linear", id="bf16-tiles"),
+    pytest.param(torch.float32, "panel_linear", id="fp32-panels"),
 ]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("dtype", "gemm"), FUSED)
 def test_a_fused_gemm_equals_the_gemm_then_the_op(dtype: torch.dtype, gemm: str, layout: str) -> None:
-    """skinny_linear_lora and amx_linear_lora (one call for a projection and its LoRA group): the GEMM's output with
-    the op applied, bit for bit; refused arguments raise before anything is computed."""
+    """skinny_linear_lora, amx_linear_lora and panel_linear_lora (one call for a projection and its LoRA group): the
+    GEMM's output with the op applied, bit for bit; refused arguments raise."""
     if gemm == "amx_linear" and not (torch.ops.loragate_cpu.amx_ready() or torch.ops.loragate_cpu.dot_ready()):
         pytest.skip("this CPU or build has neither AMX tiles nor the AVX-512 bf16 dot instruction")
+    if gemm == "panel_linear" and not torch.ops.loragate_cpu.panels_ready():
+        pytest.skip("this CPU or build has no AVX-512")
     case = make_group_case(64, [64, 32, 32], layout, dtype, seed=3)
     g = torch.Generator().manual_seed(4)
     weight = (torch.randn(case.out_cols[-1], 64, generator=g) * 0.1).to(dtype)
     bias = (torch.randn(case.out_cols[-1], generator=g) * 0.1).to(dtype)
-    packed = weight if gemm == "skinny_linear" else torch.ops.loragate_cpu.amx_pack_weight(weight)
+    pack = {"skinny_linear": torch.clone, "amx_linear": torch.ops.loragate_cpu.amx_pack_weight}
+    packed = pack.get(gemm, torch.ops.loragate_cpu.panel_pack_weight)(weight)
+    extra = (weight.shape[0],) if gemm == "panel_linear" else ()  # the panels' true width (they are zero-padded)
     block = cpu_ops.pack_tables(tables_of(case), modules=3)
     plain = getattr(torch.ops.loragate_cpu, gemm)
     fused = getattr(torch.ops.loragate_cpu, f"{gemm}_lora")
-    expected = plain(case.x, packed, bias)
+    expected = plain(case.x, packed, bias, *extra)
     cpu_ops.lora_sgmv_group_cpu(expected, case.x, segments_of(case), case.pool, block, case.out_cols)
-    got = fused(case.x, packed, bias, segments_of(case), case.pool, block, case.out_cols)
+    got = fused(case.x, packed, bias, *extra, segments_of(case), case.pool, block, case.out_cols)
     assert torch.equal(got, expected)
     bad = segments_of(case)
     bad[len(case.seg_slots) + 1 :] += 100
     with pytest.raises(RuntimeError, match="names slot"):
-        fused(case.x, packed, bias, bad, case.pool, block, case.out_cols)
+        fused(case.x, packed, bias, *extra, bad, case.pool, block, case.out_cols)

@@ -1,0 +1,218 @@
+// The CPU path's fp32 GEMM over a panel layout of the weight, for CPUs with AVX-512 (loragate_kernels/cpu_ops.py
+// builds this file; engine/model/cpu_gemm.py decides where it runs; F.linear is its oracle in
+// tests/kernels/test_cpu_panels.py):
+//
+//   panel_pack_weight(weight)                  weight [N, K] fp32 -> panels [ceil(N / 96), K, 96], zero-padded
+//   panel_linear(x, panels, bias, n)           x [M, K] @ weight^T (+ bias [n]) -> new [M, n] fp32
+//   panel_linear_lora(x, panels, bias, n, segments, pool, block, out_cols)
+//                                              the same with a LoRA group added (cpu_lora.cpp's op, one call)
+//   panels_ready()                             whether this build has the kernel (a CPU with AVX-512)
+//
+// A panel is 96 output columns of the weight, all of K, stored k-major: the 96 weights of one K column are one
+// contiguous run of 6 vectors. A tile multiplies 4 rows of x by a panel: for each k, x[m, k] broadcast against the 6
+// vectors, 24 sums in registers and no horizontal sums (cpu_gemm.cpp's row-major kernel folds 24 sums across lanes at
+// the end of every tile, a fifth of its instructions at K = 576). The sums of PANEL_K columns at a time join the
+// tile's running sums in memory, so no sum runs over more than PANEL_K products in sequence (the error stays near the
+// row-major kernel's). A thread takes consecutive panels, one sequential stream, and while it computes one it asks for
+// the next a few lines at a time. Every row count runs here: a prompt step re-reads a panel from L2 for each 4 rows,
+// and one copy of the weight serves decode and prefill. A step's GEMMs on a 2-core AVX-512 EPYC (docs/performance.md,
+// the ninth session): 51.1 -> 46.3 ms at 32 rows against cpu_gemm.cpp, 723 -> 682 ms at 512 against oneDNN.
+//
+// Two compiler traps, both measured: with the K-block loop inside the tile, GCC spills the 6 weight vectors to the
+// stack (`block` is not inlined, so its registers are its own); without the empty asm that pins them, it folds the
+// loads into 24 memory-operand FMAs.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cpu_lora.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t PANEL = 96;   // output columns a panel holds: 6 vectors of 16
+constexpr int64_t PANEL_K = 64;  // K columns a tile sums in registers before they join its running sums
+
+bool panels_ready() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512F__)
+// The thread's next panel, asked for into L2 a few lines per 8 columns of K of the current panel's passes.
+struct Ahead {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t per_step = 0;
+  inline void issue() {
+    for (int64_t i = 0; i < per_step && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
+// part[m] (+)= x[m, k0 : k1] . the panel's columns for m < MT: the sums in registers (24 at 4 rows), added to `part`
+// (the tile's running sums) at the end, or stored there when `first`. Not inlined: its registers are its own.
+template <int MT>
+__attribute__((noinline)) void block(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
+                                     float (*part)[PANEL], bool first, Ahead& ahead) {
+  __m512 acc[MT][6];
+#pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 6
+    for (int v = 0; v < 6; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t kk = k0; kk < k1; ++kk) {
+    if ((kk & 7) == 0) ahead.issue();
+    __m512 w[6];
+#pragma GCC unroll 6
+    for (int v = 0; v < 6; ++v) {
+      w[v] = _mm512_loadu_ps(panel + kk * PANEL + 16 * v);
+      asm volatile("" : "+v"(w[v]));  // kept in a register: not folded into each FMA as a load
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * ldx + kk]);
+#pragma GCC unroll 6
+      for (int v = 0; v < 6; ++v) acc[m][v] = _mm512_fmadd_ps(w[v], xb, acc[m][v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 6
+    for (int v = 0; v < 6; ++v)
+      _mm512_store_ps(&part[m][16 * v], first ? acc[m][v] : _mm512_add_ps(_mm512_load_ps(&part[m][16 * v]), acc[m][v]));
+}
+
+// y[m, 0 : width] = x[m] . the panel's columns (+ bias) for m < MT, PANEL_K columns of K a block.
+template <int MT>
+void tile(const float* x, int64_t ldx, const float* panel, int64_t k, const float* bias, float* y, int64_t ldy,
+          int64_t width, Ahead& ahead) {
+  alignas(64) float part[MT][PANEL];
+  for (int64_t k0 = 0; k0 < k; k0 += PANEL_K) block<MT>(x, ldx, panel, k0, std::min(k, k0 + PANEL_K), part, k0 == 0, ahead);
+  for (int v = 0; v < 6 && 16 * v < width; ++v) {
+    const int64_t left = width - 16 * v;
+    const __mmask16 live = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + 16 * v) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m)
+      _mm512_mask_storeu_ps(y + m * ldy + 16 * v, live, _mm512_add_ps(_mm512_load_ps(&part[m][16 * v]), b));
+  }
+}
+
+// y [m, n] = x . the panels (+ bias). Work items are (panel, run of rows): one run of every row where the panels
+// alone keep every thread busy (2 threads: every GEMM of SmolLM2), more where they are fewer than twice the threads.
+void multiply(const float* x, int64_t ldx, int64_t m, const float* panels, int64_t num_panels, int64_t k,
+              const float* bias, float* y, int64_t n) {
+  const int64_t m_tiles = (m + 3) / 4, panel_elems = k * PANEL, k_steps = (k + 7) / 8;
+  const int64_t threads = at::get_num_threads();
+  int64_t runs = num_panels >= 2 * threads ? 1 : std::min(m_tiles, (2 * threads + num_panels - 1) / num_panels);
+  const int64_t run_rows = 4 * ((m_tiles + runs - 1) / runs);
+  runs = (m + run_rows - 1) / run_rows;
+  at::parallel_for(0, num_panels * runs, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t p = item / runs, r0 = (item % runs) * run_rows, r1 = std::min(m, r0 + run_rows);
+      const float* panel = panels + p * panel_elems;
+      Ahead ahead;  // the thread's next panel, asked for over this item's passes
+      if (item + 1 < hi && (item + 1) / runs != p) {
+        ahead.next = reinterpret_cast<const char*>(panel + panel_elems);
+        ahead.end = ahead.next + panel_elems * static_cast<int64_t>(sizeof(float));
+        const int64_t steps = (r1 - r0 + 3) / 4 * k_steps;
+        ahead.per_step = ((ahead.end - ahead.next) / 64 + steps - 1) / steps;
+      }
+      const int64_t c0 = p * PANEL, width = std::min(PANEL, n - c0);
+      const float* b = bias ? bias + c0 : nullptr;
+      for (int64_t m0 = r0; m0 < r1; m0 += 4) {
+        const float* xt = x + m0 * ldx;
+        float* yt = y + m0 * n + c0;
+        switch (std::min<int64_t>(4, r1 - m0)) {
+          case 4: tile<4>(xt, ldx, panel, k, b, yt, n, width, ahead); break;
+          case 3: tile<3>(xt, ldx, panel, k, b, yt, n, width, ahead); break;
+          case 2: tile<2>(xt, ldx, panel, k, b, yt, n, width, ahead); break;
+          default: tile<1>(xt, ldx, panel, k, b, yt, n, width, ahead); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
+at::Tensor panel_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "weight must be a 2-D float32 CPU tensor");
+  const int64_t n = weight.size(0), k = weight.size(1), num_panels = (n + PANEL - 1) / PANEL;
+  const at::Tensor w = weight.contiguous();
+  at::Tensor out = at::zeros({num_panels, k, PANEL}, weight.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, num_panels, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p) {
+      const int64_t cols = std::min(PANEL, n - p * PANEL);
+      for (int64_t kk = 0; kk < k; ++kk)  // written in order; the panel's rows read in lockstep, a line each per 16 k
+        for (int64_t c = 0; c < cols; ++c) dst[(p * k + kk) * PANEL + c] = src[(p * PANEL + c) * k + kk];
+    }
+  });
+  return out;
+}
+
+at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                        int64_t n) {
+  TORCH_CHECK(panels_ready(), "panel_linear: this build has no AVX-512");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "x must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
+                  panels.device().is_cpu() && panels.size(2) == PANEL,
+              "panels must be panel_pack_weight's [ceil(N / 96), K, 96]");
+  TORCH_CHECK(n > (panels.size(0) - 1) * PANEL && n <= panels.size(0) * PANEL, "n = ", n, " does not fit ",
+              panels.size(0), " panels");
+  TORCH_CHECK(x_in.size(1) == panels.size(1), "x has ", x_in.size(1), " columns, the weight ", panels.size(1));
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
+                "bias must be a contiguous float32 [", n, "]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor y = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (m == 0 || n == 0) return y;
+  if (k == 0) return bias_ptr ? y.copy_(bias->expand({m, n})) : y.zero_();
+#if defined(__AVX512F__)
+  multiply(x.data_ptr<float>(), x.stride(0), m, panels.data_ptr<float>(), panels.size(0), k, bias_ptr,
+           y.data_ptr<float>(), n);
+#endif
+  return y;
+}
+
+// panel_linear with a group's LoRA added, in one call (as cpu_gemm.cpp's skinny_linear_lora).
+at::Tensor panel_linear_lora(const at::Tensor& x_in, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                             int64_t n, const at::Tensor& segments, const at::Tensor& pool, const at::Tensor& block,
+                             at::IntArrayRef out_cols) {
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  at::Tensor y = panel_linear(x, panels, bias, n);
+  loragate_cpu::add_lora(y, x, segments, pool, block, out_cols);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(loragate_cpu, m) {
+  m.def("panels_ready() -> bool", &panels_ready);  // no tensor arguments: one kernel for every dispatch key
+  m.def("panel_pack_weight(Tensor weight) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
+  m.def(
+      "panel_linear_lora(Tensor x, Tensor panels, Tensor? bias, int n, Tensor segments, Tensor pool, Tensor block, "
+      "int[] out_cols) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(loragate_cpu, CPU, m) {
+  m.impl("panel_pack_weight", &panel_pack_weight);
+  m.impl("panel_linear", &panel_linear);
+  m.impl("panel_linear_lora", &panel_linear_lora);
+}

@@ -1,0 +1,134 @@
+"""The CPU's fp32 GEMM over a panel layout of the weight (loragate_kernels/cpu_panels.cpp `panel_linear`, for CPUs
+with AVX-512) against a float64 oracle and F.linear: every tile height (rows in 4s and their tails), output widths
+that fill no whole panel (96 columns, zero-padded) or several, K that is no multiple of the 64-column blocks the
+tile sums in registers, prompt-sized row counts, a wide LM-head-like weight (each thread asking for its next panel),
+runs of rows split across threads where the panels are few, a bias, inputs with padded row strides, empty shapes;
+the layout itself against the weight; bad arguments refused with an error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loragate_kernels import cpu_ops
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_ops.load() and torch.ops.loragate_cpu.panels_ready()), reason="this CPU or build has no AVX-512"
+)
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.loragate_cpu.panel_pack_weight(w)
+
+
+def panel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.loragate_cpu.panel_linear(x, pack(w), b, w.shape[0])
+
+
+def operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g)
+
+
+def close_to_oracle(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """Within fp32 rounding of a K-term sum (relative to the sum of |terms|), and as close to it as F.linear is."""
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    scale = x.double().abs() @ w.double().abs().T + 1e-30
+    err = ((got.double() - want).abs() / scale).max().item() if got.numel() else 0.0
+    ref_err = ((F.linear(x, w, b).double() - want).abs() / scale).max().item() if got.numel() else 0.0
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert err <= max(4 * ref_err, 1e-6), (err, ref_err)
+
+
+def test_the_layout_holds_the_weight_k_major_in_panels_of_96() -> None:
+    w = torch.randn(200, 70)
+    panels = pack(w)
+    assert panels.shape == (3, 70, 96)  # ceil(200 / 96) panels
+    for v in (0, 1, 95, 96, 150, 191, 192, 199):
+        assert torch.equal(panels[v // 96, :, v % 96], w[v])
+    assert not panels[2, :, 200 - 192 :].any()  # the last panel's padding columns are zero
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 31, 32, 64])
+@pytest.mark.parametrize(("n", "k"), [(1, 8), (40, 576), (96, 64), (97, 65), (200, 9), (576, 1536), (47, 2100)])
+def test_matches_the_oracle(m: int, n: int, k: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    x, w, b = operands(m, n, k, seed=m * 1000 + n + k)
+    close_to_oracle(panel(x, w), x, w, None)
+    close_to_oracle(panel(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("m", [65, 130, 512])
+def test_prompt_sized_row_counts(m: int) -> None:
+    """Prefill steps run here too (no padding to a row bucket): one copy of the weight for every row count."""
+    torch.set_num_threads(2)
+    x, w, b = operands(m, 576, 192, seed=m)
+    close_to_oracle(panel(x, w, b), x, w, b)
+
+
+def test_wide_weights_and_rows_split_across_threads() -> None:
+    """An LM-head-like weight (many panels a thread, each asking for the next) at decode widths, and one panel shared
+    by 4 threads (the panels alone would leave three idle: the rows are split into runs)."""
+    torch.set_num_threads(2)
+    x, w, _ = operands(33, 4099, 576, seed=7)
+    close_to_oracle(panel(x, w), x, w, None)
+    torch.set_num_threads(4)
+    x, w, b = operands(77, 90, 300, seed=8)
+    got = panel(x, w, b)
+    close_to_oracle(got, x, w, b)
+    torch.set_num_threads(1)
+    assert torch.equal(got, panel(x, w, b))  # the rows' split does not change any sum
+    torch.set_num_threads(2)
+
+
+def test_strided_and_odd_inputs() -> None:
+    x, w, b = operands(9, 30, 100, seed=3)
+    wide = torch.randn(9, 107)
+    wide[:, :100] = x
+    view = wide[:, :100]  # rows 107 apart
+    assert view.stride(0) == 107
+    torch.testing.assert_close(panel(view, w, b), panel(x, w, b), rtol=0, atol=0)
+    transposed = x.T.contiguous().T  # columns not contiguous: copied first
+    torch.testing.assert_close(panel(transposed, w, b), panel(x, w, b), rtol=0, atol=0)
+    assert panel(torch.empty(0, 100), w).shape == (0, 30)
+    assert panel(x, torch.empty(0, 100)).shape == (9, 0)
+    torch.testing.assert_close(panel(torch.empty(9, 0), torch.empty(30, 0), b), b.expand(9, 30))
+    assert torch.equal(panel(torch.empty(9, 0), torch.empty(30, 0)), torch.zeros(9, 30))
+    inf = x.clone()
+    inf[2, 5] = float("inf")
+    nan = x.clone()
+    nan[4, 0] = float("nan")
+    assert torch.equal(panel(inf, w).isinf(), F.linear(inf, w).isinf())
+    assert torch.equal(panel(nan, w).isnan(), F.linear(nan, w).isnan())
+
+
+@pytest.mark.parametrize(
+    ("x", "panels", "b", "n", "message"),
+    [
+        (torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(1, 4, 96), None, 3, "float32"),
+        (torch.ones(2, 4), torch.ones(1, 5, 96), None, 3, "columns"),
+        (torch.ones(2, 4), torch.ones(1, 4, 32), None, 3, "panel_pack_weight"),
+        (torch.ones(2, 4), torch.ones(1, 96, 4).transpose(1, 2), None, 3, "panel_pack_weight"),
+        (torch.ones(2, 4), torch.ones(1, 4, 96), None, 97, "does not fit"),
+        (torch.ones(2, 4), torch.ones(2, 4, 96), None, 96, "does not fit"),
+        (torch.ones(2, 4), torch.ones(1, 4, 96), torch.ones(2), 3, "bias"),
+        (torch.ones(2, 4), torch.ones(1, 4, 96), torch.ones(3, dtype=torch.float64), 3, "bias"),
+        (torch.ones(2, 2, 4), torch.ones(1, 4, 96), None, 3, "2-D"),
+    ],
+    ids=["dtype", "width", "panel-width", "panel-layout", "n-too-big", "n-too-small", "bias-size", "bias-dtype", "3-d"],
+)
+def test_bad_arguments_are_refused(
+    x: torch.Tensor, panels: torch.Tensor, b: torch.Tensor | None, n: int, message: str
+) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.loragate_cpu.panel_linear(x, panels, b, n)
+
+
+def test_the_pack_refuses_what_it_cannot_lay_out() -> None:
+    with pytest.raises(RuntimeError, match="2-D float32"):
+        pack(torch.ones(3, 4, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="2-D float32"):
+        pack(torch.ones(2, 3, 4))
