@@ -104,6 +104,14 @@ class FreshBatch:
 # (fp32 and bf16; docs/performance.md).
 FRESH_BATCH_WASTE = 2.0
 
+# On the C++ path, a step whose prompt chunks all have contexts of at most this many tokens attends every row, prompt
+# tokens included, in one call of the paged decode kernel (loragate_kernels/cpu_attention.cpp): a prompt token at
+# position p is a decode row with context p + 1, its K/V already in the cache. Per layer on a 2-core AVX-512 EPYC
+# (docs/performance.md, the ninth session) against SDPA's flash kernel: 32 prompts of 25 tokens 1.69 -> 0.47 ms
+# fp32 (the batch's padding copies go too), 4 of 128 1.68 -> 0.99 (bf16 1.96 -> 0.60), 2 of 256 2.51 -> 1.93; one
+# of 512 4.7 -> 5.9 (slower: each row reads its whole context, flash tiles it), so longer contexts keep SDPA.
+PAGED_PREFILL_MAX_CONTEXT = 256
+
 
 @dataclass(slots=True)
 class AttentionPlan:
@@ -125,6 +133,9 @@ class AttentionPlan:
     decode_context_lens: torch.Tensor | None = None
     decode_backend: str = "torch"  # loragate_kernels/__init__.py `attention_backend`
     fresh: FreshBatch | None = None  # fresh prompts attended in one batch (`plan_fresh_batch`)
+    # the leading rows the paged kernel attends through decode_block_tables / decode_context_lens: the decodes, or
+    # every row of the step (PAGED_PREFILL_MAX_CONTEXT)
+    paged_rows: int = 0
 
 
 def plan_attention(attn: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> AttentionPlan:
@@ -132,6 +143,29 @@ def plan_attention(attn: AttentionMetadata, block_size: int, num_kv_heads: int, 
     decode_k = decode_v = decode_bias = tables = lens = None
     max_ctx = attn.max_decode_context_len
     backend = attention_backend(attn.slot_mapping.device)
+    k_rows = key_rows(attn.slot_mapping, block_size)
+    if (
+        backend == "cpp"
+        and attn.prefills
+        and all(seq.context_len <= PAGED_PREFILL_MAX_CONTEXT for seq in attn.prefills)
+    ):
+        tables, lens = _paged_rows(attn)
+        rows = attn.slot_mapping.numel()
+        return AttentionPlan(
+            k_rows,
+            k_rows + block_size,
+            attn.num_decode_tokens,
+            None,
+            None,
+            None,
+            max_ctx,
+            (),
+            tables,
+            lens,
+            backend,
+            None,
+            rows,
+        )
     if attn.num_decode_tokens > 0:
         if backend != "torch":
             tables, lens = attn.decode_block_tables, attn.decode_context_lens
@@ -145,7 +179,6 @@ def plan_attention(attn: AttentionMetadata, block_size: int, num_kv_heads: int, 
         next_row += seq.query_len
         prefills.append(_plan_prefill(seq, block_size))
     assert next_row == attn.slot_mapping.numel(), "decode rows and prefill chunks must tile the batch"
-    k_rows = key_rows(attn.slot_mapping, block_size)
     return AttentionPlan(
         k_rows,
         k_rows + block_size,
@@ -159,7 +192,29 @@ def plan_attention(attn: AttentionMetadata, block_size: int, num_kv_heads: int, 
         lens,
         backend,
         plan_fresh_batch(attn.prefills, attn.num_decode_tokens, attn.slot_mapping.device),
+        attn.num_decode_tokens if tables is not None else 0,
     )
+
+
+def _paged_rows(attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables [T, W] and context lengths [T] for every row of the step, as the paged decode kernel reads them:
+    a decode row's own, and for a prompt token at position p its sequence's table with context p + 1."""
+    num_rows, decodes = attn.slot_mapping.numel(), attn.num_decode_tokens
+    next_row = decodes
+    for seq in attn.prefills:
+        assert seq.token_start == next_row and 0 < seq.query_len <= seq.context_len
+        next_row += seq.query_len
+    assert next_row == num_rows, "decode rows and prefill chunks must tile the batch"
+    width = max([seq.block_table.numel() for seq in attn.prefills] + [attn.decode_block_tables.shape[1]])
+    device = attn.slot_mapping.device
+    tables = torch.zeros(num_rows, width, dtype=torch.int64, device=device)
+    tables[:decodes, : attn.decode_block_tables.shape[1]] = attn.decode_block_tables[:decodes]
+    lens = [attn.decode_context_lens[:decodes]]
+    for seq in attn.prefills:
+        tables[seq.token_start : seq.token_start + seq.query_len, : seq.block_table.numel()] = seq.block_table
+        first = seq.context_len - seq.query_len + 1
+        lens.append(torch.arange(first, first + seq.query_len, device=device))
+    return tables, torch.cat(lens)
 
 
 def plan_fresh_batch(prefills: tuple[PrefillSeq, ...], first_row: int, device: torch.device) -> FreshBatch | None:
@@ -250,9 +305,7 @@ def paged_attention(
         else:
             from loragate_kernels.paged_attention import paged_decode_attention as decode
 
-        parts.append(
-            decode(q[: plan.num_decode_tokens], layer_cache, plan.decode_block_tables, plan.decode_context_lens)
-        )
+        parts.append(decode(q[: plan.paged_rows], layer_cache, plan.decode_block_tables, plan.decode_context_lens))
     elif plan.num_decode_tokens > 0:
         parts.append(_decode_attention(q[: plan.num_decode_tokens], flat_cache, plan))
     if plan.fresh is None:

@@ -7,6 +7,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 from engine.config import EngineConfig
 from engine.core.llm_engine import resolve_dtype
 from engine.model import attention, sources
+from engine.model import llama as llama_module
 from engine.model.attention import (
     AttentionMetadata,
     PrefillSeq,
@@ -39,7 +41,7 @@ from engine.model.cpu_gemm import (
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.model.sources import build_tiny_random, load_tokenizer, resolve_model
-from loragate_kernels import cpu_ops
+from loragate_kernels import attention_backend, cpu_ops
 
 CPU = torch.device("cpu")
 
@@ -151,10 +153,13 @@ def tiny_pair(tiny_model_dir: Path) -> tuple[LlamaForCausalLM, PreTrainedModel]:
 
 @pytest.fixture(params=["torch", "cpp"])
 def layer_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The layer ops (engine/model/layer_ops.py) the model runs with: torch's, and the CPU's C++ ops."""
+    """The layer ops (engine/model/layer_ops.py) and attention the model runs with: torch's, and the CPU's C++ ops
+    (which attend prompt rows too where their contexts are short: engine/model/attention.py
+    PAGED_PREFILL_MAX_CONTEXT)."""
     if request.param == "cpp" and not cpu_ops.load():
         pytest.skip(f"the CPU ops cannot be built here: {cpu_ops.unavailable_reason()}")
     monkeypatch.setenv("LORAGATE_LAYER_BACKEND", request.param)
+    monkeypatch.setenv("LORAGATE_ATTENTION_BACKEND", request.param)
     return request.param
 
 
@@ -172,7 +177,7 @@ def gemm_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
 def hf_atol(layer_backend: str, gemm_backend: str = "onednn") -> float:
     """Logit tolerance against HF. Torch's norms and RoPE round as HF's do, and oneDNN's GEMMs sum close enough to
-    HF's BLAS; the C++ ops (layer ops, cpu_gemm.cpp) sum in another order (last bit), and these random tiny models
+    HF's BLAS; the C++ ops (layer ops, attention, GEMMs) sum in another order (last bit), and these random tiny models
     amplify the last bit: noise of one ulp on the first norm's output alone moves their logits by up to ~1.7e-4
     (measured). A wrong op moves them by ~1."""
     return 1e-4 if layer_backend == "torch" and gemm_backend == "onednn" else 5e-4
@@ -200,6 +205,7 @@ def test_fresh_prompts_attended_as_one_batch_match_hf(
         return made[-1]
 
     monkeypatch.setattr(attention, "plan_fresh_batch", spy)
+    monkeypatch.setenv("LORAGATE_ATTENTION_BACKEND", "torch")  # the C++ kernel would take these prompts' rows
     vocab, runner = ours.config.vocab_size, PagedRunner(ours, block_size)
     atol = hf_atol("cpp", "cpp")  # the CPU's default routes
     same = [Seq(random_tokens(10, vocab, seed=i)) for i in range(3)]
@@ -222,6 +228,46 @@ def test_fresh_prompts_attended_as_one_batch_match_hf(
     assert padded is not None and padded.padding is not None and padded.members == (0, 1, 2, 3)
     assert pair is not None and pair.padding is not None and pair.max_len == 13
     assert alone is None and view is not None and view.padding is None and view.max_len == 12
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prompt_rows_attended_by_the_paged_kernel_match_hf(
+    tiny_pair: tuple[LlamaForCausalLM, PreTrainedModel], block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the C++ path a step whose prompt chunks have short contexts attends every row in one call of the paged
+    decode kernel (engine/model/attention.py PAGED_PREFILL_MAX_CONTEXT): fresh prompts, a chunk after cached context,
+    decode rows in front; a step with a longer context keeps SDPA. Logits as HF's either way, and each step took the
+    route its contexts call for (the limit lowered to 12 so both routes run on short prompts)."""
+    if attention_backend(CPU) != "cpp":
+        pytest.skip("the C++ ops are not built here")
+    ours, hf = tiny_pair
+    monkeypatch.setattr(attention, "PAGED_PREFILL_MAX_CONTEXT", 12)
+    plans: list[attention.AttentionPlan] = []
+    plan = attention.plan_attention
+
+    def spy(*args: Any) -> attention.AttentionPlan:
+        plans.append(plan(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(llama_module, "plan_attention", spy)
+    vocab, runner = ours.config.vocab_size, PagedRunner(ours, block_size)
+    atol = hf_atol("cpp", "cpp")
+    same = [Seq(random_tokens(10, vocab, seed=i)) for i in range(3)]
+    chunked = Seq(random_tokens(20, vocab, seed=42))
+    long = Seq(random_tokens(15, vocab, seed=7))
+    refs = {id(s): hf_logits(hf, s.tokens) for s in [*same, chunked, long]}
+    steps = [
+        [(s, 8) for s in same] + [(chunked, 6)],  # four fresh prompts: every row on the kernel
+        [(s, 1) for s in same] + [(chunked, 6)],  # decodes, then a chunk after 6 cached tokens (context 12)
+        [(s, 1) for s in same] + [(long, 15)],  # a context of 15 > 12: SDPA, decodes on the kernel
+        [(chunked, 8)],  # the last chunk, context 20: SDPA
+    ]
+    for work in steps:
+        for got, (seq, n) in zip(runner.step(work), work, strict=True):
+            torch.testing.assert_close(got, refs[id(seq)][seq.computed - n : seq.computed], atol=atol, rtol=0)
+    rows = [sum(n for _, n in work) for work in steps]
+    assert [p.paged_rows for p in plans] == [rows[0], rows[1], 3, 0]
+    assert [len(p.prefills) for p in plans] == [0, 0, 1, 1]
 
 
 LLAMA3_ROPE = {
