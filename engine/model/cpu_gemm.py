@@ -158,7 +158,7 @@ def gemm_dtype(dtype: torch.dtype) -> torch.dtype | None:
 class PackedLinear(nn.Module):
     """y = x @ weight.T + bias with the weight laid out once for this CPU's GEMMs; x [T, in] -> [T, out] in x's
     dtype. The weight is kept in `compute_dtype` (default: its own; see `gemm_dtype`), inputs are cast to it and
-    outputs back. On the "cpp" route: fp32 weights take loragate_kernels/cpu_panels.cpp's panel layout where
+    outputs back. On the "cpp" route (`cpp`): fp32 weights take loragate_kernels/cpu_panels.cpp's panel layout where
     `panels_usable` (`self.panels`, every row count), else stay row-major for loragate_kernels/cpu_gemm.cpp up to
     SKINNY_ROWS rows and oneDNN above (`self.skinny`); bf16 ones take loragate_kernels/cpu_amx.cpp's tile layout
     where `tiles_usable` and both dims are multiples of 32 (`self.tiles`). Everything else: oneDNN's packed layout
@@ -169,15 +169,15 @@ class PackedLinear(nn.Module):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         compute_dtype: torch.dtype | None = None,
-        skinny: bool = False,
+        cpp: bool = False,
     ):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         compute_dtype = compute_dtype or weight.dtype
-        self.panels = skinny and compute_dtype == torch.float32 and panels_usable()
-        self.skinny = skinny and compute_dtype == torch.float32 and not self.panels
+        self.panels = cpp and compute_dtype == torch.float32 and panels_usable()
+        self.skinny = cpp and compute_dtype == torch.float32 and not self.panels
         self.tiles = (
-            skinny
+            cpp
             and compute_dtype == torch.bfloat16
             and self.out_features % 32 == 0
             and self.in_features % 32 == 0
@@ -271,7 +271,7 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLine
     backend = gemm_backend(weight.device)
     if compute is None or backend == "torch":
         return None
-    return PackedLinear(weight, bias, compute, skinny=backend == "cpp")
+    return PackedLinear(weight, bias, compute, cpp=backend == "cpp")
 
 
 def prepack_linears(model: nn.Module) -> int:

@@ -110,13 +110,13 @@ def test_packed_linear_takes_the_tile_layout_for_bf16_layers_of_whole_blocks() -
     assert tiles_usable()  # AMX or the bf16 dot kernel: this module runs only where one of them does
     torch.set_num_threads(2)
     x, w, b = operands(40, 96, 576, seed=4)
-    layer = PackedLinear(w, b, skinny=True)
+    layer = PackedLinear(w, b, cpp=True)
     assert layer.tiles and "cpu_amx.cpp" in layer.extra_repr()
     close_to_oracle(layer(x), x, w, b)
     close_to_oracle(layer(x[:3]), x[:3], w, b)
-    odd = PackedLinear(w[:40], b[:40], skinny=True)  # 40 output columns: not whole blocks of 32
+    odd = PackedLinear(w[:40], b[:40], cpp=True)  # 40 output columns: not whole blocks of 32
     assert not odd.tiles and "oneDNN" in odd.extra_repr()
     torch.testing.assert_close(
         odd(x), F.linear(x.float(), w[:40].float(), b[:40].float()).bfloat16(), rtol=8e-3, atol=8e-3
     )
-    assert not PackedLinear(w.float(), b.float(), skinny=True).tiles  # fp32 weights: cpu_gemm.cpp's route
+    assert not PackedLinear(w.float(), b.float(), cpp=True).tiles  # fp32: cpu_panels.cpp's or cpu_gemm.cpp's route
