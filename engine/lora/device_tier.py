@@ -245,7 +245,7 @@ class DeviceAdapterTier:
                         continue
                     a, b = modules[module]  # b: [out, r] with the scale folded in, stored transposed
                     self.tables.b_offsets[layer][module][slot] = offset
-                    layer_pieces.append(b.t().reshape(-1))
+                    layer_pieces.append(b.t().reshape(-1))  # a view: the host tier holds B.T contiguous
                     offset += b.numel()
                     self.tables.ranks[layer][module][slot] = a.shape[0]
                 total = sum(self.tables.ranks[layer][m][slot] for m in names)

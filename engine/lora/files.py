@@ -45,7 +45,9 @@ class LoraWeights:
     """An adapter's A and scale-folded B tensors, on the CPU."""
 
     spec: AdapterSpec
-    # [num_layers] of {module: (A [r, in_features], B_scaled [out_features, r])}: y += (x @ A.T) @ B_scaled.T
+    # [num_layers] of {module: (A [r, in_features], B_scaled [out_features, r])}: y += (x @ A.T) @ B_scaled.T.
+    # B_scaled is the transpose of a contiguous [r, out_features] block, the layout the device tier stores
+    # (engine/lora/device_tier.py), so bringing an adapter onto the device copies it without transposing.
     layers: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], ...] = field(hash=False, compare=False)
     nbytes: int
 
@@ -264,7 +266,7 @@ def load_weights(spec: AdapterSpec, model: ModelConfig, dtype: torch.dtype) -> L
             for layer, module, scale, a, b in read:
                 a_out = flat[offset : offset + a.numel()].view(a.shape)
                 offset += a.numel()
-                b_out = flat[offset : offset + b.numel()].view(b.shape)
+                b_out = flat[offset : offset + b.numel()].view(b.shape[1], b.shape[0]).t()  # see LoraWeights
                 offset += b.numel()
                 a_out.copy_(a)
                 torch.mul(b.float(), scale, out=b_out)

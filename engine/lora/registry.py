@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -145,6 +145,22 @@ class HostAdapterCache:
         """Load an adapter into the cache unless it is there (not counted as a hit or a miss)."""
         if not self.contains(spec):
             self._load(spec)
+
+    def preload(self, specs: Iterable[AdapterSpec]) -> int:
+        """Read adapters into the cache, in order, each that fits beside what it holds (nothing is evicted: S-LoRA
+        keeps its adapters in host memory); returns how many it read. An unusable one is skipped: its requests get
+        the error when they come."""
+        loaded = 0
+        for spec in specs:
+            if self.contains(spec) or self._used + spec.nbytes * self._dtype.itemsize // 4 > self.capacity_bytes:
+                continue  # (spec.nbytes counts fp32)
+            try:
+                self._load(spec)
+            except AdapterError as exc:
+                logger.warning("not preloading adapter %s: %s", spec.adapter_id, exc)
+                continue
+            loaded += 1
+        return loaded
 
     def contains(self, spec: AdapterSpec) -> bool:
         with self._lock:

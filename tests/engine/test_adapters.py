@@ -153,7 +153,7 @@ def test_spec_sizes_and_dtype(good_dir: Path, model_config: ModelConfig) -> None
     bf16 = load_weights(spec, model_config, torch.bfloat16)
     assert fp32.nbytes == spec.nbytes and bf16.nbytes == spec.nbytes // 2
     for (_a32, b32), (a16, b16) in zip(fp32.layers[0].values(), bf16.layers[0].values(), strict=True):
-        assert a16.dtype == b16.dtype == torch.bfloat16 and a16.is_contiguous() and b16.is_contiguous()
+        assert a16.dtype == b16.dtype == torch.bfloat16 and a16.is_contiguous() and b16.t().is_contiguous()
         torch.testing.assert_close(b16.float(), b32, rtol=1e-2, atol=1e-3)
     assert fp32.layers[0]["q_proj"][0].shape == (4, hidden)
     assert fp32.layers[0]["v_proj"][1].shape == (kv_out, 4)
@@ -463,6 +463,27 @@ def test_cache_lru_and_byte_bound(three_dirs: list[Path], model_config: ModelCon
     assert cache.loads == 4
     cache.discard("a2")
     assert not cache.contains(c) and cache.used_bytes == size
+
+
+def test_preload_fills_without_evicting_and_skips_broken(
+    three_dirs: list[Path], tmp_path: Path, model_config: ModelConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    registry = AdapterRegistry(model_config)
+    a, b, c = (registry.register(f"a{i}", d) for i, d in enumerate(three_dirs))
+    broken = Path(shutil.copytree(three_dirs[2], tmp_path / "bad"))  # the same size as the others
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    _edit_tensors(broken, lambda t: t[key].fill_(float("nan")))
+    bad = registry.register("bad", broken)  # registering reads the header only: found when its weights are read
+    size = a.nbytes // 2  # bf16
+    cache = adapters.HostAdapterCache(2 * size + size // 2, model_config, torch.bfloat16)
+    cache.get(c)
+    with caplog.at_level(logging.WARNING):
+        assert cache.preload([bad, c, b, a]) == 1  # bad skipped, c already there, b fits, a then does not
+    assert "not preloading adapter bad" in caplog.text
+    assert (cache.contains(a), cache.contains(b), cache.contains(c), cache.contains(bad)) == (False, True, True, False)
+    assert cache.evictions == 0 and cache.used_bytes == 2 * size
+    assert _counters(cache) == (0, 1, 2, 0)  # a preload is neither a hit nor a miss
+    assert cache.preload([]) == 0
 
 
 def test_cache_oversized_adapter_returned_not_kept(

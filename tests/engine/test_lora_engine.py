@@ -172,13 +172,16 @@ def _compare_with_per_segment(
 
 def test_warm_up_runs_base_and_lora_shapes_and_leaves_nothing_behind(tiny_adapter_dir, prompts, reference) -> None:
     """LLMEngine.warm_up (what AsyncEngine.load runs before the server listens): it steps prefill and decode batches
-    with and without LoRA rows, then holds no request, no cached prefix and no pinned page; outputs after it are
-    PEFT's."""
+    with and without LoRA rows, then holds no request, no cached prefix and no pinned page; the registered adapters
+    wait in the host tier; outputs after it are PEFT's."""
     engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", adapter_dir=str(tiny_adapter_dir)))
     assert engine.warm_up() > 0
     tier = engine.device_adapters
     assert not engine.has_unfinished_requests() and engine.scheduler.kv.num_evictable_blocks == 0
     assert tier.counters.loads == 1
+    registered = engine.adapters.list()
+    assert len(registered) > 1 and all(engine.host_adapters.contains(spec) for spec in registered)
+    assert engine.host_adapters.misses == 0  # read before any request asked
     assert all(res.pins == 0 for res in tier.resident.values())
     assert engine.pool.num_free + tier.num_pages == engine.pool.num_pages
     ours = run_all(engine, ALL_JOBS, prompts)
