@@ -127,12 +127,11 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, 
 // floats): a query head meets the keys of a page 16 positions at a time (16 dot products summed into one register of
 // scores, `transpose_sum16`), and its output sums stay in registers across a page's values. K and V rows are
 // converted to fp32 as they are loaded, except in bf16 on CPUs with the bf16 dot instruction, which multiplies them
-// as they are (`scores16`, `weighted_values_bf16`, `decode_bf16_dots`); other dtypes go page by page
-// (`decode_pages`).
+// as they are (`scores16`, `values_page_bf16`).
 using loragate_cpu::load16;
 using loragate_cpu::transpose_sum16;
 
-constexpr int64_t AHEAD = 2;  // pages between the one `decode_pages` reads and the one it asks for
+constexpr int64_t AHEAD = 2;  // pages between the one `decode_avx512` reads and the one it asks for
 
 // The scores of m <= 16 positions (key rows `s_tok` apart from k) against one query head, one to a lane (lanes
 // past m hold 0). bf16 on CPUs with the bf16 dot instruction: the raw bf16 query (`qb`, 32 to a register) against
@@ -169,111 +168,65 @@ inline __m512 scores16(const __m512* qv, const __m512i* qb, __m512 scale, const 
 }
 
 #if defined(__AVX512BF16__)
-// row[0, 16 NC) = sum over positions p < n of s[p] v_p, bf16 values (rows `s_tok` apart in pages `s_page` apart from
-// v0, through `table`) and bf16-exact probabilities s: two positions a bf16 dot instruction, their rows interleaved
-// element by element (so each pair is (v_p[e], v_p+1[e]) against (s[p], s[p+1])), sums in fp32. The interleave works
-// within 128-bit chunks: `lo` gathers elements 8k .. 8k+3 of each 32, `hi` elements 8k+4 .. 8k+7, put back in order
-// at the end.
+// sums (2 NC registers of 16 floats) += s[o] v_o over positions o < count of a page: bf16 values (rows `s_tok` apart
+// from v) and bf16-exact probabilities s, two positions a bf16 dot instruction, their rows interleaved element by
+// element (so each pair is (v_o[e], v_o+1[e]) against (s[o], s[o+1])), sums in fp32. The interleave works within
+// 128-bit chunks: the first NC / 2 registers gather elements 8k .. 8k+3 of each 32, the others 8k+4 .. 8k+7;
+// `values_row_bf16` puts them back in order once every page is summed.
 template <int NC>
-inline void weighted_values_bf16(const float* s, int64_t n, const c10::BFloat16* v0, const int64_t* table,
-                                 int64_t s_page, int64_t s_tok, int64_t block_size, float* row) {
+inline void values_page_bf16(const float* s, int64_t count, const c10::BFloat16* v, int64_t s_tok, float* sums) {
   constexpr int NB = NC / 2;  // registers of 32 bf16 a row
   __m512 lo[NB], hi[NB];
-  for (int c = 0; c < NB; ++c) lo[c] = hi[c] = _mm512_setzero_ps();
+  for (int c = 0; c < NB; ++c) {
+    lo[c] = _mm512_loadu_ps(sums + 16 * c);
+    hi[c] = _mm512_loadu_ps(sums + 16 * (NB + c));
+  }
   const auto bits = [](float f) {  // the bf16 that f (already rounded to one) is
     uint32_t b;
     std::memcpy(&b, &f, sizeof b);
     return b >> 16;
   };
-  for (int64_t p0 = 0; p0 < n; p0 += block_size) {
-    const c10::BFloat16* v = v0 + table[p0 / block_size] * s_page;
-    const int64_t count = std::min(block_size, n - p0);
-    for (int64_t o = 0; o < count; o += 2) {
-      const bool pair = o + 1 < count;
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(
-          static_cast<int32_t>(bits(s[p0 + o]) | (pair ? bits(s[p0 + o + 1]) << 16 : 0u)));
-      for (int c = 0; c < NB; ++c) {
-        const __m512i a = _mm512_loadu_si512(v + o * s_tok + 32 * c);
-        const __m512i b = pair ? _mm512_loadu_si512(v + (o + 1) * s_tok + 32 * c) : _mm512_setzero_si512();
-        lo[c] = _mm512_dpbf16_ps(lo[c], (__m512bh)_mm512_unpacklo_epi16(a, b), w);
-        hi[c] = _mm512_dpbf16_ps(hi[c], (__m512bh)_mm512_unpackhi_epi16(a, b), w);
-      }
+  for (int64_t o = 0; o < count; o += 2) {
+    const bool pair = o + 1 < count;
+    const __m512bh w =
+        (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits(s[o]) | (pair ? bits(s[o + 1]) << 16 : 0u)));
+    for (int c = 0; c < NB; ++c) {
+      const __m512i a = _mm512_loadu_si512(v + o * s_tok + 32 * c);
+      const __m512i b = pair ? _mm512_loadu_si512(v + (o + 1) * s_tok + 32 * c) : _mm512_setzero_si512();
+      lo[c] = _mm512_dpbf16_ps(lo[c], (__m512bh)_mm512_unpacklo_epi16(a, b), w);
+      hi[c] = _mm512_dpbf16_ps(hi[c], (__m512bh)_mm512_unpackhi_epi16(a, b), w);
     }
   }
-  // lane 4k + j of lo is element 8k + j, of hi element 8k + 4 + j (k < 4, j < 4) of each 32
+  for (int c = 0; c < NB; ++c) {
+    _mm512_storeu_ps(sums + 16 * c, lo[c]);
+    _mm512_storeu_ps(sums + 16 * (NB + c), hi[c]);
+  }
+}
+
+// row[0, 16 NC) from values_page_bf16's sums: lane 4k + j of a low register is element 8k + j, of a high one element
+// 8k + 4 + j (k < 4, j < 4) of each 32.
+template <int NC>
+inline void values_row_bf16(const float* sums, float* row) {
+  constexpr int NB = NC / 2;
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int c = 0; c < NB; ++c) {
-    _mm512_store_ps(row + 32 * c, _mm512_permutex2var_ps(lo[c], first, hi[c]));
-    _mm512_store_ps(row + 32 * c + 16, _mm512_permutex2var_ps(lo[c], second, hi[c]));
+    const __m512 lo = _mm512_loadu_ps(sums + 16 * c), hi = _mm512_loadu_ps(sums + 16 * (NB + c));
+    _mm512_storeu_ps(row + 32 * c, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(row + 32 * c + 16, _mm512_permutex2var_ps(lo, second, hi));
   }
 }
 #endif
 
-#if defined(__AVX512BF16__)
-// bf16 on the bf16 dot instruction: one query head at a time meets its kv head's keys over the whole context
-// (`scores16`), then its values (`weighted_values_bf16`); the other heads of its group read the same rows from L2.
-template <int NC>
-void decode_bf16_dots(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
-                      int64_t table_stride, const int64_t* lens, double scale) {
-  using T = c10::BFloat16;
-  constexpr int64_t head_dim = NC * 16;
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1);
-  const int64_t block_size = cache.size(2), num_kv_heads = cache.size(3), group = num_heads / num_kv_heads;
-  const int64_t s_page = cache.stride(0), s_kv = cache.stride(1), s_tok = cache.stride(2), s_head = cache.stride(3);
-  const int64_t q_d = q.stride(0), q_h = q.stride(1), o_d = out.stride(0), o_h = out.stride(1);
-  const T* qp = q.data_ptr<T>();
-  const T* cp = cache.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
 
-  at::parallel_for(0, num_seqs, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scores;
-    alignas(64) float row[head_dim];
-    for (int64_t d = lo; d < hi; ++d) {
-      const int64_t n = lens[d];
-      if (n <= 0) {
-        for (int64_t h = 0; h < num_heads; ++h) std::fill_n(op + d * o_d + h * o_h, head_dim, static_cast<T>(0.f));
-        continue;
-      }
-      scores.resize(n);
-      const int64_t* table = tables + d * table_stride;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const int64_t g = h / group;
-        __m512i qb[NC / 2];  // the raw query
-        for (int c = 0; c < NC / 2; ++c) qb[c] = _mm512_loadu_si512(qp + d * q_d + h * q_h + 32 * c);
-        float* s = scores.data();
-        __m512 tops = _mm512_set1_ps(-INFINITY);
-        for (int64_t p0 = 0; p0 < n; p0 += block_size) {  // page by page: no division per position
-          const T* k = cp + table[p0 / block_size] * s_page + g * s_head;
-          const int64_t count = std::min(block_size, n - p0);
-          for (int64_t o = 0; o < count; o += 16) {  // 16 positions a register
-            const int64_t m = std::min<int64_t>(16, count - o);
-            const __mmask16 live = static_cast<__mmask16>((1u << m) - 1);
-            const __m512 v = scores16<T, NC>(nullptr, qb, vscale, k + o * s_tok, s_tok, m);
-            _mm512_mask_storeu_ps(s + p0 + o, live, v);
-            tops = _mm512_mask_max_ps(tops, live, tops, v);
-          }
-        }
-        softmax_row<T>(s, n, _mm512_reduce_max_ps(tops));
-        weighted_values_bf16<NC>(s, n, cp + s_kv + g * s_head, table, s_page, s_tok, block_size, row);
-        T* dst = op + d * o_d + h * o_h;
-        for (int64_t e = 0; e < head_dim; e += 16) loragate_cpu::store16(dst + e, _mm512_load_ps(row + e));
-      }
-    }
-  });
-}
-#endif
-
-// Every other dtype (fp32, fp16, bf16 without the dot instruction), page by page: each page's keys, then its values,
-// are read once, front to back, for every head, while a page AHEAD of it is asked for into L2 (pages lie anywhere in
-// the cache, so the hardware prefetcher loses the stream at each). The queries (fp32, scaled) and each head's output
-// sums wait in small buffers in L1 between pages. Fp32 at 32 sequences x 160 positions, 30 layers, on a 2-core
-// AVX-512 EPYC: 19 -> 13 ms against one head at a time over the whole context (each page then read in three strided
-// sweeps, one per kv head; 12 GB/s of the ~30 this machine streams).
+// Page by page: each page's keys, then its values, are read once, front to back, for every head, while a page AHEAD
+// of it is asked for into L2 (pages lie anywhere in the cache, so the hardware prefetcher loses the stream at each).
+// The queries and each head's output sums wait in small buffers in L1 between pages. Fp32 at 32 sequences x 160
+// positions, 30 layers, on a 2-core AVX-512 EPYC: 19 -> 13 ms against one head at a time over the whole context
+// (each page then read in three strided sweeps, one per kv head; 12 GB/s of the ~30 this machine streams).
 template <typename T, int NC>
-void decode_pages(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
-                         int64_t table_stride, const int64_t* lens, double scale) {
+void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
+                   int64_t table_stride, const int64_t* lens, double scale) {
   constexpr int64_t head_dim = NC * 16;
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t block_size = cache.size(2), num_kv_heads = cache.size(3), group = num_heads / num_kv_heads;
@@ -287,7 +240,9 @@ void decode_pages(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache,
                              num_kv_heads * s_head * static_cast<int64_t>(sizeof(T));  // a page's K (or V)
 
   at::parallel_for(0, num_seqs, 1, [&](int64_t lo, int64_t hi) {
+    // qf: the queries in fp32, scaled (or, for the bf16 dot instruction, as they are); acc: each head's output sums
     std::vector<float> scores, qf(num_heads * head_dim), acc(num_heads * head_dim), top(num_heads);
+    alignas(64) float row[head_dim];
     int64_t last_first_page = -1;  // the first page of the last row's sequence
     for (int64_t d = lo; d < hi; ++d) {
       const int64_t n = lens[d];
@@ -314,9 +269,14 @@ void decode_pages(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache,
       const auto drip = [&] {
         for (int64_t i = 0; i < per_step && left > 0; ++i, next += 64, left -= 64) _mm_prefetch(next, _MM_HINT_T1);
       };
-      for (int64_t h = 0; h < num_heads; ++h)
-        for (int c = 0; c < NC; ++c)
-          _mm512_storeu_ps(&qf[h * head_dim + 16 * c], _mm512_mul_ps(load16(qp + d * q_d + h * q_h + 16 * c), vscale));
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const T* src = qp + d * q_d + h * q_h;
+        if constexpr (kBf16Dots<T>)
+          std::memcpy(&qf[h * head_dim], src, head_dim * sizeof(T));
+        else
+          for (int c = 0; c < NC; ++c)
+            _mm512_storeu_ps(&qf[h * head_dim + 16 * c], _mm512_mul_ps(load16(src + 16 * c), vscale));
+      }
       std::fill(top.begin(), top.end(), -INFINITY);
       for (int64_t i = 0; i < AHEAD && i < pages; ++i) {  // the first pages' K, at once
         ask(i, 0, 1);
@@ -333,13 +293,17 @@ void decode_pages(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache,
         for (int64_t h = 0; h < num_heads; ++h) {
           drip();
           __m512 qv[NC];
-          for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(&qf[h * head_dim + 16 * c]);
+          __m512i qb[NC / 2];
+          if constexpr (kBf16Dots<T>)
+            for (int c = 0; c < NC / 2; ++c) qb[c] = _mm512_loadu_si512(&qf[h * head_dim] + 16 * c);
+          else
+            for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(&qf[h * head_dim + 16 * c]);
           const T* k = cp + table[i] * s_page + (h / group) * s_head;
           __m512 tops = _mm512_set1_ps(top[h]);
           for (int64_t o = 0; o < count; o += 16) {
             const int64_t m = std::min<int64_t>(16, count - o);
             const __mmask16 live = static_cast<__mmask16>((1u << m) - 1);
-            const __m512 v = scores16<T, NC>(qv, nullptr, vscale, k + o * s_tok, s_tok, m);
+            const __m512 v = scores16<T, NC>(qv, qb, vscale, k + o * s_tok, s_tok, m);
             _mm512_mask_storeu_ps(&scores[h * n + p0 + o], live, v);
             tops = _mm512_mask_max_ps(tops, live, tops, v);
           }
@@ -357,10 +321,16 @@ void decode_pages(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache,
         for (int64_t h = 0; h < num_heads; ++h) {
           drip();
           float* a = &acc[h * head_dim];
-          __m512 sum[NC];
-          for (int c = 0; c < NC; ++c) sum[c] = _mm512_loadu_ps(a + 16 * c);
           const T* v = cp + table[i] * s_page + s_kv + (h / group) * s_head;
           const float* w = &scores[h * n + p0];
+#if defined(__AVX512BF16__)
+          if constexpr (kBf16Dots<T>) {
+            values_page_bf16<NC>(w, count, v, s_tok, a);
+            continue;
+          }
+#endif
+          __m512 sum[NC];
+          for (int c = 0; c < NC; ++c) sum[c] = _mm512_loadu_ps(a + 16 * c);
           for (int64_t o = 0; o < count; ++o, v += s_tok) {
             const __m512 wv = _mm512_set1_ps(w[o]);
             for (int c = 0; c < NC; ++c) sum[c] = _mm512_fmadd_ps(wv, load16(v + 16 * c), sum[c]);
@@ -369,22 +339,18 @@ void decode_pages(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache,
         }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
+        const float* sums = &acc[h * head_dim];
+#if defined(__AVX512BF16__)
+        if constexpr (kBf16Dots<T>) {
+          values_row_bf16<NC>(sums, row);
+          sums = row;
+        }
+#endif
         T* dst = op + d * o_d + h * o_h;
-        for (int64_t e = 0; e < head_dim; ++e) store(dst + e, acc[h * head_dim + e]);
+        for (int64_t e = 0; e < head_dim; e += 16) loragate_cpu::store16(dst + e, _mm512_loadu_ps(sums + e));
       }
     }
   });
-}
-#endif
-
-#if defined(__AVX512F__)
-template <typename T, int NC>
-void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
-                   int64_t table_stride, const int64_t* lens, double scale) {
-#if defined(__AVX512BF16__)
-  if constexpr (kBf16Dots<T>) return decode_bf16_dots<NC>(out, q, cache, tables, table_stride, lens, scale);
-#endif
-  decode_pages<T, NC>(out, q, cache, tables, table_stride, lens, scale);
 }
 #endif
 
