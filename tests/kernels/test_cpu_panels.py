@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from gemm_oracle import check_strided_and_odd_inputs, close_to_oracle, operands
 
 from loragate_kernels import cpu_ops
 
@@ -25,30 +25,6 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 def panel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.loragate_cpu.panel_linear(x, pack(w), b, w.shape[0])
-
-
-def operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g)
-
-
-def close_to_oracle(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
-    """Within fp32 rounding of a K-term sum (relative to the sum of |terms|), and as close to it as F.linear is."""
-    want = x.double() @ w.double().T + (0 if b is None else b.double())
-    scale = x.double().abs() @ w.double().abs().T + 1e-30
-    err = ((got.double() - want).abs() / scale).max().item() if got.numel() else 0.0
-    ref_err = ((F.linear(x, w, b).double() - want).abs() / scale).max().item() if got.numel() else 0.0
-    assert got.shape == want.shape and got.dtype == torch.float32
-    assert err <= max(4 * ref_err, 1e-6), (err, ref_err)
-
-
-def test_the_layout_holds_the_weight_k_major_in_panels_of_96() -> None:
-    w = torch.randn(200, 70)
-    panels = pack(w)
-    assert panels.shape == (3, 70, 96)  # ceil(200 / 96) panels
-    for v in (0, 1, 95, 96, 150, 191, 192, 199):
-        assert torch.equal(panels[v // 96, :, v % 96], w[v])
-    assert not panels[2, :, 200 - 192 :].any()  # the last panel's padding columns are zero
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -85,24 +61,7 @@ def test_wide_weights_and_rows_split_across_threads() -> None:
 
 
 def test_strided_and_odd_inputs() -> None:
-    x, w, b = operands(9, 30, 100, seed=3)
-    wide = torch.randn(9, 107)
-    wide[:, :100] = x
-    view = wide[:, :100]  # rows 107 apart
-    assert view.stride(0) == 107
-    torch.testing.assert_close(panel(view, w, b), panel(x, w, b), rtol=0, atol=0)
-    transposed = x.T.contiguous().T  # columns not contiguous: copied first
-    torch.testing.assert_close(panel(transposed, w, b), panel(x, w, b), rtol=0, atol=0)
-    assert panel(torch.empty(0, 100), w).shape == (0, 30)
-    assert panel(x, torch.empty(0, 100)).shape == (9, 0)
-    torch.testing.assert_close(panel(torch.empty(9, 0), torch.empty(30, 0), b), b.expand(9, 30))
-    assert torch.equal(panel(torch.empty(9, 0), torch.empty(30, 0)), torch.zeros(9, 30))
-    inf = x.clone()
-    inf[2, 5] = float("inf")
-    nan = x.clone()
-    nan[4, 0] = float("nan")
-    assert torch.equal(panel(inf, w).isinf(), F.linear(inf, w).isinf())
-    assert torch.equal(panel(nan, w).isnan(), F.linear(nan, w).isnan())
+    check_strided_and_odd_inputs(panel)
 
 
 @pytest.mark.parametrize(
