@@ -218,12 +218,12 @@ inline void values_row_bf16(const float* sums, float* row) {
 }
 #endif
 
-
 // Page by page: each page's keys, then its values, are read once, front to back, for every head, while a page AHEAD
 // of it is asked for into L2 (pages lie anywhere in the cache, so the hardware prefetcher loses the stream at each).
 // The queries and each head's output sums wait in small buffers in L1 between pages. Fp32 at 32 sequences x 160
-// positions, 30 layers, on a 2-core AVX-512 EPYC: 19 -> 13 ms against one head at a time over the whole context
-// (each page then read in three strided sweeps, one per kv head; 12 GB/s of the ~30 this machine streams).
+// positions, 30 layers (236 MB of K/V), on a 2-core AVX-512 EPYC: 19 -> 10-13 ms against one head at a time over the
+// whole context (each page then read in three strided sweeps, one per kv head). Without the L2 requests this loop
+// takes 18-20 ms; a plain read of the same bytes takes ~6 (docs/performance.md, the tenth session).
 template <typename T, int NC>
 void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
                    int64_t table_stride, const int64_t* lens, double scale) {
