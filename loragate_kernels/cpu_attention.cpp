@@ -9,6 +9,10 @@
 // torch path and the Triton kernel do. Positions at or past a sequence's context length are never read (the tail of
 // its last block and the pages its table's padding names may hold another request's NaN/inf); a row with context
 // length 0 gets zeros.
+//
+// In fp32, a prompt's rows (consecutive tokens of one sequence, engine/model/attention.py `_paged_rows`) go in blocks
+// of up to 16, one row a lane (`prompt_block`): a block computes the scores of its rows against keys up to its last
+// row's context, masks each row's later ones to -inf before the softmax, and never multiplies them into a row's output.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -226,7 +230,7 @@ inline void values_row_bf16(const float* sums, float* row) {
 // takes 18-20 ms; a plain read of the same bytes takes ~6 (docs/performance.md, the tenth session).
 template <typename T, int NC>
 void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
-                   int64_t table_stride, const int64_t* lens, double scale) {
+                   int64_t table_stride, const int64_t* lens, double scale, const std::vector<int64_t>* only) {
   constexpr int64_t head_dim = NC * 16;
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t block_size = cache.size(2), num_kv_heads = cache.size(3), group = num_heads / num_kv_heads;
@@ -239,13 +243,14 @@ void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache
   const int64_t part_bytes = (block_size - 1) * s_tok * static_cast<int64_t>(sizeof(T)) +
                              num_kv_heads * s_head * static_cast<int64_t>(sizeof(T));  // a page's K (or V)
 
-  at::parallel_for(0, num_seqs, 1, [&](int64_t lo, int64_t hi) {
+  const int64_t count = only ? static_cast<int64_t>(only->size()) : num_seqs;
+  at::parallel_for(0, count, 1, [&](int64_t lo, int64_t hi) {
     // qf: the queries in fp32, scaled (or, for the bf16 dot instruction, as they are); acc: each head's output sums
     std::vector<float> scores, qf(num_heads * head_dim), acc(num_heads * head_dim), top(num_heads);
     alignas(64) float row[head_dim];
     int64_t last_first_page = -1;  // the first page of the last row's sequence
-    for (int64_t d = lo; d < hi; ++d) {
-      const int64_t n = lens[d];
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t d = only ? (*only)[i] : i, n = lens[d];
       if (n <= 0) {
         for (int64_t h = 0; h < num_heads; ++h) std::fill_n(op + d * o_d + h * o_h, head_dim, static_cast<T>(0.f));
         continue;
@@ -352,6 +357,131 @@ void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache
     }
   });
 }
+
+// A prompt's rows as one block: rows d0 .. d0 + R - 1 (R <= 16) are consecutive tokens of one sequence, row r's context
+// n0 + r over the same pages (engine/model/attention.py `_paged_rows`). `decode_avx512` reads a row's keys one row at a
+// time and sums each score across lanes; here the block's rows are the lanes. Per query head: q^T [head_dim][16] once,
+// then each key's 16 scores are head_dim FMAs of the key's elements, broadcast, against q^T's columns (no sums across
+// lanes); the causal mask, max, exp and sum run down the lanes; and each key's value row is read once per 4 rows.
+// Fp32 only (bf16 keeps the bf16 dot instruction's row loop).
+constexpr int64_t BLOCK_ROWS = 16;     // rows a block holds, one a lane
+constexpr int64_t MIN_BLOCK_ROWS = 4;
+constexpr int KEYS = 16;  // fewer consecutive rows than this go through decode_avx512
+
+template <int NC>
+void prompt_block(float* op, int64_t o_d, int64_t o_h, const float* qp, int64_t q_d, int64_t q_h, const float* cp,
+                  const int64_t* offsets, int64_t s_kv, int64_t s_head, int64_t group, int64_t num_heads, int64_t n0,
+                  int64_t rows, float scale, std::vector<float>& scores) {
+  constexpr int64_t head_dim = NC * 16;
+  const int64_t n = n0 + rows - 1;  // the last row's context: keys [0, n)
+  scores.resize(n * BLOCK_ROWS);
+  const __mmask16 live_rows = static_cast<__mmask16>((1u << rows) - 1);
+  alignas(64) float qt[head_dim * BLOCK_ROWS];
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const float* keys = cp + (h / group) * s_head;
+    for (int64_t r = 0; r < BLOCK_ROWS; ++r)
+      for (int64_t e = 0; e < head_dim; ++e) qt[e * BLOCK_ROWS + r] = r < rows ? qp[r * q_d + h * q_h + e] * scale : 0.f;
+    // the lanes key j reaches: rows r with j < n0 + r
+    const auto live = [&](int64_t j) {
+      const int64_t first = std::max<int64_t>(0, j - n0 + 1);
+      return static_cast<__mmask16>(live_rows & ~((1u << first) - 1));
+    };
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
+      const int64_t m = std::min<int64_t>(KEYS, n - j0);
+      const float* k[KEYS];
+      for (int64_t o = 0; o < KEYS; ++o) k[o] = keys + offsets[j0 + std::min(o, m - 1)];
+      __m512 acc[KEYS];
+      for (int o = 0; o < KEYS; ++o) acc[o] = _mm512_setzero_ps();
+      for (int64_t e = 0; e < head_dim; ++e) {
+        const __m512 qv = _mm512_load_ps(qt + e * BLOCK_ROWS);
+        for (int o = 0; o < KEYS; ++o) acc[o] = _mm512_fmadd_ps(_mm512_set1_ps(k[o][e]), qv, acc[o]);
+      }
+      for (int64_t o = 0; o < m; ++o) {
+        const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live(j0 + o), acc[o]);
+        _mm512_storeu_ps(&scores[(j0 + o) * BLOCK_ROWS], v);
+        top = _mm512_max_ps(top, v);
+      }
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      float* s = &scores[j * BLOCK_ROWS];
+      const __m512 p = _mm512_maskz_mov_ps(live(j), loragate_cpu::exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s), top)));
+      _mm512_storeu_ps(s, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    const __m512 inv = _mm512_maskz_div_ps(live_rows, _mm512_set1_ps(1.f), sum);
+    for (int64_t j = 0; j < n; ++j) _mm512_storeu_ps(&scores[j * BLOCK_ROWS], _mm512_mul_ps(_mm512_loadu_ps(&scores[j * BLOCK_ROWS]), inv));
+    const float* values = keys + s_kv;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      __m512 acc[4][NC];
+      for (int rr = 0; rr < 4; ++rr)
+        for (int c = 0; c < NC; ++c) acc[rr][c] = _mm512_setzero_ps();
+      // keys [0, n0 + r0) reach all 4 rows (row r0's context is n0 + r0); each of the next 3 only the rows after it,
+      // so no row multiplies a value past its own context
+      const int64_t all = std::min(n, n0 + r0), last = std::min(n, n0 + r0 + 3);
+      for (int64_t j = 0; j < last; ++j) {
+        const float* v = values + offsets[j];
+        const float* w = &scores[j * BLOCK_ROWS + r0];
+        __m512 vv[NC];
+        for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+        for (int rr = 0; rr < 4; ++rr) {
+          if (j >= all && j >= n0 + r0 + rr) continue;
+          const __m512 wv = _mm512_set1_ps(w[rr]);
+          for (int c = 0; c < NC; ++c) acc[rr][c] = _mm512_fmadd_ps(wv, vv[c], acc[rr][c]);
+        }
+      }
+      for (int64_t rr = 0; rr < 4 && r0 + rr < rows; ++rr)
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(op + (r0 + rr) * o_d + h * o_h + 16 * c, acc[rr][c]);
+    }
+  }
+}
+
+// Splits the rows into prompt blocks (runs of >= MIN_BLOCK_ROWS consecutive tokens of one sequence, at most
+// BLOCK_ROWS a block) and single rows; the blocks go through `prompt_block`, the rest through `decode_avx512`.
+template <int NC>
+void attend_f32(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
+                int64_t table_stride, const int64_t* lens, double scale) {
+  const int64_t num_seqs = q.size(0), block_size = cache.size(2);
+  const auto same_pages = [&](int64_t a, int64_t b, int64_t len) {  // rows a and b read the same pages for len keys
+    return std::equal(tables + a * table_stride, tables + a * table_stride + (len + block_size - 1) / block_size,
+                      tables + b * table_stride);
+  };
+  std::vector<int64_t> singles;
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (first row, rows)
+  for (int64_t d = 0; d < num_seqs;) {
+    int64_t r = 1;
+    while (r < BLOCK_ROWS && d + r < num_seqs && lens[d] > 0 && lens[d + r] == lens[d] + r &&
+           same_pages(d, d + r, lens[d + r]))
+      ++r;
+    if (r >= MIN_BLOCK_ROWS)
+      blocks.emplace_back(d, r);
+    else
+      for (int64_t i = d; i < d + r; ++i) singles.push_back(i);
+    d += r;
+  }
+  if (blocks.empty()) return decode_avx512<float, NC>(out, q, cache, tables, table_stride, lens, scale, nullptr);
+  if (!singles.empty()) decode_avx512<float, NC>(out, q, cache, tables, table_stride, lens, scale, &singles);
+  const int64_t num_heads = q.size(1), group = num_heads / cache.size(3);
+  const int64_t s_page = cache.stride(0), s_tok = cache.stride(2);
+  const float* qp = q.data_ptr<float>();
+  const float* cp = cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores;
+    std::vector<int64_t> offsets;  // key j's row: offsets[j] elements into the cache
+    for (int64_t b = lo; b < hi; ++b) {
+      const auto [d0, rows] = blocks[b];
+      const int64_t n = lens[d0] + rows - 1;
+      offsets.resize(n);
+      const int64_t* table = tables + d0 * table_stride;
+      for (int64_t j = 0; j < n; ++j) offsets[j] = table[j / block_size] * s_page + (j % block_size) * s_tok;
+      prompt_block<NC>(op + d0 * out.stride(0), out.stride(0), out.stride(1), qp + d0 * q.stride(0), q.stride(0),
+                       q.stride(1), cp, offsets.data(), cache.stride(1), cache.stride(3), group, num_heads, lens[d0],
+                       rows, static_cast<float>(scale), scores);
+    }
+  });
+}
 #endif
 
 // The AVX-512 loop where the CPU has it and the head dim is one of its sizes; the portable loop elsewhere.
@@ -359,13 +489,25 @@ template <typename T>
 void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
             int64_t table_stride, const int64_t* lens, double scale) {
 #if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    switch (q.size(2)) {
+      case 32:
+        return attend_f32<2>(out, q, cache, tables, table_stride, lens, scale);
+      case 64:
+        return attend_f32<4>(out, q, cache, tables, table_stride, lens, scale);
+      case 128:
+        return attend_f32<8>(out, q, cache, tables, table_stride, lens, scale);
+      default:
+        break;
+    }
+  }
   switch (q.size(2)) {
     case 32:
-      return decode_avx512<T, 2>(out, q, cache, tables, table_stride, lens, scale);
+      return decode_avx512<T, 2>(out, q, cache, tables, table_stride, lens, scale, nullptr);
     case 64:
-      return decode_avx512<T, 4>(out, q, cache, tables, table_stride, lens, scale);
+      return decode_avx512<T, 4>(out, q, cache, tables, table_stride, lens, scale, nullptr);
     case 128:
-      return decode_avx512<T, 8>(out, q, cache, tables, table_stride, lens, scale);
+      return decode_avx512<T, 8>(out, q, cache, tables, table_stride, lens, scale, nullptr);
     default:
       break;
   }

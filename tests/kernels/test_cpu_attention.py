@@ -14,6 +14,7 @@ from test_paged_attention import (
     DTYPES,
     HEAD_IDS,
     HEADS,
+    DecodeCase,
     assert_close,
     make_case,
     oracle,
@@ -63,6 +64,63 @@ def test_the_op_matches_the_oracle_and_the_torch_path(
     torch.testing.assert_close(cpp_cache, case.cache_after_write(), rtol=0, atol=0, equal_nan=True)
     assert_close(cpp_out, torch_out, dtype)
     assert_close(cpp_out, oracle(case), dtype)
+
+
+def prompt_rows(case: DecodeCase, chunks: list[tuple[int, int, int]]) -> DecodeCase:
+    """Rows as engine/model/attention.py `_paged_rows` lays out a step: for (sequence d, first, count), the prompt
+    tokens of sequence d at positions first .. first + count - 1, each a row with context position + 1 over d's table
+    (so each row writes its own position, as the step's K/V are written before attention)."""
+    picks = [d for d, first, count in chunks for _ in range(count)]
+    lens = torch.tensor([position + 1 for _, first, count in chunks for position in range(first, first + count)])
+    g = torch.Generator().manual_seed(len(picks))
+    num_heads, head_dim = case.q.shape[1:]
+    num_kv_heads = case.cache.shape[3]
+    fresh = lambda heads: torch.randn(len(picks), heads, head_dim, generator=g).to(case.q.dtype)  # noqa: E731
+    return DecodeCase(
+        fresh(num_heads),
+        fresh(num_kv_heads),
+        fresh(num_kv_heads),
+        case.cache,
+        case.block_tables[picks].contiguous(),
+        lens,
+    )
+
+
+# 37 rows of one prompt (blocks of 16, 16 and 5) after two decode rows; 3 rows (too few for a block); 16 rows from
+# position 16 (one block, a page boundary at its start); 21 rows from position 100; then sequence 4's rows at positions
+# 0-5 and sequence 5's at 6-11, whose context lengths run on from 4's but over other pages.
+CHUNKS = [(0, 40, 1), (1, 8, 1), (2, 0, 37), (3, 5, 3), (1, 16, 16), (0, 100, 21), (4, 0, 6), (5, 6, 6)]
+
+
+@pytest.mark.parametrize("head_dim", [24, 32, 64, 128])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_prompt_rows_match_the_oracle(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, block_size: int, head_dim: int
+) -> None:
+    seed = 7 + 1000 * DTYPES.index(dtype) + 100 * HEADS.index((num_heads, num_kv_heads)) + block_size + head_dim
+    seqs = make_case(
+        [121, 33, 37, 8, 6, 12],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        dtype=dtype,
+        seed=seed,
+        head_dim=head_dim,
+    )
+    case = prompt_rows(seqs, CHUNKS)
+    out = paged_decode_attention_cpu(case.q, case.cache_after_write(), case.block_tables, case.context_lens)
+    assert_close(out, oracle(case), dtype)
+    one_by_one = torch.cat(
+        [  # each row alone: never part of a block
+            paged_decode_attention_cpu(
+                case.q[i : i + 1], case.cache_after_write(), case.block_tables[i : i + 1], case.context_lens[i : i + 1]
+            )
+            for i in range(len(case.q))
+        ]
+    )
+    assert_close(out, one_by_one, dtype)
 
 
 def test_a_cpu_engine_attends_with_the_op_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
