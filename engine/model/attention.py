@@ -106,11 +106,12 @@ FRESH_BATCH_WASTE = 2.0
 
 # On the C++ path, a step whose prompt chunks all have contexts of at most this many tokens attends every row, prompt
 # tokens included, in one call of the paged decode kernel (loragate_kernels/cpu_attention.cpp): a prompt token at
-# position p is a decode row with context p + 1, its K/V already in the cache. Per layer on a 2-core AVX-512 EPYC
-# (docs/performance.md, the ninth session) against SDPA's flash kernel: 32 prompts of 25 tokens 1.69 -> 0.47 ms
-# fp32 (the batch's padding copies go too), 4 of 128 1.68 -> 0.99 (bf16 1.96 -> 0.60), 2 of 256 2.51 -> 1.93; one
-# of 512 4.7 -> 5.9 (slower: each row reads its whole context, flash tiles it), so longer contexts keep SDPA.
-PAGED_PREFILL_MAX_CONTEXT = 256
+# position p is a decode row with context p + 1, its K/V already in the cache; in fp32 the kernel takes a prompt's rows
+# 16 at a time, one a lane. Per layer on a 2-core AVX-512 EPYC (docs/performance.md, the eleventh session) against
+# SDPA's flash kernel on the same K/V: fp32 2 prompts of 256 tokens 2.17 -> 0.97 ms, one of 512 4.20 -> 2.75, one of
+# 1024 14.2 -> 11.1, one of 2048 41.6 -> 43.5 (slower); bf16 (a row at a time on the bf16 dot instruction) 2.21 ->
+# 1.13, 4.31 -> 3.03, 12.5 -> 12.0, 40.9 -> 50.2. Longer contexts keep SDPA.
+PAGED_PREFILL_MAX_CONTEXT = 1024
 
 
 @dataclass(slots=True)

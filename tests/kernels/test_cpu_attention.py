@@ -123,6 +123,15 @@ def test_prompt_rows_match_the_oracle(
     assert_close(out, one_by_one, dtype)
 
 
+def test_prompt_rows_deep_in_a_long_context() -> None:
+    """50 rows at positions 650-699 of a 700-token sequence (engine/model/attention.py PAGED_PREFILL_MAX_CONTEXT lets
+    contexts this long through), beside a decode row."""
+    seqs = make_case([700, 30], num_heads=9, num_kv_heads=3, block_size=16, dtype=torch.float32, seed=11, head_dim=64)
+    case = prompt_rows(seqs, [(1, 29, 1), (0, 650, 50)])
+    out = paged_decode_attention_cpu(case.q, case.cache_after_write(), case.block_tables, case.context_lens)
+    assert_close(out, oracle(case), torch.float32)
+
+
 def test_a_cpu_engine_attends_with_the_op_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LORAGATE_ATTENTION_BACKEND", raising=False)
     assert attention_backend(torch.device("cpu")) == "cpp"
