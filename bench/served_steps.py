@@ -7,7 +7,10 @@ Each burst prints its tok/s over wall time; the last burst's steps are split int
 the first few (tokens, ms). In-process tok/s ran within 1-2% of the served figure (fp32, 2026-12-04), so what the
 split shows is what a served burst spends.
 
-    python bench/served_steps.py [--dtype float32|bfloat16] [--prompts 64] [--concurrency 32] [--bursts 3]
+`--profile` then runs one more wave of `--concurrency` prompts and prints the torch profiler's ops of its second step
+(512 prompt tokens) and of its 41st (decode-only): what a served prompt step and decode step spend, op by op.
+
+    python bench/served_steps.py [--dtype float32|bfloat16] [--prompts 64] [--concurrency 32] [--bursts 3] [--profile]
 """
 
 from __future__ import annotations
@@ -63,6 +66,30 @@ def burst(engine: LLMEngine, args: argparse.Namespace, seed: int) -> list[tuple[
     return steps
 
 
+def profile_wave(engine: LLMEngine, args: argparse.Namespace, top: int = 8) -> None:
+    """One wave of `--concurrency` prompts; the ops of its step 1 (a prompt step) and step 40 (decode-only)."""
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=64, min_tokens=64, temperature=0.0, ignore_eos=True)
+    for i in range(args.concurrency):
+        engine.add_request(f"profile-{i}", [rng.randrange(100, engine.vocab_size - 100) for _ in range(128)], params)
+    step = 0
+    while engine.has_unfinished_requests():
+        if step not in (1, 40):
+            engine.step()
+            step += 1
+            continue
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            began = time.perf_counter()
+            engine.step()
+            wall = (time.perf_counter() - began) * 1e3
+        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in ops) / 1e3
+        print(f"profiled step {step}: {wall:.1f} ms under the profiler, ops {total:.1f} ms")
+        for e in ops[:top]:
+            print(f"  {e.key:40s} {e.count:5d} calls {e.self_cpu_time_total / 1e3:8.2f} ms")
+        step += 1
+
+
 def prompt_tokens(batches: list[SchedulerOutput]) -> bool:
     return any(n > 1 for b in batches for n in b.num_tokens)
 
@@ -78,6 +105,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--bursts", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="then profile a prompt step and a decode step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(model="smollm2", dtype=args.dtype))
@@ -98,6 +126,8 @@ def main() -> None:
             f"{label}: {len(chosen)}, {seconds:.2f} s, {tokens} tokens, {seconds / len(chosen) * 1e3:.1f} ms a step;"
             f" first (tokens, ms): {first}"
         )
+    if args.profile:
+        profile_wave(engine, args)
 
 
 if __name__ == "__main__":

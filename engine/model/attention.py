@@ -107,10 +107,10 @@ FRESH_BATCH_WASTE = 2.0
 # On the C++ path, a step whose prompt chunks all have contexts of at most this many tokens attends every row, prompt
 # tokens included, in one call of the paged decode kernel (loragate_kernels/cpu_attention.cpp): a prompt token at
 # position p is a decode row with context p + 1, its K/V already in the cache; in fp32 the kernel takes a prompt's rows
-# 16 at a time, one a lane. Per layer on a 2-core AVX-512 EPYC (docs/performance.md, the eleventh session) against
-# SDPA's flash kernel on the same K/V: fp32 2 prompts of 256 tokens 2.17 -> 0.97 ms, one of 512 4.20 -> 2.75, one of
-# 1024 14.2 -> 11.1, one of 2048 41.6 -> 43.5 (slower); bf16 (a row at a time on the bf16 dot instruction) 2.21 ->
-# 1.13, 4.31 -> 3.03, 12.5 -> 12.0, 40.9 -> 50.2. Longer contexts keep SDPA.
+# 16 at a time, one a lane. Per layer on a 2-core AVX-512 EPYC against SDPA's flash kernel on the same K/V
+# (`python bench/prompt_attention.py`; docs/performance.md, the eleventh session): fp32 2 prompts of 256 tokens 2.15 ->
+# 0.96 ms, one of 512 4.09 -> 2.66, one of 1024 11.6 -> 10.7, one of 2048 39.2 -> 43.3 (slower); bf16 (a row at a time
+# on the bf16 dot instruction) 2.19 -> 1.12, 4.21 -> 2.97, 12.5 -> 12.0, 40.4 -> 49.6. Longer contexts keep SDPA.
 PAGED_PREFILL_MAX_CONTEXT = 1024
 
 
