@@ -110,16 +110,11 @@ def test_prompt_rows_match_the_oracle(
         head_dim=head_dim,
     )
     case = prompt_rows(seqs, CHUNKS)
-    out = paged_decode_attention_cpu(case.q, case.cache_after_write(), case.block_tables, case.context_lens)
+    cache, tables, lens = case.cache_after_write(), case.block_tables, case.context_lens
+    out = paged_decode_attention_cpu(case.q, cache, tables, lens)
     assert_close(out, oracle(case), dtype)
-    one_by_one = torch.cat(
-        [  # each row alone: never part of a block
-            paged_decode_attention_cpu(
-                case.q[i : i + 1], case.cache_after_write(), case.block_tables[i : i + 1], case.context_lens[i : i + 1]
-            )
-            for i in range(len(case.q))
-        ]
-    )
+    rows = [slice(i, i + 1) for i in range(len(lens))]  # each row alone: never part of a block
+    one_by_one = torch.cat([paged_decode_attention_cpu(case.q[r], cache, tables[r], lens[r]) for r in rows])
     assert_close(out, one_by_one, dtype)
 
 
