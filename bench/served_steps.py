@@ -30,14 +30,19 @@ from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.core.request import SamplingParams  # noqa: E402
 from engine.core.scheduler import SchedulerOutput  # noqa: E402
 
+# what the served client sends: random 128-token prompts, 64 new tokens, EOS ignored, greedy
+PARAMS = SamplingParams(max_tokens=64, min_tokens=64, temperature=0.0, ignore_eos=True)
+
+
+def random_prompts(engine: LLMEngine, count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, engine.vocab_size - 100) for _ in range(128)] for _ in range(count)]
+
 
 def burst(engine: LLMEngine, args: argparse.Namespace, seed: int) -> list[tuple[float, list[SchedulerOutput]]]:
     """One closed-loop burst; (seconds, what was scheduled) of each step (a step may schedule more than once: a
     critical arrival interrupts it, engine/core/llm_engine.py)."""
-    rng = random.Random(seed)
-    vocab = engine.vocab_size
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(128)] for _ in range(args.prompts)]
-    params = SamplingParams(max_tokens=64, min_tokens=64, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(engine, args.prompts, seed)
     scheduled: list[SchedulerOutput] = []
     schedule = engine.scheduler.schedule
 
@@ -52,7 +57,7 @@ def burst(engine: LLMEngine, args: argparse.Namespace, seed: int) -> list[tuple[
     try:
         while sent < args.prompts or engine.has_unfinished_requests():
             while sent < args.prompts and live < args.concurrency:
-                engine.add_request(f"{seed}-{sent}", prompts[sent], params)
+                engine.add_request(f"{seed}-{sent}", prompts[sent], PARAMS)
                 sent, live = sent + 1, live + 1
             began, first = time.perf_counter(), len(scheduled)
             outputs = engine.step()
@@ -68,10 +73,8 @@ def burst(engine: LLMEngine, args: argparse.Namespace, seed: int) -> list[tuple[
 
 def profile_wave(engine: LLMEngine, args: argparse.Namespace, top: int = 8) -> None:
     """One wave of `--concurrency` prompts; the ops of its step 1 (a prompt step) and step 40 (decode-only)."""
-    rng = random.Random(0)
-    params = SamplingParams(max_tokens=64, min_tokens=64, temperature=0.0, ignore_eos=True)
-    for i in range(args.concurrency):
-        engine.add_request(f"profile-{i}", [rng.randrange(100, engine.vocab_size - 100) for _ in range(128)], params)
+    for i, prompt in enumerate(random_prompts(engine, args.concurrency, seed=0)):
+        engine.add_request(f"profile-{i}", prompt, PARAMS)
     step = 0
     while engine.has_unfinished_requests():
         if step not in (1, 40):

@@ -365,8 +365,8 @@ void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache
 // lanes); the causal mask, max, exp and sum run down the lanes; and each key's value row is read once per 4 rows.
 // Fp32 only (bf16 keeps the bf16 dot instruction's row loop).
 constexpr int64_t BLOCK_ROWS = 16;     // rows a block holds, one a lane
-constexpr int64_t MIN_BLOCK_ROWS = 4;
-constexpr int KEYS = 16;  // fewer consecutive rows than this go through decode_avx512
+constexpr int64_t MIN_BLOCK_ROWS = 4;  // fewer consecutive rows than this go through decode_avx512
+constexpr int KEYS = 16;               // keys whose scores a pass of the scores loop sums in registers
 
 template <int NC>
 void prompt_block(float* op, int64_t o_d, int64_t o_h, const float* qp, int64_t q_d, int64_t q_h, const float* cp,
@@ -380,7 +380,8 @@ void prompt_block(float* op, int64_t o_d, int64_t o_h, const float* qp, int64_t 
   for (int64_t h = 0; h < num_heads; ++h) {
     const float* keys = cp + (h / group) * s_head;
     for (int64_t r = 0; r < BLOCK_ROWS; ++r)
-      for (int64_t e = 0; e < head_dim; ++e) qt[e * BLOCK_ROWS + r] = r < rows ? qp[r * q_d + h * q_h + e] * scale : 0.f;
+      for (int64_t e = 0; e < head_dim; ++e)
+        qt[e * BLOCK_ROWS + r] = r < rows ? qp[r * q_d + h * q_h + e] * scale : 0.f;
     // the lanes key j reaches: rows r with j < n0 + r
     const auto live = [&](int64_t j) {
       const int64_t first = std::max<int64_t>(0, j - n0 + 1);
@@ -403,15 +404,17 @@ void prompt_block(float* op, int64_t o_d, int64_t o_h, const float* qp, int64_t 
         top = _mm512_max_ps(top, v);
       }
     }
+    // unnormalised probabilities; each row's output is divided by its sum as it is stored
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
       float* s = &scores[j * BLOCK_ROWS];
-      const __m512 p = _mm512_maskz_mov_ps(live(j), loragate_cpu::exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s), top)));
+      const __m512 e = loragate_cpu::exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s), top));
+      const __m512 p = _mm512_maskz_mov_ps(live(j), e);
       _mm512_storeu_ps(s, p);
       sum = _mm512_add_ps(sum, p);
     }
-    const __m512 inv = _mm512_maskz_div_ps(live_rows, _mm512_set1_ps(1.f), sum);
-    for (int64_t j = 0; j < n; ++j) _mm512_storeu_ps(&scores[j * BLOCK_ROWS], _mm512_mul_ps(_mm512_loadu_ps(&scores[j * BLOCK_ROWS]), inv));
+    alignas(64) float inv[BLOCK_ROWS];
+    _mm512_store_ps(inv, _mm512_maskz_div_ps(live_rows, _mm512_set1_ps(1.f), sum));
     const float* values = keys + s_kv;
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       __m512 acc[4][NC];
@@ -431,8 +434,11 @@ void prompt_block(float* op, int64_t o_d, int64_t o_h, const float* qp, int64_t 
           for (int c = 0; c < NC; ++c) acc[rr][c] = _mm512_fmadd_ps(wv, vv[c], acc[rr][c]);
         }
       }
-      for (int64_t rr = 0; rr < 4 && r0 + rr < rows; ++rr)
-        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(op + (r0 + rr) * o_d + h * o_h + 16 * c, acc[rr][c]);
+      for (int64_t rr = 0; rr < 4 && r0 + rr < rows; ++rr) {
+        const __m512 norm = _mm512_set1_ps(inv[r0 + rr]);
+        for (int c = 0; c < NC; ++c)
+          _mm512_storeu_ps(op + (r0 + rr) * o_d + h * o_h + 16 * c, _mm512_mul_ps(acc[rr][c], norm));
+      }
     }
   }
 }
@@ -482,6 +488,16 @@ void attend_f32(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, c
     }
   });
 }
+
+// fp32: prompt blocks and single rows (`attend_f32`); other dtypes: every row through `decode_avx512`.
+template <typename T, int NC>
+void attend_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
+                   int64_t table_stride, const int64_t* lens, double scale) {
+  if constexpr (std::is_same_v<T, float>)
+    attend_f32<NC>(out, q, cache, tables, table_stride, lens, scale);
+  else
+    decode_avx512<T, NC>(out, q, cache, tables, table_stride, lens, scale, nullptr);
+}
 #endif
 
 // The AVX-512 loop where the CPU has it and the head dim is one of its sizes; the portable loop elsewhere.
@@ -489,25 +505,13 @@ template <typename T>
 void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
             int64_t table_stride, const int64_t* lens, double scale) {
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
-    switch (q.size(2)) {
-      case 32:
-        return attend_f32<2>(out, q, cache, tables, table_stride, lens, scale);
-      case 64:
-        return attend_f32<4>(out, q, cache, tables, table_stride, lens, scale);
-      case 128:
-        return attend_f32<8>(out, q, cache, tables, table_stride, lens, scale);
-      default:
-        break;
-    }
-  }
   switch (q.size(2)) {
     case 32:
-      return decode_avx512<T, 2>(out, q, cache, tables, table_stride, lens, scale, nullptr);
+      return attend_avx512<T, 2>(out, q, cache, tables, table_stride, lens, scale);
     case 64:
-      return decode_avx512<T, 4>(out, q, cache, tables, table_stride, lens, scale, nullptr);
+      return attend_avx512<T, 4>(out, q, cache, tables, table_stride, lens, scale);
     case 128:
-      return decode_avx512<T, 8>(out, q, cache, tables, table_stride, lens, scale, nullptr);
+      return attend_avx512<T, 8>(out, q, cache, tables, table_stride, lens, scale);
     default:
       break;
   }

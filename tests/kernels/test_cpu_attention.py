@@ -75,7 +75,10 @@ def prompt_rows(case: DecodeCase, chunks: list[tuple[int, int, int]]) -> DecodeC
     g = torch.Generator().manual_seed(len(picks))
     num_heads, head_dim = case.q.shape[1:]
     num_kv_heads = case.cache.shape[3]
-    fresh = lambda heads: torch.randn(len(picks), heads, head_dim, generator=g).to(case.q.dtype)  # noqa: E731
+
+    def fresh(heads: int) -> torch.Tensor:
+        return torch.randn(len(picks), heads, head_dim, generator=g).to(case.q.dtype)
+
     return DecodeCase(
         fresh(num_heads),
         fresh(num_kv_heads),
