@@ -35,6 +35,7 @@ void check_rows(const at::Tensor& t, const char* name) {
 
 #if defined(__AVX512F__)
 using loragate_cpu::load16;
+using loragate_cpu::silu_mul16;
 using loragate_cpu::store16;
 
 // A row of n = 16 k: two passes, each 16 columns at a time (the sum, the residual's rounding and the fp32 copy of the
@@ -162,19 +163,6 @@ void silu_mul_f32(float* __restrict gate, const float* __restrict up, int64_t n)
     gate[e] = x * (x >= 0.f ? 1.f : big) / (1.f + big) * up[e];
   }
 }
-
-#if defined(__AVX512F__)
-// 16 of silu_mul_f32 at once; 1 / (1 + E) as the reciprocal estimate and one Newton step (within an ulp or two of
-// the division, whose throughput was half the loop's time).
-inline __m512 silu_mul16(__m512 x, __m512 up) {
-  const __m512 big = loragate_cpu::exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-  const __m512 num = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), x, big);
-  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), big);
-  __m512 inv = _mm512_rcp14_ps(den);
-  inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
-  return _mm512_mul_ps(_mm512_mul_ps(num, inv), up);
-}
-#endif
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");

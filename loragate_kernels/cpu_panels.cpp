@@ -4,6 +4,8 @@
 //
 //   panel_pack_weight(weight)                  weight [N, K] fp32 -> panels [ceil(N / 96), K, 96], zero-padded
 //   panel_linear(x, panels, bias, n)           x [M, K] @ weight^T (+ bias [n]) -> new [M, n] fp32
+//   panel_linear_silu(x, panels, bias, n)      the same for a [gate; up] weight, then silu(gate) * up -> new [M, n / 2]
+//                                              (cpu_layer.cpp's silu_mul, fused: the MLP's first GEMM without LoRA)
 //   panel_linear_lora(x, panels, bias, n, segments, pool, block, out_cols)
 //                                              the same with a LoRA group added (cpu_lora.cpp's op, one call)
 //   panels_ready()                             whether this build has the kernel (a CPU with AVX-512)
@@ -28,7 +30,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
+#include "cpu_common.h"
 #include "cpu_lora.h"
 
 #if defined(__AVX512F__)
@@ -106,26 +110,36 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t k, const floa
   }
 }
 
-// y [m, n] = x . the panels (+ bias). Work items are (panel, run of rows): one run of every row where the panels
-// alone keep every thread busy (2 threads: every GEMM of SmolLM2), more where they are fewer than twice the threads.
+// Work items are (panel, run of rows): one run of every row where the panels alone keep every thread busy (2 threads:
+// every GEMM of SmolLM2), more where they are fewer than twice the threads. Returns (runs, rows a run).
+std::pair<int64_t, int64_t> split_rows(int64_t m, int64_t num_panels) {
+  const int64_t m_tiles = (m + 3) / 4, threads = at::get_num_threads();
+  const int64_t runs = num_panels >= 2 * threads ? 1 : std::min(m_tiles, (2 * threads + num_panels - 1) / num_panels);
+  const int64_t run_rows = 4 * ((m_tiles + runs - 1) / runs);
+  return {(m + run_rows - 1) / run_rows, run_rows};
+}
+
+// An Ahead over `panel` (panel_elems floats), spread over the `tiles` tile passes of an item.
+Ahead ahead_over(const float* panel, int64_t panel_elems, int64_t tiles, int64_t k) {
+  Ahead ahead;
+  ahead.next = reinterpret_cast<const char*>(panel);
+  ahead.end = ahead.next + panel_elems * static_cast<int64_t>(sizeof(float));
+  const int64_t steps = tiles * ((k + 7) / 8);
+  ahead.per_step = ((ahead.end - ahead.next) / 64 + steps - 1) / steps;
+  return ahead;
+}
+
+// y [m, n] = x . the panels (+ bias).
 void multiply(const float* x, int64_t ldx, int64_t m, const float* panels, int64_t num_panels, int64_t k,
               const float* bias, float* y, int64_t n) {
-  const int64_t m_tiles = (m + 3) / 4, panel_elems = k * PANEL, k_steps = (k + 7) / 8;
-  const int64_t threads = at::get_num_threads();
-  int64_t runs = num_panels >= 2 * threads ? 1 : std::min(m_tiles, (2 * threads + num_panels - 1) / num_panels);
-  const int64_t run_rows = 4 * ((m_tiles + runs - 1) / runs);
-  runs = (m + run_rows - 1) / run_rows;
+  const int64_t panel_elems = k * PANEL;
+  const auto [runs, run_rows] = split_rows(m, num_panels);
   at::parallel_for(0, num_panels * runs, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t p = item / runs, r0 = (item % runs) * run_rows, r1 = std::min(m, r0 + run_rows);
       const float* panel = panels + p * panel_elems;
       Ahead ahead;  // the thread's next panel, asked for over this item's passes
-      if (item + 1 < hi && (item + 1) / runs != p) {
-        ahead.next = reinterpret_cast<const char*>(panel + panel_elems);
-        ahead.end = ahead.next + panel_elems * static_cast<int64_t>(sizeof(float));
-        const int64_t steps = (r1 - r0 + 3) / 4 * k_steps;
-        ahead.per_step = ((ahead.end - ahead.next) / 64 + steps - 1) / steps;
-      }
+      if (item + 1 < hi && (item + 1) / runs != p) ahead = ahead_over(panel + panel_elems, panel_elems, (r1 - r0 + 3) / 4, k);
       const int64_t c0 = p * PANEL, width = std::min(PANEL, n - c0);
       const float* b = bias ? bias + c0 : nullptr;
       for (int64_t m0 = r0; m0 < r1; m0 += 4) {
@@ -136,6 +150,54 @@ void multiply(const float* x, int64_t ldx, int64_t m, const float* panels, int64
           case 3: tile<3>(xt, ldx, panel, k, b, yt, n, width, ahead); break;
           case 2: tile<2>(xt, ldx, panel, k, b, yt, n, width, ahead); break;
           default: tile<1>(xt, ldx, panel, k, b, yt, n, width, ahead); break;
+        }
+      }
+    }
+  });
+}
+
+// y[m, 0 : PANEL] = silu(x[m] . gate panel (+ bias)) * (x[m] . up panel (+ bias)) for m < MT: both tiles' sums
+// in L1, then the activation, 16 columns at a time.
+template <int MT>
+void silu_tile(const float* x, int64_t ldx, const float* gate, const float* up, int64_t k, const float* gate_bias,
+               const float* up_bias, float* y, int64_t ldy, Ahead& ahead_gate, Ahead& ahead_up) {
+  alignas(64) float g[MT][PANEL], u[MT][PANEL];
+  tile<MT>(x, ldx, gate, k, gate_bias, &g[0][0], PANEL, PANEL, ahead_gate);
+  tile<MT>(x, ldx, up, k, up_bias, &u[0][0], PANEL, PANEL, ahead_up);
+  for (int m = 0; m < MT; ++m)
+    for (int v = 0; v < 6; ++v)
+      _mm512_storeu_ps(y + m * ldy + 16 * v,
+                       loragate_cpu::silu_mul16(_mm512_load_ps(&g[m][16 * v]), _mm512_load_ps(&u[m][16 * v])));
+}
+
+// y [m, half] = silu(x . gate panels (+ bias)) * (x . up panels (+ bias)): pair p is gate panel p and up panel
+// p + pairs (the weight's rows [gate; up], half = 96 pairs). An item computes a pair over a run of rows, and asks
+// for the next pair's two panels, each over its own tiles' passes.
+void multiply_silu(const float* x, int64_t ldx, int64_t m, const float* panels, int64_t pairs, int64_t k,
+                   const float* bias, float* y) {
+  const int64_t panel_elems = k * PANEL, half = pairs * PANEL;
+  const auto [runs, run_rows] = split_rows(m, pairs);
+  at::parallel_for(0, pairs * runs, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t p = item / runs, r0 = (item % runs) * run_rows, r1 = std::min(m, r0 + run_rows);
+      const float* gate = panels + p * panel_elems;
+      const float* up = gate + pairs * panel_elems;
+      Ahead ahead_gate, ahead_up;
+      if (item + 1 < hi && (item + 1) / runs != p) {
+        const int64_t tiles = (r1 - r0 + 3) / 4;
+        ahead_gate = ahead_over(gate + panel_elems, panel_elems, tiles, k);
+        ahead_up = ahead_over(up + panel_elems, panel_elems, tiles, k);
+      }
+      const float* gate_bias = bias ? bias + p * PANEL : nullptr;
+      const float* up_bias = bias ? bias + half + p * PANEL : nullptr;
+      for (int64_t m0 = r0; m0 < r1; m0 += 4) {
+        const float* xt = x + m0 * ldx;
+        float* yt = y + m0 * half + p * PANEL;
+        switch (std::min<int64_t>(4, r1 - m0)) {
+          case 4: silu_tile<4>(xt, ldx, gate, up, k, gate_bias, up_bias, yt, half, ahead_gate, ahead_up); break;
+          case 3: silu_tile<3>(xt, ldx, gate, up, k, gate_bias, up_bias, yt, half, ahead_gate, ahead_up); break;
+          case 2: silu_tile<2>(xt, ldx, gate, up, k, gate_bias, up_bias, yt, half, ahead_gate, ahead_up); break;
+          default: silu_tile<1>(xt, ldx, gate, up, k, gate_bias, up_bias, yt, half, ahead_gate, ahead_up); break;
         }
       }
     }
@@ -161,9 +223,10 @@ at::Tensor panel_pack_weight(const at::Tensor& weight) {
   return out;
 }
 
-at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
-                        int64_t n) {
-  TORCH_CHECK(panels_ready(), "panel_linear: this build has no AVX-512");
+// x (columns contiguous) and the bias's pointer (or null), after checking both against panels of an [n, K] weight.
+std::pair<at::Tensor, const float*> checked(const char* op, const at::Tensor& x_in, const at::Tensor& panels,
+                                            const c10::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(panels_ready(), op, ": this build has no AVX-512");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
@@ -178,7 +241,12 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const 
                 "bias must be a contiguous float32 [", n, "]");
     bias_ptr = bias->data_ptr<float>();
   }
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  return {x_in.stride(1) == 1 ? x_in : x_in.contiguous(), bias_ptr};
+}
+
+at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                        int64_t n) {
+  const auto [x, bias_ptr] = checked("panel_linear", x_in, panels, bias, n);
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor y = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (m == 0 || n == 0) return y;
@@ -186,6 +254,24 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const 
 #if defined(__AVX512F__)
   multiply(x.data_ptr<float>(), x.stride(0), m, panels.data_ptr<float>(), panels.size(0), k, bias_ptr,
            y.data_ptr<float>(), n);
+#endif
+  return y;
+}
+
+// panel_linear of a [gate; up] weight with cpu_layer.cpp's silu_mul on its output, in one pass: equal to
+// silu_mul(panel_linear(x, panels, bias, n)) to the bit, without the [M, n] product in memory.
+at::Tensor panel_linear_silu(const at::Tensor& x_in, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                             int64_t n) {
+  const auto [x, bias_ptr] = checked("panel_linear_silu", x_in, panels, bias, n);
+  TORCH_CHECK(n % (2 * PANEL) == 0, "panel_linear_silu: n = ", n, " is not a multiple of ", 2 * PANEL,
+              " (gate and up must each fill whole panels)");
+  const int64_t m = x.size(0), k = x.size(1), half = n / 2;
+  TORCH_CHECK(k > 0, "panel_linear_silu: the weight has no columns");
+  at::Tensor y = at::empty({m, half}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (m == 0 || n == 0) return y;
+#if defined(__AVX512F__)
+  multiply_silu(x.data_ptr<float>(), x.stride(0), m, panels.data_ptr<float>(), half / PANEL, k, bias_ptr,
+                y.data_ptr<float>());
 #endif
   return y;
 }
@@ -206,6 +292,7 @@ TORCH_LIBRARY_FRAGMENT(loragate_cpu, m) {
   m.def("panels_ready() -> bool", &panels_ready);  // no tensor arguments: one kernel for every dispatch key
   m.def("panel_pack_weight(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
+  m.def("panel_linear_silu(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
   m.def(
       "panel_linear_lora(Tensor x, Tensor panels, Tensor? bias, int n, Tensor segments, Tensor pool, Tensor block, "
       "int[] out_cols) -> Tensor");
@@ -214,5 +301,6 @@ TORCH_LIBRARY_FRAGMENT(loragate_cpu, m) {
 TORCH_LIBRARY_IMPL(loragate_cpu, CPU, m) {
   m.impl("panel_pack_weight", &panel_pack_weight);
   m.impl("panel_linear", &panel_linear);
+  m.impl("panel_linear_silu", &panel_linear_silu);
   m.impl("panel_linear_lora", &panel_linear_lora);
 }

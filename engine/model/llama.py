@@ -150,9 +150,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, lora: LayerLoraDelta | None, ops: LayerOps) -> torch.Tensor:
-        # [T, 2 * intermediate]: gate | up
-        gate_up = self.gate_up_proj(x) if lora is None else lora.linear("gate_up", self.gate_up_proj, x)
-        act = ops.silu_mul(gate_up)  # [T, intermediate]
+        act = None  # [T, intermediate]
+        if lora is None and ops.name == "cpp" and isinstance(self.gate_up_proj, PackedLinear):
+            act = self.gate_up_proj.silu_mul(x)  # the GEMM and the activation in one op, where its route has one
+        if act is None:
+            # [T, 2 * intermediate]: gate | up
+            gate_up = self.gate_up_proj(x) if lora is None else lora.linear("gate_up", self.gate_up_proj, x)
+            act = ops.silu_mul(gate_up)
         return self.down_proj(act) if lora is None else lora.linear("down", self.down_proj, act)
 
 

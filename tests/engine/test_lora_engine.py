@@ -18,6 +18,9 @@ from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request, SamplingParams
 from engine.lora.batch import LoraBatch
 from engine.lora.stacks import MAX_ROWS_PER_ADAPTER, LoraStacks, StackPlan
+from engine.model.cpu_gemm import panels_usable
+from engine.model.sources import build_tiny_random
+from loragate_kernels import gemm_backend
 
 from lora_fixtures import make_peft_adapter, peft_greedy
 
@@ -95,6 +98,29 @@ def test_mixed_batch_matches_peft(tiny_adapter_dir, prompts, reference) -> None:
     # The adapters really change the output (the comparison above is not base vs base).
     assert sum(reference[(name, 0)] != reference[(None, 0)] for name in TINY_ADAPTERS) >= 4
     assert engine.device_adapters.counters.loads == len(TINY_ADAPTERS)
+
+
+def test_mlp_adapters_match_peft_where_the_activation_fuses(tmp_path: Path) -> None:
+    """A model whose gate and up fill whole 96-column panels: on cpu_panels.cpp's route its base rows take the GEMM
+    with the activation fused (engine/model/cpu_gemm.py PackedLinear.silu_mul), and steps with adapters on the MLP
+    keep their deltas on gate and up (which the fused op has no room for: the MLP runs the two ops apart there)."""
+    model_dir = build_tiny_random(tmp_path / "model", seed=5, intermediate_size=192)
+    specs = {"mlp": TINY_ADAPTERS["r32-mlp"], "gate-up": dict(r=8, alpha=16, targets=["gate_proj", "up_proj"])}
+    for seed, (name, kwargs) in enumerate(specs.items()):
+        make_peft_adapter(model_dir, tmp_path / "adapters" / name, seed=seed, b_std=0.3, **kwargs)
+    engine = LLMEngine(EngineConfig(dtype="float32", model=str(model_dir), adapter_dir=str(tmp_path / "adapters")))
+    prompts = [[random.Random(i).randrange(3, 250) for _ in range(9 + 5 * i)] for i in range(2)]
+    jobs = [(name, i) for name in [None, *specs] for i in range(2)]
+    ours = run_all(engine, jobs, prompts)
+    want = {
+        (name, i): peft_greedy(model_dir, name and tmp_path / "adapters" / name, prompts[i], NEW_TOKENS)
+        for name, i in jobs
+    }
+    assert ours == want
+    assert all(want[(name, 0)] != want[(None, 0)] for name in specs)  # the MLP deltas change the output
+    mlp = engine.model.layers[0].mlp
+    fused = mlp.gate_up_proj.silu_mul(torch.zeros(1, mlp.gate_up_proj.in_features))
+    assert (fused is not None) == (gemm_backend(torch.device("cpu")) == "cpp" and panels_usable())
 
 
 @pytest.fixture

@@ -38,6 +38,7 @@ from engine.model.cpu_gemm import (
     panels_usable,
     warm_up_gemms,
 )
+from engine.model.layer_ops import CppLayerOps, TorchLayerOps
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.model.sources import build_tiny_random, load_tokenizer, resolve_model
@@ -287,8 +288,9 @@ LLAMA3_ROPE = {
         {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
         {"head_dim": 32},
         {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1},
+        {"intermediate_size": 192, "mlp_bias": True},  # gate and up fill whole panels: the fused activation
     ],
-    ids=["tied", "llama3-rope", "linear-rope", "head-dim-32", "bias-mqa"],
+    ids=["tied", "llama3-rope", "linear-rope", "head-dim-32", "bias-mqa", "fused-mlp"],
 )
 def test_variants_match_hf(tmp_path: Path, overrides: dict, layer_backend: str, gemm_backend: str) -> None:
     model_dir = build_tiny_random(tmp_path / "model", seed=1, num_hidden_layers=2, **overrides)
@@ -348,6 +350,27 @@ def test_prepacked_gemms_match_plain_linear(tmp_path: Path, dtype: torch.dtype, 
         Seq(random_tokens(9, plain.config.vocab_size, seed=3)),
     )
     torch.testing.assert_close(got.step([(seq_a, 9)])[0], want.step([(seq_b, 9)])[0], atol=tol * 10, rtol=tol * 10)
+
+
+@pytest.mark.parametrize("intermediate", [128, 192])
+def test_the_mlp_activation_fuses_where_panels_pair_up(
+    tmp_path: Path, intermediate: int, layer_backend: str, gemm_backend: str
+) -> None:
+    """On cpu_panels.cpp's route, with the C++ layer ops and no LoRA, the MLP's gate_up GEMM and its activation are one
+    op (PackedLinear.silu_mul) wherever gate and up each fill whole 96-column panels, and give the very floats the two
+    ops give; elsewhere (128 = 1.33 panels, oneDNN, torch's layer ops) the MLP runs them apart. test_variants_match_hf
+    ("fused-mlp") holds the fused model to HF."""
+    model_dir = build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=1, intermediate_size=intermediate)
+    mlp = load_model(model_dir, torch.float32, CPU).layers[0].mlp
+    x = torch.randn(37, mlp.gate_up_proj.in_features, generator=torch.Generator().manual_seed(0))
+    fused = mlp.gate_up_proj.silu_mul(x)
+    fuses = gemm_backend == "cpp" and panels_usable() and intermediate % 96 == 0
+    assert (fused is not None) == fuses
+    ops = CppLayerOps if layer_backend == "cpp" else TorchLayerOps
+    apart = ops.silu_mul(mlp.gate_up_proj(x))
+    if fused is not None:
+        assert torch.equal(fused, CppLayerOps.silu_mul(mlp.gate_up_proj(x)))
+    assert torch.equal(mlp(x, None, ops), mlp.down_proj(fused if fused is not None and ops is CppLayerOps else apart))
 
 
 def test_bf16_gemm_dtype_follows_onednn(tmp_path: Path) -> None:

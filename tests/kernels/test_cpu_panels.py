@@ -3,7 +3,9 @@ with AVX-512) against a float64 oracle and F.linear: every tile height (rows in 
 that fill no whole panel (96 columns, zero-padded) or several, K that is no multiple of the 64-column blocks the
 tile sums in registers, prompt-sized row counts, a wide LM-head-like weight (each thread asking for its next panel),
 runs of rows split across threads where the panels are few, a bias, inputs with padded row strides, empty shapes;
-the layout itself against the weight; bad arguments refused with an error.
+the layout itself against the weight; bad arguments refused with an error. `panel_linear_silu` (the same GEMM of a
+[gate; up] weight with the MLP's activation on its tiles) against `panel_linear` then cpu_layer.cpp's `silu_mul`, to
+the bit, and against F.silu over a float64 product.
 """
 
 from __future__ import annotations
@@ -84,6 +86,38 @@ def test_bad_arguments_are_refused(
 ) -> None:
     with pytest.raises(RuntimeError, match=message):
         torch.ops.loragate_cpu.panel_linear(x, panels, b, n)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 32, 77, 512])
+@pytest.mark.parametrize(("half", "k"), [(96, 64), (192, 65), (1536, 576)])
+def test_the_fused_activation_equals_the_two_ops(m: int, half: int, k: int, threads: int) -> None:
+    """silu(gate) * up straight from the tiles: the very floats panel_linear and silu_mul give (same sums in the same
+    order, the same activation), and within fp32 rounding of F.silu over a float64 product (sums of up to ~10). Rows
+    split into runs where the pairs of panels are few (half = 96: one pair)."""
+    torch.set_num_threads(threads)
+    x, w, b = operands(m, 2 * half, k, seed=m * 7 + half + k)
+    w[:half] *= 8  # gate sums over the activation's whole range, both tails included
+    packed = pack(w)
+    for bias in (None, b):
+        got = torch.ops.loragate_cpu.panel_linear_silu(x, packed, bias, 2 * half)
+        assert got.shape == (m, half)
+        two_ops = torch.ops.loragate_cpu.silu_mul(torch.ops.loragate_cpu.panel_linear(x, packed, bias, 2 * half))
+        assert torch.equal(got, two_ops)
+        exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        gate, up = exact.split(half, dim=1)
+        torch.testing.assert_close(got.double(), torch.nn.functional.silu(gate) * up, rtol=1e-4, atol=1e-4)
+    torch.set_num_threads(2)
+
+
+def test_the_fused_activation_refuses_what_it_cannot_split() -> None:
+    x = torch.ones(2, 8)
+    with pytest.raises(RuntimeError, match="multiple of 192"):  # gate and up would share a panel
+        torch.ops.loragate_cpu.panel_linear_silu(x, pack(torch.ones(96, 8)), None, 96)
+    with pytest.raises(RuntimeError, match="no columns"):
+        torch.ops.loragate_cpu.panel_linear_silu(torch.ones(2, 0), torch.ones(2, 0, 96), None, 192)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.loragate_cpu.panel_linear_silu(x.double(), pack(torch.ones(192, 8)), None, 192)
 
 
 def test_the_pack_refuses_what_it_cannot_lay_out() -> None:
