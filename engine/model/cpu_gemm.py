@@ -223,10 +223,12 @@ class PackedLinear(nn.Module):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this layer's output, a [gate; up] projection (x [T, in] -> [T, out / 2]), equal to
         loragate_kernels/cpu_layer.cpp's `silu_mul` on it to the bit, in one op where its route has one
-        (loragate_kernels/cpu_panels.cpp `panel_linear_silu`: the [T, out] product never reaches memory; a 512-row
-        prompt chunk's gate_up GEMM and activation on SmolLM2, 2-core AVX-512 EPYC: 8.9 -> 8.4 ms); None elsewhere,
-        and the caller applies the activation itself."""
-        if self.panels and x.dim() == 2 and x.dtype == self.weight.dtype and self.out_features % 192 == 0:
+        (loragate_kernels/cpu_panels.cpp `panel_linear_silu`: the [T, out] product never reaches memory; on a 2-core
+        AVX-512 EPYC, SmolLM2's gate_up GEMM and activation at 512 rows 8.9 -> 8.4 ms alone, and in a served burst's
+        profile, `python bench/served_steps.py --profile`, a prompt step's GEMMs and activations 515 -> 514 ms, a
+        decode step's 45.8 -> 44.6 ms); None elsewhere, and the caller applies the activation itself."""
+        whole_panels = self.out_features % (2 * PANEL_COLUMNS) == 0  # gate and up share no panel
+        if self.panels and whole_panels and x.dim() == 2 and x.dtype == self.weight.dtype:
             return torch.ops.loragate_cpu.panel_linear_silu(x, self.weight, self.bias, self.out_features)
         return None
 
