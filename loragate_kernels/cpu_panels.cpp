@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "cpu_common.h"
@@ -110,21 +111,43 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t k, const floa
   }
 }
 
-// Work items are (panel, run of rows): one run of every row where the panels alone keep every thread busy (2 threads:
-// every GEMM of SmolLM2), more where they are fewer than twice the threads. Returns (runs, rows a run).
-std::pair<int64_t, int64_t> split_rows(int64_t m, int64_t num_panels) {
+// fn(p, r0, r1, ask) for every work item: group p of panels (one panel, or a gate/up pair) over rows [r0, r1), split
+// across the threads. One run of every row where the groups alone keep every thread busy (2 threads: every GEMM of
+// SmolLM2), more where they are fewer than twice the threads. `ask`: the thread's next item starts the next group,
+// whose panels are worth asking for while this one computes.
+template <typename F>
+void for_items(int64_t m, int64_t groups, const F& fn) {
   const int64_t m_tiles = (m + 3) / 4, threads = at::get_num_threads();
-  const int64_t runs = num_panels >= 2 * threads ? 1 : std::min(m_tiles, (2 * threads + num_panels - 1) / num_panels);
+  int64_t runs = groups >= 2 * threads ? 1 : std::min(m_tiles, (2 * threads + groups - 1) / groups);
   const int64_t run_rows = 4 * ((m_tiles + runs - 1) / runs);
-  return {(m + run_rows - 1) / run_rows, run_rows};
+  runs = (m + run_rows - 1) / run_rows;
+  at::parallel_for(0, groups * runs, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t p = item / runs, r0 = (item % runs) * run_rows;
+      fn(p, r0, std::min(m, r0 + run_rows), item + 1 < hi && (item + 1) / runs != p);
+    }
+  });
 }
 
-// An Ahead over `panel` (panel_elems floats), spread over the `tiles` tile passes of an item.
-Ahead ahead_over(const float* panel, int64_t panel_elems, int64_t tiles, int64_t k) {
+// fn(std::integral_constant<int, MT>{}, m0) for the tiles of rows [r0, r1): MT = 4 rows each, fewer in the last.
+template <typename F>
+void for_tiles(int64_t r0, int64_t r1, const F& fn) {
+  for (int64_t m0 = r0; m0 < r1; m0 += 4) {
+    switch (std::min<int64_t>(4, r1 - m0)) {
+      case 4: fn(std::integral_constant<int, 4>{}, m0); break;
+      case 3: fn(std::integral_constant<int, 3>{}, m0); break;
+      case 2: fn(std::integral_constant<int, 2>{}, m0); break;
+      default: fn(std::integral_constant<int, 1>{}, m0); break;
+    }
+  }
+}
+
+// An Ahead over `panel` (panel_elems floats), spread over the passes of an item's tiles of rows [r0, r1).
+Ahead ahead_over(const float* panel, int64_t panel_elems, int64_t r0, int64_t r1, int64_t k) {
   Ahead ahead;
   ahead.next = reinterpret_cast<const char*>(panel);
   ahead.end = ahead.next + panel_elems * static_cast<int64_t>(sizeof(float));
-  const int64_t steps = tiles * ((k + 7) / 8);
+  const int64_t steps = (r1 - r0 + 3) / 4 * ((k + 7) / 8);
   ahead.per_step = ((ahead.end - ahead.next) / 64 + steps - 1) / steps;
   return ahead;
 }
@@ -133,74 +156,42 @@ Ahead ahead_over(const float* panel, int64_t panel_elems, int64_t tiles, int64_t
 void multiply(const float* x, int64_t ldx, int64_t m, const float* panels, int64_t num_panels, int64_t k,
               const float* bias, float* y, int64_t n) {
   const int64_t panel_elems = k * PANEL;
-  const auto [runs, run_rows] = split_rows(m, num_panels);
-  at::parallel_for(0, num_panels * runs, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t item = lo; item < hi; ++item) {
-      const int64_t p = item / runs, r0 = (item % runs) * run_rows, r1 = std::min(m, r0 + run_rows);
-      const float* panel = panels + p * panel_elems;
-      Ahead ahead;  // the thread's next panel, asked for over this item's passes
-      if (item + 1 < hi && (item + 1) / runs != p) ahead = ahead_over(panel + panel_elems, panel_elems, (r1 - r0 + 3) / 4, k);
-      const int64_t c0 = p * PANEL, width = std::min(PANEL, n - c0);
-      const float* b = bias ? bias + c0 : nullptr;
-      for (int64_t m0 = r0; m0 < r1; m0 += 4) {
-        const float* xt = x + m0 * ldx;
-        float* yt = y + m0 * n + c0;
-        switch (std::min<int64_t>(4, r1 - m0)) {
-          case 4: tile<4>(xt, ldx, panel, k, b, yt, n, width, ahead); break;
-          case 3: tile<3>(xt, ldx, panel, k, b, yt, n, width, ahead); break;
-          case 2: tile<2>(xt, ldx, panel, k, b, yt, n, width, ahead); break;
-          default: tile<1>(xt, ldx, panel, k, b, yt, n, width, ahead); break;
-        }
-      }
-    }
+  for_items(m, num_panels, [&](int64_t p, int64_t r0, int64_t r1, bool ask) {
+    const float* panel = panels + p * panel_elems;
+    Ahead ahead = ask ? ahead_over(panel + panel_elems, panel_elems, r0, r1, k) : Ahead{};
+    const int64_t c0 = p * PANEL, width = std::min(PANEL, n - c0);
+    const float* b = bias ? bias + c0 : nullptr;
+    for_tiles(r0, r1, [&](auto mt, int64_t m0) {
+      tile<decltype(mt)::value>(x + m0 * ldx, ldx, panel, k, b, y + m0 * n + c0, n, width, ahead);
+    });
   });
 }
 
-// y[m, 0 : PANEL] = silu(x[m] . gate panel (+ bias)) * (x[m] . up panel (+ bias)) for m < MT: both tiles' sums
-// in L1, then the activation, 16 columns at a time.
-template <int MT>
-void silu_tile(const float* x, int64_t ldx, const float* gate, const float* up, int64_t k, const float* gate_bias,
-               const float* up_bias, float* y, int64_t ldy, Ahead& ahead_gate, Ahead& ahead_up) {
-  alignas(64) float g[MT][PANEL], u[MT][PANEL];
-  tile<MT>(x, ldx, gate, k, gate_bias, &g[0][0], PANEL, PANEL, ahead_gate);
-  tile<MT>(x, ldx, up, k, up_bias, &u[0][0], PANEL, PANEL, ahead_up);
-  for (int m = 0; m < MT; ++m)
-    for (int v = 0; v < 6; ++v)
-      _mm512_storeu_ps(y + m * ldy + 16 * v,
-                       loragate_cpu::silu_mul16(_mm512_load_ps(&g[m][16 * v]), _mm512_load_ps(&u[m][16 * v])));
-}
-
-// y [m, half] = silu(x . gate panels (+ bias)) * (x . up panels (+ bias)): pair p is gate panel p and up panel
-// p + pairs (the weight's rows [gate; up], half = 96 pairs). An item computes a pair over a run of rows, and asks
-// for the next pair's two panels, each over its own tiles' passes.
+// y [m, half] = silu(x . gate panels (+ bias)) * (x . up panels (+ bias)), the weight's rows [gate; up] and half =
+// 96 pairs: pair p is gate panel p and up panel p + pairs. Per tile, both panels' sums wait in L1 for the activation
+// (cpu_common.h `silu_mul16`), 16 columns at a time; an item asks for the next pair's two panels, each over its own
+// tiles' passes.
 void multiply_silu(const float* x, int64_t ldx, int64_t m, const float* panels, int64_t pairs, int64_t k,
                    const float* bias, float* y) {
   const int64_t panel_elems = k * PANEL, half = pairs * PANEL;
-  const auto [runs, run_rows] = split_rows(m, pairs);
-  at::parallel_for(0, pairs * runs, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t item = lo; item < hi; ++item) {
-      const int64_t p = item / runs, r0 = (item % runs) * run_rows, r1 = std::min(m, r0 + run_rows);
-      const float* gate = panels + p * panel_elems;
-      const float* up = gate + pairs * panel_elems;
-      Ahead ahead_gate, ahead_up;
-      if (item + 1 < hi && (item + 1) / runs != p) {
-        const int64_t tiles = (r1 - r0 + 3) / 4;
-        ahead_gate = ahead_over(gate + panel_elems, panel_elems, tiles, k);
-        ahead_up = ahead_over(up + panel_elems, panel_elems, tiles, k);
-      }
-      const float* gate_bias = bias ? bias + p * PANEL : nullptr;
-      const float* up_bias = bias ? bias + half + p * PANEL : nullptr;
-      for (int64_t m0 = r0; m0 < r1; m0 += 4) {
-        const float* xt = x + m0 * ldx;
-        float* yt = y + m0 * half + p * PANEL;
-        switch (std::min<int64_t>(4, r1 - m0)) {
-          case 4: silu_tile<4>(xt, ldx, gate, up, k, gate_bias, up_bias, yt, half, ahead_gate, ahead_up); break;
-          case 3: silu_tile<3>(xt, ldx, gate, up, k, gate_bias, up_bias, yt, half, ahead_gate, ahead_up); break;
-          case 2: silu_tile<2>(xt, ldx, gate, up, k, gate_bias, up_bias, yt, half, ahead_gate, ahead_up); break;
-          default: silu_tile<1>(xt, ldx, gate, up, k, gate_bias, up_bias, yt, half, ahead_gate, ahead_up); break;
-        }
-      }
-    }
+  for_items(m, pairs, [&](int64_t p, int64_t r0, int64_t r1, bool ask) {
+    const float* gate = panels + p * panel_elems;
+    const float* up = gate + pairs * panel_elems;
+    Ahead ahead_gate = ask ? ahead_over(gate + panel_elems, panel_elems, r0, r1, k) : Ahead{};
+    Ahead ahead_up = ask ? ahead_over(up + panel_elems, panel_elems, r0, r1, k) : Ahead{};
+    const float* gate_bias = bias ? bias + p * PANEL : nullptr;
+    const float* up_bias = bias ? bias + half + p * PANEL : nullptr;
+    for_tiles(r0, r1, [&](auto mt, int64_t m0) {
+      constexpr int MT = decltype(mt)::value;
+      alignas(64) float g[MT][PANEL], u[MT][PANEL];
+      tile<MT>(x + m0 * ldx, ldx, gate, k, gate_bias, &g[0][0], PANEL, PANEL, ahead_gate);
+      tile<MT>(x + m0 * ldx, ldx, up, k, up_bias, &u[0][0], PANEL, PANEL, ahead_up);
+      float* yt = y + m0 * half + p * PANEL;
+      for (int r = 0; r < MT; ++r)
+        for (int v = 0; v < 6; ++v)
+          _mm512_storeu_ps(yt + r * half + 16 * v,
+                           loragate_cpu::silu_mul16(_mm512_load_ps(&g[r][16 * v]), _mm512_load_ps(&u[r][16 * v])));
+    });
   });
 }
 #endif

@@ -176,6 +176,8 @@ class PackedLinear(nn.Module):
         compute_dtype = compute_dtype or weight.dtype
         self.panels = cpp and compute_dtype == torch.float32 and panels_usable()
         self.skinny = cpp and compute_dtype == torch.float32 and not self.panels
+        # a [gate; up] weight whose halves fill whole panels can take its activation on the tiles (`silu_mul`)
+        self.silu_fusable = self.panels and self.out_features % (2 * PANEL_COLUMNS) == 0
         self.tiles = (
             cpp
             and compute_dtype == torch.bfloat16
@@ -227,8 +229,7 @@ class PackedLinear(nn.Module):
         AVX-512 EPYC, SmolLM2's gate_up GEMM and activation at 512 rows 8.9 -> 8.4 ms alone, and in a served burst's
         profile, `python bench/served_steps.py --profile`, a prompt step's GEMMs and activations 515 -> 514 ms, a
         decode step's 45.8 -> 44.6 ms); None elsewhere, and the caller applies the activation itself."""
-        whole_panels = self.out_features % (2 * PANEL_COLUMNS) == 0  # gate and up share no panel
-        if self.panels and whole_panels and x.dim() == 2 and x.dtype == self.weight.dtype:
+        if self.silu_fusable and x.dim() == 2 and x.dtype == self.weight.dtype:
             return torch.ops.loragate_cpu.panel_linear_silu(x, self.weight, self.bias, self.out_features)
         return None
 
