@@ -42,7 +42,7 @@ from bench.gateway_overhead import BENCH_TENANT, KEY, free_port  # noqa: E402
 from bench.throughput import make_w1_adapters, scale_adapter_dir, w1_prompts, zipf_choices  # noqa: E402
 from engine.model.sources import cache_root, resolve_model  # noqa: E402
 from loragate.launch import stop, wait_healthy  # noqa: E402
-from loragate.stats import percentile  # noqa: E402
+from loragate_common.stats import percentile  # noqa: E402
 
 ADMISSION = """admission: {{max_inflight_per_upstream: 16, max_queue: 1024, queue_timeout_ms: 600000,
              affinity: {affinity}, spill_inflight: {spill}}}

@@ -40,9 +40,9 @@ sys.path.insert(0, str(REPO))
 from bench.affinity import metric, zipf_workload  # noqa: E402
 from bench.gateway_overhead import BENCH_TENANT, KEY, free_port  # noqa: E402
 from bench.load_routing import loragate  # noqa: E402
-from loragate.adapter_sources import ADAPTER_FILES, content_digest  # noqa: E402
 from loragate.launch import stop, wait_healthy  # noqa: E402
-from loragate.stats import percentile  # noqa: E402
+from loragate_common.adapter_sources import ADAPTER_FILES, content_digest  # noqa: E402
+from loragate_common.stats import percentile  # noqa: E402
 
 ADMIN_KEY = "bench-admin-key"
 BUCKET = "loragate-bench"

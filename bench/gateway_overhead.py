@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from loragate.launch import stop, wait_healthy  # noqa: E402
-from loragate.stats import percentile as pct  # noqa: E402
+from loragate_common.stats import percentile as pct  # noqa: E402
 
 KEY = "bench-key"
 # One tenant (its key read from LORAGATE_BENCH_KEY) whose limits never bind; bench/affinity.py shares it.

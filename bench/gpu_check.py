@@ -15,7 +15,7 @@ section only; a part whose subprocess fails prints `FAILED: reason` in its rows 
    itself, tests/lora_fixtures.py), greedy tokens from the engine (after LLMEngine.warm_up, which captures the
    graphs) with cuda_graphs on and off against PEFT + HF greedy decoding of each request alone.
 3. kernel throughput: Llama-8B sizes (hidden 4096, a q/k/v group with out columns 4096/1024/1024, rank 16 per
-   module), T rows each its own adapter, bf16: Triton SGMV (loragate_kernels/sgmv.py) vs its torch twin
+   module), T rows each its own adapter, bf16: Triton SGMV (loragate_kernels/triton/sgmv.py) vs its torch twin
    (loragate_kernels/reference.py) vs gather-bmm (bench/lora_kernels.py `sgmv_gather_bmm`, once per module); CUDA
    events, median of repeats. Target: gather-bmm / SGMV >= 2 at 64 adapters.
 4. engine throughput: SmolLM2-135M, then a random-weight Llama-8B-shaped model (written as bf16 safetensors
@@ -106,7 +106,7 @@ SMOKE_LLAMA_SHAPE = dict(  # the same code path at toy size; its vocab is larger
     max_position_embeddings=1024,
     rope_theta=500000.0,
 )
-# The smoke run's engine takes the GPU's kernels too (interpreted on CPU tensors, loragate_kernels/triton_jit.py).
+# The smoke run's engine takes the GPU's kernels too (interpreted on CPU tensors, loragate_kernels/triton/jit.py).
 TRITON_ON_CPU = {"LORAGATE_LORA_BACKEND": "triton", "LORAGATE_ATTENTION_BACKEND": "triton"}
 
 
@@ -341,7 +341,7 @@ def child_peft(rec: Recorder, ctx: ChildContext) -> None:
                 from engine.worker.cuda_graphs import EagerGraph
 
                 engine.enable_graphs(EagerGraph)
-            backend = engine.runner.lora_backend
+            backend = engine.backends.lora.value
             kind = None if engine.runner.graphs is None else "CUDA graphs" if s.device != "cpu" else "EagerGraph"
             # Interpreted (smoke), the warm-up's 30-odd requests take longer than all the rest: section 4 runs it.
             warm = {} if ctx.smoke else serve_warm_up(engine)
@@ -374,7 +374,7 @@ def child_kernels(rec: Recorder, ctx: ChildContext) -> None:
 
     from bench.lora_kernels import kernel_timer, make_case, sgmv_gather_bmm
     from loragate_kernels.reference import lora_sgmv, lora_sgmv_group
-    from loragate_kernels.sgmv import GroupTables, column_tiles, lora_sgmv_group_triton, plan_segments
+    from loragate_kernels.triton.sgmv import GroupTables, column_tiles, lora_sgmv_group_triton, plan_segments
 
     s = ctx.sizes
     dev = torch.device(s.device)
@@ -724,7 +724,7 @@ def engine_throughput(model_spec: str, adapter_root: Path, ids: list[str], graph
         for name, adapters in (("base", base), ("mixed", mixed)):  # interleaved: drift hits both alike
             runs[name].append(decode_pass(engine, f"{name}-{k}", prompts(), list(adapters), new))
     peak, peak_kind = peak_gib(s.device)
-    backend = engine.runner.lora_backend
+    backend = engine.backends.lora.value
     resident = len(engine.device_adapters.current_ids())
     captures = graph_captures(engine)
     del engine

@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 from bench.affinity import engine_counts, start_engine, zipf_workload  # noqa: E402
 from bench.gateway_overhead import BENCH_TENANT, KEY, free_port  # noqa: E402
 from loragate.launch import stop, wait_healthy  # noqa: E402
-from loragate.stats import percentile  # noqa: E402
+from loragate_common.stats import percentile  # noqa: E402
 
 ADMISSION = """admission: {{max_inflight_per_upstream: 16, max_queue: 1024, queue_timeout_ms: 600000,
              spill_inflight: 12, load_source: {source}}}

@@ -25,7 +25,7 @@ a device tier of 64 adapters.
 
 `--sides mixed,zipf:512` is the adapter-scale target (512 registered adapters within 10% of 8). Rounds in a multiple
 of the number of sides put every side on every engine equally often. `--backend` picks the CPU's LoRA path
-(loragate_kernels/__init__.py `lora_backend`).
+(LORAGATE_LORA_BACKEND, loragate_kernels/backends.py).
 
 A decode step streams every weight it multiplies from memory, the LoRA op's included: each distinct adapter of the
 batch once (`decode_adapter_bytes`). The last lines print those bytes per side, the machine's read bandwidth

@@ -1,6 +1,6 @@
 """Batched-LoRA kernels: per-segment matmuls on pool views vs gather-bmm on CPU at SmolLM2-135M sizes, the
 grouped twin (one shrink per fused projection) vs one call pair per module, and on a CUDA device the
-Triton SGMV kernels (loragate_kernels/sgmv.py) vs the same two at Llama-7B-like sizes.
+Triton SGMV kernels (loragate_kernels/triton/sgmv.py) vs the same two at Llama-7B-like sizes.
 
 (a) `loragate_kernels.reference.lora_sgmv`: one `mm` + one `addmm_` per segment on `as_strided` pool views.
 (b) gather-bmm (below, bench only): pad segments to the longest and ranks to the largest, gather x
@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loragate.stats import nearest_rank, percentile  # noqa: E402
+from loragate_common.stats import nearest_rank, percentile  # noqa: E402
 from loragate_kernels.reference import lora_sgmv, lora_sgmv_group  # noqa: E402
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]
@@ -302,7 +302,7 @@ def kernel_timer(device: torch.device, repeats: int) -> Callable[[Callable[[], o
 
 def gpu_table(repeats: int) -> None:
     """Triton vs per-segment torch vs gather-bmm on CUDA, hidden 4096, rank 16, one adapter per token."""
-    from loragate_kernels.sgmv import GroupTables, column_tiles, lora_sgmv_group_triton, plan_segments
+    from loragate_kernels.triton.sgmv import GroupTables, column_tiles, lora_sgmv_group_triton, plan_segments
 
     dev = torch.device("cuda")
     timed = kernel_timer(dev, repeats)

@@ -77,8 +77,8 @@ from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.core.request import SamplingParams  # noqa: E402
 from engine.model.sources import load_tokenizer, resolve_model  # noqa: E402
 from loragate.launch import stop  # noqa: E402
-from loragate.priority import Priority  # noqa: E402
-from loragate.stats import percentile as pct  # noqa: E402
+from loragate_common.priority import Priority  # noqa: E402
+from loragate_common.stats import percentile as pct  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while serving many adapters at once".split()
 POOL_MB = 256

@@ -1,5 +1,5 @@
 """Prompt rows on the paged attention kernel against SDPA, per layer: the rows a prefill step hands
-loragate_kernels/cpu_attention.cpp (engine/model/attention.py `_paged_rows`: a prompt token at position p is a row with
+loragate_kernels/cpu/attention.cpp (engine/model/attention.py `_paged_rows`: a prompt token at position p is a row with
 context p + 1 over its sequence's pages) and torch's `scaled_dot_product_attention` (causal) on the same K/V laid out
 dense, SmolLM2's heads (9 query heads, 3 kv heads, head dim 64), 16-token pages scattered over the cache.
 
@@ -46,9 +46,9 @@ def main() -> None:
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="the checkout to load")
     args = ap.parse_args()
     sys.path.insert(0, args.root)
-    from loragate_kernels import cpu_ops
+    from loragate_kernels.cpu import build
 
-    assert cpu_ops.load(), cpu_ops.unavailable_reason()
+    assert build.load(), build.unavailable_reason()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"{args.dtype}, {args.threads} threads, {args.layers} layer(s) a call, kernel from {args.root}")

@@ -29,7 +29,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.core.request import SamplingParams  # noqa: E402
 from engine.structured import GrammarConstraint, compile_response_format  # noqa: E402
-from loragate.stats import percentile  # noqa: E402
+from loragate_common.stats import percentile  # noqa: E402
 
 SCHEMA = {
     "type": "object",

@@ -4,7 +4,7 @@
 #   docker build -f docker/engine.Dockerfile --target cuda --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
 #       -t loragate-engine:cuda .      # CUDA: torch's wheels carry the CUDA runtime; the node needs the driver
 # The `cuda` target adds a C compiler: Triton builds a small C launcher for each kernel signature the first time it
-# launches it (loragate_kernels/sgmv.py, loragate_kernels/paged_attention.py); without one every GPU step would fail. The default
+# launches it (loragate_kernels/triton/sgmv.py, loragate_kernels/triton/paged_attention.py); without one every GPU step would fail. The default
 # (CPU) image runs no Triton kernel and has no compiler.
 FROM python:3.11-slim-bookworm AS build
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -12,6 +12,7 @@ ARG TORCH_VERSION=2.13.0
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY loragate ./loragate
+COPY loragate_common ./loragate_common
 COPY gateway ./gateway
 COPY engine ./engine
 COPY loragate_kernels ./loragate_kernels

@@ -4,6 +4,7 @@ FROM python:3.11-slim-bookworm AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY loragate ./loragate
+COPY loragate_common ./loragate_common
 COPY gateway ./gateway
 COPY engine ./engine
 COPY loragate_kernels ./loragate_kernels

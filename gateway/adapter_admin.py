@@ -43,9 +43,9 @@ from gateway.fleet import Fleet
 from gateway.policy import Tenant
 from gateway.redis_client import UNREACHABLE
 from gateway.reload import PolicyStore
-from loragate.adapter_sources import AllowList, SourceError, parse_source
-from loragate.errors import ApiError, bad_request, shown, unauthorized, unavailable
-from loragate.http_io import read_json
+from loragate_common.adapter_sources import AllowList, SourceError, parse_source
+from loragate_common.errors import ApiError, bad_request, shown, unauthorized, unavailable
+from loragate_common.http_io import read_json
 
 ENGINE_TIMEOUT_S = 1.0
 REGISTER_FIELDS = ("id", "source", "sha256", "size", "revision", "tenant")

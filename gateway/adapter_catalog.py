@@ -28,7 +28,7 @@ from gateway.adapter_ids import split_ref
 from gateway.catalog_entry import AdapterVersion, CatalogEntry, live, parse_entries
 from gateway.catalog_store import CatalogStore, Writes
 from gateway.redis_client import UNREACHABLE
-from loragate.errors import ApiError
+from loragate_common.errors import ApiError
 
 logger = logging.getLogger(__name__)
 

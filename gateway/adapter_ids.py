@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from loragate.errors import bad_request, shown
+from loragate_common.errors import bad_request, shown
 
 MAX_ID_CHARS = 128
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9._-]+")

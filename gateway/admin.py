@@ -51,8 +51,8 @@ from gateway.reload import PolicyStore
 from gateway.rollout import Rollouts
 from gateway.telemetry import GatewayMetrics
 from gateway.usage import USAGE_KEYS, UsageLedger, aggregate, day_start, month_start, parse_when
-from loragate.errors import ApiError, bad_request, shown, unauthorized, unavailable
-from loragate.http_io import read_json
+from loragate_common.errors import ApiError, bad_request, shown, unauthorized, unavailable
+from loragate_common.http_io import read_json
 
 logger = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from gateway.breaker import CircuitBreaker
-from loragate.priority import Priority
+from loragate_common.priority import Priority
 
 BAND_NAMES = ("critical", "standard", "sheddable")  # indexed by Priority
 QUEUE_RETRY_AFTER_S = 1.0  # Retry-After for queue_full / queue_timeout / draining / no_upstream

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.clock import iso_time
-from loragate.errors import bad_request
+from loragate_common.errors import bad_request
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def check_sha256(value: Any, field: str = "sha256") -> str:
 @dataclass(frozen=True, slots=True)
 class AdapterVersion:
     version: int
-    source: str  # normalised (loragate.adapter_sources.parse_source)
+    source: str  # normalised (loragate_common.adapter_sources.parse_source)
     sha256: str  # the archive's digest (https, http) or the content digest of the two adapter files
     size: int | None  # bytes of the two adapter files, when declared (the engine checks it)
     revision: str | None  # what the publisher named (an hf revision), when any

@@ -40,8 +40,8 @@ from gateway.rollout import Routed
 from gateway.telemetry import GatewayMetrics, finish_span, request_span
 from gateway.tenant_gate import TenantGate
 from gateway.usage import UsageLedger, UsageRecord, split_version
-from loragate.errors import ApiError, adapter_not_found, bad_request, shown, unavailable
-from loragate.http_io import ClientGone, read_json, unless_disconnected
+from loragate_common.errors import ApiError, adapter_not_found, bad_request, shown, unavailable
+from loragate_common.http_io import ClientGone, read_json, unless_disconnected
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from pydantic import (
 )
 
 from gateway.adapter_ids import id_problem
-from loragate.adapter_sources import AllowList, SourceError
-from loragate.priority import Priority
+from loragate_common.adapter_sources import AllowList, SourceError
+from loragate_common.priority import Priority
 
 __all__ = [
     "Admission",
@@ -132,7 +132,7 @@ class Tenant(_Model):
     # May register, deprecate and delete catalog adapters `<id>/<name>` with its own API key (and always use them).
     publish: StrictBool = False
     publish_quota: PublishQuota = PublishQuota()
-    # The source prefixes its registrations must lie under (loragate/adapter_sources.py AllowList), e.g. its own
+    # The source prefixes its registrations must lie under (loragate_common/adapter_sources.py AllowList), e.g. its own
     # bucket prefix: a tenant cannot point an adapter at another tenant's files. Required when it publishes.
     publish_sources: tuple[Annotated[str, AfterValidator(_source_prefix)], ...] = ()
 

@@ -38,9 +38,9 @@ from gateway.admission import AdmissionController, EngineLoad, Shed, Slot
 from gateway.budgets import Hold
 from gateway.ratelimit import Reservation
 from gateway.telemetry import GatewayMetrics, inject_headers
-from loragate.errors import error_body, error_response
-from loragate.http_io import SSE_DONE, sse
-from loragate.priority import Priority
+from loragate_common.errors import error_body, error_response
+from loragate_common.http_io import SSE_DONE, sse
+from loragate_common.priority import Priority
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What the gateway learns from one generation request before it spends anything on it.
 
-`loragate.http_io.read_json` enforces the size limit and the JSON-object shape; `GenerationBody.parse`
+`loragate_common.http_io.read_json` enforces the size limit and the JSON-object shape; `GenerationBody.parse`
 checks the few fields the gateway itself acts on (`model`, `stream`, `stream_options`, `max_tokens`, `n`);
 everything else in the body is the engine's to validate, and is forwarded untouched but for `model`
 (`upstream_body`). `resolve_priority` and `estimate_tokens` turn
@@ -16,9 +16,9 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.policy import Policy, Tenant
-from loragate.errors import bad_request, error_response
-from loragate.http_server import MAX_HEADER_BYTES  # the request's headers, names and values together
-from loragate.priority import Priority
+from loragate_common.errors import bad_request, error_response
+from loragate_common.http_server import MAX_HEADER_BYTES  # the request's headers, names and values together
+from loragate_common.priority import Priority
 
 DEFAULT_MAX_TOKENS = 256  # reserved for a request that names no max_tokens (the engine's own default may differ)
 BYTES_PER_TOKEN = 4  # the prompt estimate: UTF-8 bytes / 4, rounded up (about right for BPE on English)
@@ -27,8 +27,8 @@ BYTES_PER_TOKEN = 4  # the prompt estimate: UTF-8 bytes / 4, rounded up (about r
 class HeaderLimit:
     """ASGI middleware: 431 when a request's headers total more than `limit` bytes.
 
-    uvicorn's h11 limit (loragate/http_server.py) only bounds a head that is still incomplete; one that arrives in a
-    single read passes it, so the app checks the parsed headers too.
+    uvicorn's h11 limit (loragate_common/http_server.py) only bounds a head that is still incomplete; one that arrives
+    in a single read passes it, so the app checks the parsed headers too.
     """
 
     def __init__(self, app: ASGIApp, limit: int = MAX_HEADER_BYTES) -> None:

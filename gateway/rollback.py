@@ -18,7 +18,7 @@ from typing import Any
 
 from gateway.clock import iso_time
 from gateway.policy import Rollback
-from loragate.stats import nearest_rank
+from loragate_common.stats import nearest_rank
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,7 +52,7 @@ from gateway.fleet_store import FleetStore, LocalFleetStore
 from gateway.policy import Rollout, Tenant, Variant
 from gateway.progress import PAUSED, PROGRESSING, PROMOTED, Control, effective_weights, next_step
 from gateway.rollback import Counts, RollbackEvent, Window, verdict
-from loragate.errors import ApiError, shown
+from loragate_common.errors import ApiError, shown
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from gateway.ratelimit import RateLimiter
 from gateway.reload import PolicyStore
 from gateway.telemetry import GatewayMetrics
 from gateway.tenant_gate import TenantGate
-from loragate.errors import ApiError, error_response, unavailable
-from loragate.http_io import list_body
+from loragate_common.errors import ApiError, error_response, unavailable
+from loragate_common.http_io import list_body
 
 
 class ApiRoutes:

@@ -1,4 +1,4 @@
-"""`serve()`: run the gateway app (loragate/http_server.py: client bounds, a graceful drain on SIGTERM)."""
+"""`serve()`: run the gateway app (loragate_common/http_server.py: client bounds, a graceful drain on SIGTERM)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from gateway.policy import Policy, load_policy
 from gateway.ratelimit import MemoryRateLimiter, RateLimiter
 from gateway.redis_limiter import RedisRateLimiter
 from gateway.usage import RETENTION, RedisUsageLedger
-from loragate.http_server import ConnectionLimits, serve_app
-from loragate.tracing import setup_tracing
+from loragate_common.http_server import ConnectionLimits, serve_app
+from loragate_common.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
 

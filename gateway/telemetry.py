@@ -8,7 +8,7 @@ components and are read from callbacks at scrape time (`bind`), so there is one 
 Each request runs in a SERVER span (`request_span`, named "{operation} {model}" after the GenAI semantic
 conventions); `inject_headers` puts its context in the upstream request as a W3C `traceparent`, which the
 engine continues (engine/entrypoints/tracing.py), so gateway and engine spans share one trace; both
-processes build their TracerProvider with loragate/tracing.py from the same OTEL_* environment.
+processes build their TracerProvider with loragate_common/tracing.py from the same OTEL_* environment.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from loragate.labels import BoundedLabels
+from loragate_common.labels import BoundedLabels
 
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -37,7 +37,7 @@ _GLOB_CHARS = frozenset("*?[]")
 
 
 class AdapterLabels(BoundedLabels):
-    """The gateway's `adapter` label (loragate/labels.py): the base models and the adapters and rollouts the
+    """The gateway's `adapter` label (loragate_common/labels.py): the base models and the adapters and rollouts the
     policy names (tenants' `adapters` entries that are not globs, rollout names and variants) keep their own;
     of the others, the first `max_extra` seen keep theirs, and every later one is counted as "other"."""
 
@@ -399,7 +399,7 @@ def request_span(operation: str, model: str, *, tenant: str, adapter: str, prior
         "gen_ai.request.model": model,
         "loragate.tenant": tenant,
         "loragate.adapter": adapter,
-        "loragate.priority": priority,
+        "loragate_common.priority": priority,
     }
     with _tracer.start_as_current_span(f"{operation} {model}", kind=SpanKind.SERVER, attributes=attributes) as span:
         yield span

@@ -26,7 +26,7 @@ from gateway.ratelimit import Decision, RateLimiter, RateLimiterUnavailable, Res
 from gateway.redis_client import UNREACHABLE, RedisSkipped
 from gateway.reload import ActivePolicy
 from gateway.telemetry import GatewayMetrics
-from loragate.errors import ApiError, retry_after, unauthorized, unavailable
+from loragate_common.errors import ApiError, retry_after, unauthorized, unavailable
 
 logger = logging.getLogger(__name__)
 

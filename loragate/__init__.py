@@ -1,2 +1,2 @@
-"""The `loragate` command line, and what the engine and the gateway share (torch-free): errors, HTTP
-plumbing, priorities, tracing setup and the hardened uvicorn server."""
+"""The `loragate` command line, at the top of the import graph: it imports the engine, the gateway and
+loragate_common, and nothing below imports it."""

@@ -17,7 +17,7 @@ else $LORAGATE_API_KEY, a tenant's own key (a tenant whose policy entry says `pu
 `register` pins every version to a digest. With `--sha256` it registers what it is given (an https archive's
 sha256 is required: only the publisher knows it). Without it (s3, hf and local sources) it fetches the adapter
 once into a temporary directory, with the operator's own credentials (AWS_*, HF_TOKEN, ...), computes its
-content digest and size (loragate/adapter_sources.py) and registers those; an hf source is pinned to the
+content digest and size (loragate_common/adapter_sources.py) and registers those; an hf source is pinned to the
 commit its revision resolved to (`hf://org/repo@<commit>`), the revision asked for kept as `revision`.
 """
 
@@ -34,8 +34,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loragate.adapter_sources import ADAPTER_FILES, Source, SourceError, content_digest, fetch, parse_source
 from loragate.admin_cli import AdminCallFailed, add_gateway_args, call, write_stdout
+from loragate_common.adapter_sources import ADAPTER_FILES, Source, SourceError, content_digest, fetch, parse_source
 
 PROG = "loragate adapters"
 API_KEY_ENV = "LORAGATE_API_KEY"

@@ -35,9 +35,9 @@ from pathlib import Path
 from types import FrameType
 
 from loragate import adapters_cli, admin_cli, usage_cli
-from loragate.http_server import ConnectionLimits
 from loragate.launch import launch as launch_healthy
 from loragate.launch import stop as stop_process
+from loragate_common.http_server import ConnectionLimits
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _STARTUP_TIMEOUT_S = 600.0  # the first smollm2 start converts the GGUF weights (~40 s on 2 cores)
@@ -92,7 +92,7 @@ def _seconds(text: str) -> float:
 
 
 def _add_connection_args(p: argparse.ArgumentParser) -> None:
-    """Bounds on client connections (loragate/http_server.py), shared by engine and gateway."""
+    """Bounds on client connections (loragate_common/http_server.py), shared by engine and gateway."""
     defaults = ConnectionLimits()
     p.add_argument(
         "--header-timeout-s",

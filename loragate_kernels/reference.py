@@ -4,7 +4,7 @@ A step's T token rows are grouped into contiguous segments, one adapter per segm
 rows in no segment have no adapter and are never touched. Adapter weights live in one layer's region
 of the unified page pool (S-LoRA): a flat 1-D `pool` holding, per slot, A `[rank, in_features]` and B's
 transpose `[rank, out_features]` row-major at element offsets, the LoRA scale already folded into B (B stored
-transposed: an expand adds rows of it to each output row, contiguous reads for loragate_kernels/cpu_lora.cpp). Ranks
+transposed: an expand adds rows of it to each output row, contiguous reads for loragate_kernels/cpu/lora.cpp). Ranks
 differ between slots; rank 0 means the slot does not target this module.
 
 Every segment reads its weights through `as_strided` views of the pool, never a copy. At serving

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 # Triton kernels run under Triton's interpreter for CPU tensors and compiled for CUDA ones, whatever
-# TRITON_INTERPRET says (loragate_kernels/triton_jit.py), so the same tests pass on hosts with and without a GPU.
+# TRITON_INTERPRET says (loragate_kernels/triton/jit.py), so the same tests pass on hosts with and without a GPU.
 
 
 def _resolve(model: str) -> Path:

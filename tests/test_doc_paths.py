@@ -27,7 +27,7 @@ What counts as a citation:
   a test is that test's engine), not checked.
 
 Resolution reads the sources (with `ast`) instead of importing them: the gateway's tests run without torch,
-and importing loragate_kernels/sgmv.py here would fix its TRITON_INTERPRET choice for the rest of the session.
+and importing loragate_kernels/triton/sgmv.py here would fix its TRITON_INTERPRET choice for the rest of the session.
 Names the sources cannot settle (an attribute of something imported from outside the repository, or of a
 module-level variable) pass.
 """

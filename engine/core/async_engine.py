@@ -28,7 +28,7 @@ from engine.core.outputs import AdapterStatus, RequestError, RequestOutput
 from engine.core.request import SamplingParams
 from engine.lora.peft_config import AdapterSpec
 from engine.worker.threads import TransientWorker, make_current
-from loragate.priority import Priority
+from loragate_common.priority import Priority
 
 logger = logging.getLogger(__name__)
 

@@ -36,8 +36,9 @@ from engine.lora.device_tier import LOAD_BUCKETS, DeviceAdapterTier
 from engine.lora.files import load_weights
 from engine.lora.peft_config import AdapterError, AdapterSpec
 from engine.lora.registry import AdapterRegistry, HostAdapterCache
+from engine.lora.routes import ROUTES
 from engine.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
-from engine.model.cpu_gemm import auto_cpu_dtype, step_rounding, warm_up_gemms
+from engine.model.cpu_gemm import step_rounding, warm_up_gemms
 from engine.model.llama import StepInterrupted
 from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
@@ -46,27 +47,15 @@ from engine.worker.cuda_graphs import CudaGraph, DecodeGraphs, Graph
 from engine.worker.runner import ModelRunner
 from engine.worker.sampler import Sampler
 from engine.worker.threads import ThreadTuner, TransientWorker, make_current, usable_cpus
-from loragate.priority import Priority
-from loragate_kernels import lora_backend
+from loragate_common.priority import Priority
+from loragate_kernels.backends import Backends
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class AdapterUnusable(RuntimeError):
     """The adapter version a request names failed to load before (its files are broken): the request is
     refused at once instead of failing in a step."""
-
-
-def resolve_dtype(config: EngineConfig) -> tuple[torch.dtype, str]:
-    """The dtype the engine serves in, and why (logged at start)."""
-    if config.dtype != "auto":
-        return _DTYPES[config.dtype], "--dtype"
-    if config.device != "cpu":
-        return torch.bfloat16, "auto on CUDA"
-    dtype, why = auto_cpu_dtype()
-    return dtype, f"auto: {why}"
 
 
 class LLMEngine:
@@ -85,9 +74,11 @@ class LLMEngine:
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(resolved.path)
         device = torch.device(config.device)
         make_current(device)
-        dtype, dtype_reason = resolve_dtype(config)
-        self.dtype = dtype
-        self.model = load_model(resolved.path, dtype, device)
+        # every seam's route, decided here once (loragate_kernels/backends.py), logged and shown in GET /load
+        self.backends = backends = Backends.resolve(device, config.dtype)
+        logger.info("backends: %s", backends.summary())
+        self.dtype = dtype = backends.dtype
+        self.model = load_model(resolved.path, backends)
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         self.max_model_len = self._max_model_len(config, mc.max_position_embeddings)
@@ -115,7 +106,7 @@ class LLMEngine:
             config.max_device_adapters,
             self.host_adapters,
             reclaim=kv.evict_cached,
-            mirror=lora_backend(device) in ("triton", "cpp"),
+            mirror=ROUTES[backends.lora].mirror,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -137,7 +128,7 @@ class LLMEngine:
             self.model,
             kv_cache,
             config.block_size,
-            Sampler(self.eos_token_ids),
+            Sampler(self.eos_token_ids, greedy=backends.sampler),
             device,
             self.device_adapters,
             config.max_num_seqs,
@@ -153,10 +144,9 @@ class LLMEngine:
         self._prefetcher = TransientWorker("adapter-prefetch")  # engine/worker/threads.py: why not a pool
         self.load_report = self._load_report()  # replaced by publish_load()
         logger.info(
-            "engine ready: model=%s dtype=%s (%s) kv_blocks=%d x %d tokens, max_model_len=%d",
+            "engine ready: model=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
             self.model_name,
-            dtype,
-            dtype_reason,
+            backends.dtype,
             num_blocks,
             config.block_size,
             self.max_model_len,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from loragate.priority import Priority
+from loragate_common.priority import Priority
 
 if TYPE_CHECKING:
     from engine.lora.peft_config import AdapterSpec

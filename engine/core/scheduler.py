@@ -40,7 +40,7 @@ from engine.core.request import Request, RequestStatus, TokenLogprob
 from engine.core.waiting_queue import WaitingQueue
 from engine.lora.device_tier import DeviceAdapterTier
 from engine.lora.peft_config import AdapterKey, AdapterSpec
-from loragate.priority import Priority
+from loragate_common.priority import Priority
 
 
 @dataclass(slots=True)

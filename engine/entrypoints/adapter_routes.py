@@ -23,8 +23,8 @@ from engine.entrypoints.fetched_adapters import FetchedAdapters
 from engine.entrypoints.protocol import LoadAdapterRequest, parse_body
 from engine.entrypoints.responses import adapter_card
 from engine.lora.peft_config import AdapterError, validate_adapter_id
-from loragate.errors import adapter_not_found, bad_request
-from loragate.http_io import list_body, read_json
+from loragate_common.errors import adapter_not_found, bad_request
+from loragate_common.http_io import list_body, read_json
 
 
 class AdapterRoutes:

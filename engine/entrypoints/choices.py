@@ -22,7 +22,7 @@ import anyio
 from engine.core.async_engine import AsyncEngine, RequestFailed
 from engine.core.outputs import RequestError, RequestOutput
 from engine.core.request import SamplingParams
-from loragate.priority import Priority
+from loragate_common.priority import Priority
 
 _SEED_SPAN = 2**64  # torch.Generator takes seeds in [-2**63, 2**64): past the top, wrap around
 

@@ -31,8 +31,8 @@ from starlette.requests import Request
 
 from engine.core.async_engine import AsyncEngine
 from engine.lora.adapter_store import AdapterStore, FetchBackoff
-from loragate.adapter_sources import AllowList, SourceError
-from loragate.errors import ApiError, bad_request, retry_after, unavailable
+from loragate_common.adapter_sources import AllowList, SourceError
+from loragate_common.errors import ApiError, bad_request, retry_after, unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from engine.core.request import TokenConstraint
 from engine.structured import CompilerBusy, SchemaError, compile_response_format, compile_tool_call
 from engine.structured.tools import validate_tools
-from loragate.errors import bad_request, shown, unavailable
+from loragate_common.errors import bad_request, shown, unavailable
 
 COMPILE_TIMEOUT_S = 5.0  # a schema that takes longer to compile is refused (400), never a hung request
 

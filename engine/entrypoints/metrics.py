@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from engine.core.outputs import EngineStats, RequestOutput
-from loragate.labels import BoundedLabels
+from loragate_common.labels import BoundedLabels
 
 if TYPE_CHECKING:  # the engine (and torch) only for the types: the metrics are built before it is bound
     from engine.core.llm_engine import LLMEngine
@@ -38,7 +38,7 @@ _TIERS = ("device", "host", "disk")
 class AdapterLabels(BoundedLabels):
     """The engine's `adapter` label: the base model is labelled with its served name; the first `max_adapters`
     adapter ids seen (in requests for a registered adapter: ids that 404 never take one) keep their own, and
-    every later id is counted as "other" (loragate/labels.py). Used from the event loop only (request starts
+    every later id is counted as "other" (loragate_common/labels.py). Used from the event loop only (request starts
     and scrapes)."""
 
     def __init__(self, max_adapters: int = MAX_ADAPTER_LABELS, base: str = "") -> None:

@@ -42,7 +42,7 @@ from engine.entrypoints.guided import (
 )
 from engine.lora.files import resolve_inside
 from engine.lora.peft_config import AdapterError, validate_adapter_id
-from loragate.errors import bad_request, shown
+from loragate_common.errors import bad_request, shown
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 16  # choices per request; each is a sequence in the engine

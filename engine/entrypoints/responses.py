@@ -6,8 +6,8 @@ one chunk per engine output (`chunk`, tagged with its choice's `index`) and the 
 (`usage_chunk`). Logprobs are rendered per endpoint: /v1/completions uses the legacy {tokens, token_logprobs,
 top_logprobs, text_offset} lists (with `echo`, the prompt's tokens first: the first one's logprob null, as
 OpenAI's), /v1/chat/completions the per-token entries. Chat answers with tools carry `tool_calls`
-(engine/entrypoints/tool_calls.py). Errors and SSE framing are shared with the gateway (loragate/errors.py,
-loragate/http_io.py).
+(engine/entrypoints/tool_calls.py). Errors and SSE framing are shared with the gateway (loragate_common/errors.py,
+loragate_common/http_io.py).
 """
 
 from __future__ import annotations

@@ -49,9 +49,9 @@ from engine.entrypoints.responses import ChatFormatter, CompletionFormatter, Ech
 from engine.entrypoints.tracing import engine_span, record_error, record_output
 from engine.lora.peft_config import AdapterError, validate_adapter_id
 from engine.structured import template_supports_tools
-from loragate.errors import ApiError, adapter_not_found, bad_request, error_body, error_response, unavailable
-from loragate.http_io import SSE_DONE, ClientGone, list_body, read_json, sse, unless_disconnected
-from loragate.priority import Priority
+from loragate_common.errors import ApiError, adapter_not_found, bad_request, error_body, error_response, unavailable
+from loragate_common.http_io import SSE_DONE, ClientGone, list_body, read_json, sse, unless_disconnected
+from loragate_common.priority import Priority
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ class EngineRoutes:
         self.template_tools = template_supports_tools(self.tokenizer)  # `auto` tool choice works with this model
         self.max_num_seqs = engine.engine.config.max_num_seqs
         self.max_device_adapters = engine.engine.config.max_device_adapters
+        self.backends = engine.engine.backends.describe()  # fixed at start
         self.created = int(time.time())
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(self._token_text)
 
@@ -397,6 +398,7 @@ class EngineRoutes:
                 "device_adapters": list(report.device_adapters),
                 "max_num_seqs": self.max_num_seqs,
                 "max_device_adapters": self.max_device_adapters,
+                "backends": self.backends,
             }
         )
 

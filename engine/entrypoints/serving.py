@@ -1,4 +1,4 @@
-"""`serve()`: load the model and run the engine's HTTP app (loragate/http_server.py: client bounds, drain)."""
+"""`serve()`: load the model and run the engine's HTTP app (loragate_common/http_server.py: client bounds, drain)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 from engine.config import EngineConfig
 from engine.core.async_engine import AsyncEngine
 from engine.entrypoints.server import build_app
-from loragate.http_server import ConnectionLimits, serve_app
-from loragate.tracing import setup_tracing
+from loragate_common.http_server import ConnectionLimits, serve_app
+from loragate_common.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ The caller (the gateway) sends its span's context as a W3C `traceparent` header;
 engine's span its child, so one request reads as one trace across both services. Attributes follow the
 OpenTelemetry GenAI semantic conventions (`gen_ai.*`).
 
-The process's TracerProvider comes from loragate/tracing.py (the OTEL_* environment, shared with the
+The process's TracerProvider comes from loragate_common/tracing.py (the OTEL_* environment, shared with the
 gateway). Until one is set, every span is a no-op, so the engine runs (and its tests pass) without any
 tracing backend.
 """
@@ -19,7 +19,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from engine.core.outputs import RequestOutput
-from loragate.errors import ApiError
+from loragate_common.errors import ApiError
 
 _propagator = TraceContextTextMapPropagator()
 _tracer = trace.get_tracer("loragate.engine")  # a proxy: follows whatever provider is set later

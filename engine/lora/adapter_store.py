@@ -1,7 +1,7 @@
 """The engine's disk tier for fetched adapters: a content-addressed, size-bounded LRU cache on local disk.
 
 An entry is `<root>/<sha256>/` holding the two adapter files and meta.json (source, sha256, size,
-fetched_at). It is written into a `<root>/.tmp-*` directory by loragate/adapter_sources.py's `fetch`,
+fetched_at). It is written into a `<root>/.tmp-*` directory by loragate_common/adapter_sources.py's `fetch`,
 fsynced and published by os.rename, so a crash leaves a complete entry or a temp dir that the next start
 removes. Downloads are single-flight per sha256 and run in worker threads; a failed one is not tried again
 before its backoff (1 s doubling to 60 s) has passed. Entries in use are pinned and never evicted; before
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loragate.adapter_sources import ADAPTER_FILES, AllowList, Fetched, Source, SourceError, fetch, parse_source
+from loragate_common.adapter_sources import ADAPTER_FILES, AllowList, Fetched, Source, SourceError, fetch, parse_source
 
 logger = logging.getLogger(__name__)
 

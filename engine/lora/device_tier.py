@@ -4,7 +4,7 @@ An adapter on the device owns one run of consecutive pages. In every layer that 
 region of `kv_cache[layer]` holding, module group by module group (q/k/v, o, gate/up, down: the model's
 fused projections), the A ([r, in]) of every targeted module of the group stacked in module order, then
 their scale-folded B transposed ([r, out]), row-major at element offsets recorded in slot tables
-(engine/lora/batch.py SlotTables). The batched-LoRA kernels read the weights straight from the pool through those
+(engine/lora/tables.py SlotTables). The batched-LoRA kernels read the weights straight from the pool through those
 tables, never copying them; one shrink serves a whole group. For the Triton kernels and the CPU's C++ op the tier
 also keeps a mirror of the tables (`DeviceMirror`), updated when an adapter is loaded or evicted, never rebuilt
 per step.
@@ -26,16 +26,14 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.core.memory import PagePool
-from engine.lora.batch import PoolWeights, SlotTables, group_in_features, group_out_cols
 from engine.lora.peft_config import GROUPS, AdapterKey, AdapterSpec, module_features
 from engine.lora.registry import HostAdapterCache
-from engine.lora.stacks import LoraStacks
+from engine.lora.tables import DeviceMirror, PoolWeights, SlotTables, group_in_features, group_out_cols
 from engine.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
-STACK_MAX_BYTES = 512 << 20  # the CPU path's copy of one step's adapters (engine/lora/stacks.py)
 
 
 @dataclass(slots=True)
@@ -46,58 +44,6 @@ class Resident:
     num_pages: int
     pins: int = 0
     stale: bool = False  # a newer version was loaded or the adapter was unloaded
-
-
-class DeviceMirror:
-    """The slot tables as device tensors, one loragate_kernels.sgmv.GroupTables per (layer, group), plus the static
-    column tiles of each group: what the Triton kernels read. Every table is a view of one int64 tensor
-    [layers, groups, FIELDS, slots], so a load or an eviction rewrites one slot's column with one host-to-device
-    copy (a table of a few hundred ints built on the host), not several per layer and group; nothing is rebuilt
-    per step."""
-
-    MODULES = max(len(names) for names in GROUPS.values())
-    # rows of a (layer, group)'s block: a_offsets, ranks[M], b_offsets[M], h_cols[M], rank_total
-    FIELDS = 2 + 3 * MODULES
-
-    def __init__(self, num_layers: int, num_slots: int, out_cols: dict[str, list[int]], device: torch.device) -> None:
-        from loragate_kernels.sgmv import GroupTables, column_tiles
-
-        m = self.MODULES
-        self.packed = torch.zeros(num_layers, len(GROUPS), self.FIELDS, num_slots, dtype=torch.int64, device=device)
-        self.tables = [
-            {
-                group: GroupTables(
-                    block[0],
-                    block[1 : 1 + len(names)],
-                    block[1 + m : 1 + m + len(names)],
-                    block[1 + 2 * m : 1 + 2 * m + len(names)],
-                    block[1 + 3 * m],
-                )
-                for block, (group, names) in zip(self.packed[layer], GROUPS.items(), strict=True)
-            }
-            for layer in range(num_layers)
-        ]
-        # the same blocks whole, [FIELDS, slots] each: the CPU's C++ op takes one (loragate_kernels/cpu_ops.py)
-        self.blocks = [dict(zip(GROUPS, self.packed[layer], strict=True)) for layer in range(num_layers)]
-        self.out_cols = {g: torch.tensor(cols, dtype=torch.int32, device=device) for g, cols in out_cols.items()}
-        self.n_tiles = {g: column_tiles(cols, device) for g, cols in out_cols.items()}
-
-    def update(self, tables: SlotTables, slot: int) -> None:
-        """Copy slot `slot`'s entries of `tables` (every layer and group) to the device, in one copy."""
-        m = self.MODULES
-        column = torch.zeros(self.packed.shape[:3], dtype=torch.int64)  # [layers, groups, FIELDS] on the host
-        rows = column.numpy()
-        for layer in range(self.packed.shape[0]):
-            for g, (group, names) in enumerate(GROUPS.items()):
-                ranks = [tables.ranks[layer][name][slot] for name in names]
-                block = rows[layer, g]
-                block[0] = tables.a_offsets[layer][group][slot]
-                for i, name in enumerate(names):
-                    block[1 + i] = ranks[i]
-                    block[1 + m + i] = tables.b_offsets[layer][name][slot]
-                    block[1 + 2 * m + i] = sum(ranks[:i])  # where module i's rank block starts in h
-                block[1 + 3 * m] = sum(ranks)
-        self.packed[..., slot].copy_(column)
 
 
 @dataclass(slots=True)
@@ -144,8 +90,8 @@ class DeviceAdapterTier:
         reclaim: Callable[[], bool] | None = None,
         mirror: bool = False,
     ) -> None:
-        """`mirror`: keep a tensor copy of the slot tables on the pool's device (the Triton kernels and the CPU's C++
-        op read it)."""
+        """`mirror`: keep a tensor copy of the slot tables on the pool's device (the C++ and Triton LoRA routes read
+        it: engine/lora/routes.py `LoraRoute.mirror`)."""
         self.pool = pool
         # Frees one idle page held elsewhere (a cached KV block); False when there is none. Tried before
         # evicting idle adapters when no run of free pages is long enough.
@@ -165,8 +111,6 @@ class DeviceAdapterTier:
         self.mirror = DeviceMirror(model.num_layers, max_adapters + 1, out_cols, kv_cache.device) if mirror else None
         # what a LoraBatch reads
         self.weights = PoolWeights(self.layer_pools, self.tables, out_cols, group_in_features(model), self.mirror)
-        # CPU: a decoding step's adapters stacked for batched matmuls (engine/lora/stacks.py); CUDA: the kernels
-        self.stacks = None if mirror else LoraStacks(self.weights, STACK_MAX_BYTES)
         self.resident: OrderedDict[AdapterKey, Resident] = OrderedDict()  # LRU first
         self._free_slots = list(range(max_adapters - 1, -1, -1))
         self.counters = TierCounters()

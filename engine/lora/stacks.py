@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.batch import PoolWeights
 from engine.lora.peft_config import GROUPS
+from engine.lora.tables import PoolWeights
 
 # Segments up to this many rows per adapter take the stacked path (decodes; a short chunk); longer ones are
 # cheaper per segment, where a matmul's FLOPs outweigh its dispatch.

@@ -15,9 +15,9 @@ prefill chunks (sequences computing several tokens, possibly a chunk of a longer
 `plan_attention` turns a step's metadata into gather indices and masks once; `paged_attention` then
 runs one layer (write K/V, attend) with that plan.
 
-Three ways to attend for decodes, chosen by the cache's device (loragate_kernels/__init__.py `attention_backend`):
-"cpp" (CPU, where loragate_kernels/cpu_ops.py built its ops) runs loragate_kernels/cpu_attention.cpp and "triton" (CUDA)
-runs loragate_kernels/paged_attention.py, both reading K/V through the block tables with no copy (the Triton kernel
+Three ways to attend for decodes, the routes of the attention seam (loragate_kernels/backends.py `Backends.attention`):
+"cpp" (CPU, where the C++ ops built) runs loragate_kernels/cpu/attention.cpp and "triton" (CUDA) runs
+loragate_kernels/triton/paged_attention.py, both reading K/V through the block tables with no copy (the Triton kernel
 needs nothing from the host: CUDA graphs capture it); "torch" (a CPU without the C++ ops) gathers each decode's context
 into [D, kv_heads, max_ctx, head_dim] once per layer and attends with grouped matmuls. Prefill chunks go
 through SDPA with 4-D inputs (torch's fused kernels only take those), causal from the lower right for a
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from loragate_kernels import attention_backend
+from loragate_kernels.backends import Kernel
 
 if TYPE_CHECKING:
     from engine.model.config import ModelConfig
@@ -105,7 +105,7 @@ class FreshBatch:
 FRESH_BATCH_WASTE = 2.0
 
 # On the C++ path, a step whose prompt chunks all have contexts of at most this many tokens attends every row, prompt
-# tokens included, in one call of the paged decode kernel (loragate_kernels/cpu_attention.cpp): a prompt token at
+# tokens included, in one call of the paged decode kernel (loragate_kernels/cpu/attention.cpp): a prompt token at
 # position p is a decode row with context p + 1, its K/V already in the cache; in fp32 the kernel takes a prompt's rows
 # 16 at a time, one a lane. Per layer on a 2-core AVX-512 EPYC against SDPA's flash kernel on the same K/V
 # (`python bench/prompt_attention.py`; docs/performance.md, the eleventh session): fp32 2 prompts of 256 tokens 2.15 ->
@@ -132,21 +132,23 @@ class AttentionPlan:
     # the "triton" and "cpp" decode paths read the metadata's block tables and lengths as they are (no gather rows)
     decode_block_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
-    decode_backend: str = "torch"  # loragate_kernels/__init__.py `attention_backend`
+    decode_kernel: Kernel = Kernel.TORCH  # the attention route (loragate_kernels/backends.py)
     fresh: FreshBatch | None = None  # fresh prompts attended in one batch (`plan_fresh_batch`)
     # the leading rows the paged kernel attends through decode_block_tables / decode_context_lens: the decodes, or
     # every row of the step (PAGED_PREFILL_MAX_CONTEXT)
     paged_rows: int = 0
 
 
-def plan_attention(attn: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> AttentionPlan:
-    """Precompute gather indices and masks for a step; `dtype` is the dtype of the attention scores."""
+def plan_attention(
+    attn: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype, kernel: Kernel
+) -> AttentionPlan:
+    """Precompute gather indices and masks for a step; `dtype` is the dtype of the attention scores, `kernel` the
+    attention route."""
     decode_k = decode_v = decode_bias = tables = lens = None
     max_ctx = attn.max_decode_context_len
-    backend = attention_backend(attn.slot_mapping.device)
     k_rows = key_rows(attn.slot_mapping, block_size)
     if (
-        backend == "cpp"
+        kernel is Kernel.CPP
         and attn.prefills
         and all(seq.context_len <= PAGED_PREFILL_MAX_CONTEXT for seq in attn.prefills)
     ):
@@ -163,12 +165,12 @@ def plan_attention(attn: AttentionMetadata, block_size: int, num_kv_heads: int, 
             (),
             tables,
             lens,
-            backend,
+            kernel,
             None,
             rows,
         )
     if attn.num_decode_tokens > 0:
-        if backend != "torch":
+        if kernel is not Kernel.TORCH:
             tables, lens = attn.decode_block_tables, attn.decode_context_lens
         else:
             decode_k, decode_bias = _plan_decodes(attn, block_size, num_kv_heads, max_ctx, dtype)
@@ -191,7 +193,7 @@ def plan_attention(attn: AttentionMetadata, block_size: int, num_kv_heads: int, 
         tuple(prefills),
         tables,
         lens,
-        backend,
+        kernel,
         plan_fresh_batch(attn.prefills, attn.num_decode_tokens, attn.slot_mapping.device),
         attn.num_decode_tokens if tables is not None else 0,
     )
@@ -301,10 +303,10 @@ def paged_attention(
     flat_cache = layer_cache.view(-1, *layer_cache.shape[-2:])  # [rows, kvh, hd]
     parts = []
     if plan.decode_block_tables is not None and plan.decode_context_lens is not None:
-        if plan.decode_backend == "cpp":
-            from loragate_kernels.cpu_ops import paged_decode_attention_cpu as decode
+        if plan.decode_kernel is Kernel.CPP:
+            from loragate_kernels.cpu.ops import paged_decode_attention_cpu as decode
         else:
-            from loragate_kernels.paged_attention import paged_decode_attention as decode
+            from loragate_kernels.triton.paged_attention import paged_decode_attention as decode
 
         parts.append(decode(q[: plan.paged_rows], layer_cache, plan.decode_block_tables, plan.decode_context_lens))
     elif plan.num_decode_tokens > 0:

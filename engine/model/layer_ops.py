@@ -1,7 +1,8 @@
-"""A decoder layer's elementwise ops around its GEMMs, in two interchangeable forms chosen per step
-(loragate_kernels/__init__.py `layer_backend`): `TorchLayerOps`, plain torch ops (CUDA, and CPUs where the C++ ops
-cannot be built; the oracle the C++ ops are tested against), and `CppLayerOps`, loragate_kernels/cpu_layer.cpp's fused
-ops (one pass over the rows each, fp32 inside, rounded once to the model's dtype).
+"""A decoder layer's elementwise ops around its GEMMs, in two interchangeable forms, one per route of the layer seam
+(loragate_kernels/backends.py `Backends.layer`, through `LAYER_OPS`): `TorchLayerOps`, plain torch ops (CUDA, and CPUs
+where the C++ ops cannot be built; the twin the C++ ops are tested against), and `CppLayerOps`,
+loragate_kernels/cpu/layer.cpp's fused ops (one pass over the rows each, fp32 inside, rounded once to the model's
+dtype).
 
 The residual stream is carried beside the layer's output, as vLLM does, so its add fuses with the next norm:
 `add_norm(residual, x, ...)` returns (rms_norm(residual + x), residual + x). The torch form computes exactly what
@@ -14,12 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention import AttentionPlan, write_kv
-from loragate_kernels import layer_backend
+from loragate_kernels.backends import Kernel
 
 
 class TorchLayerOps:
-    name = "torch"
     rope_dtype: torch.dtype | None = None  # the cos/sin tables in the model's dtype
+    # whether a GEMM whose route applies the MLP's activation on its tiles may (its result is this form's, bit for
+    # bit: engine/model/cpu_gemm.py PackedLinear `silu_mul`)
+    fused_activation = False
 
     @staticmethod
     def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,8 +70,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CppLayerOps:
-    name = "cpp"
     rope_dtype: torch.dtype | None = torch.float32  # the op rotates in fp32 from fp32 tables
+    fused_activation = True
 
     @staticmethod
     def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,8 +104,4 @@ class CppLayerOps:
 
 
 LayerOps = type[TorchLayerOps] | type[CppLayerOps]
-
-
-def layer_ops(device: torch.device) -> LayerOps:
-    """The step's layer ops for tensors on `device` (loragate_kernels/__init__.py `layer_backend`)."""
-    return CppLayerOps if layer_backend(device) == "cpp" else TorchLayerOps
+LAYER_OPS: dict[Kernel, LayerOps] = {Kernel.CPP: CppLayerOps, Kernel.TORCH: TorchLayerOps}

@@ -19,7 +19,8 @@ from torch import nn
 
 from engine.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 from engine.model.cpu_gemm import PackedLinear, PanelEmbedding, packed_linear, prepack_linears
-from engine.model.layer_ops import LayerOps, TorchLayerOps, layer_ops
+from engine.model.layer_ops import LAYER_OPS, LayerOps, TorchLayerOps
+from loragate_kernels.backends import Backends
 
 if TYPE_CHECKING:
     from engine.model.config import ModelConfig
@@ -151,7 +152,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LayerLoraDelta | None, ops: LayerOps) -> torch.Tensor:
         act = None  # [T, intermediate]
-        if lora is None and ops.name == "cpp" and isinstance(self.gate_up_proj, PackedLinear):
+        if lora is None and ops.fused_activation and isinstance(self.gate_up_proj, PackedLinear):
             act = self.gate_up_proj.silu_mul(x)  # the GEMM and the activation in one op, where its route has one
         if act is None:
             # [T, 2 * intermediate]: gate | up
@@ -193,18 +194,23 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Llama-family decoder. Parameters are named after HF's, minus the `model.` prefix, with
-    q/k/v fused into `qkv_proj` and gate/up into `gate_up_proj`. `lm_head` is None when tied."""
+    q/k/v fused into `qkv_proj` and gate/up into `gate_up_proj`. `lm_head` is None when tied.
 
-    def __init__(self, config: ModelConfig, device: torch.device | None = None) -> None:
+    `backends` (loragate_kernels/backends.py) names the routes its steps take: the layer ops, the attention kernel
+    and, once `prepack` has run, the GEMMs; the runner reads its LoRA route from it."""
+
+    def __init__(self, config: ModelConfig, backends: Backends) -> None:
         super().__init__()
         self.config = config
+        self.backends = backends
+        self.ops: LayerOps = LAYER_OPS[backends.layer]
         self.embed_tokens: nn.Embedding | PanelEmbedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Module | None = None  # nn.Linear, or engine/model/cpu_gemm.py's PackedLinear
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config, device)
+        self.rotary = RotaryEmbedding(config, backends.device)
 
     def forward(
         self,
@@ -224,10 +230,10 @@ class LlamaForCausalLM(nn.Module):
         interrupt: when given and set, the pass stops before its next layer with StepInterrupted.
         """
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        ops = layer_ops(h.device)
+        ops = self.ops
         cos, sin = self.rotary(positions, ops.rope_dtype or h.dtype)
         # Gather indices and masks once per step, shared by all layers.
-        plan = plan_attention(attn, kv_cache.shape[3], self.config.num_kv_heads, h.dtype)
+        plan = plan_attention(attn, kv_cache.shape[3], self.config.num_kv_heads, h.dtype, self.backends.attention)
         residual = None
         for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache, strict=True)):
             if interrupt is not None and interrupt.is_set():
@@ -245,15 +251,15 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def prepack(self) -> int:
-        """On the CPU: every projection and the LM head with weights laid out for the CPU's GEMMs
+        """Every projection and the LM head with weights laid out for the GEMM route of `backends`
         (engine/model/cpu_gemm.py; a tied head gets a copy of the embeddings in its route's layout, and reads them
-        as they are on cpu_gemm.cpp's row-major route; on cpu_panels.cpp's route the embeddings are then read from
+        as they are on cpu/gemm.cpp's row-major route; on cpu/panels.cpp's route the embeddings are then read from
         the head's copy, `PanelEmbedding`, and the row-major one is dropped). Returns how many GEMMs were laid out
-        (0 elsewhere)."""
-        count = prepack_linears(self)
+        (0 on the plain F.linear route)."""
+        count = prepack_linears(self, self.backends)
         if count and self.lm_head is None and isinstance(self.embed_tokens, nn.Embedding):
             embeddings = self.embed_tokens.weight
-            head = self.lm_head = packed_linear(embeddings, None)
+            head = self.lm_head = packed_linear(embeddings, None, self.backends)
             count += head is not None
             if isinstance(head, PackedLinear) and head.panels and head.weight.dtype == embeddings.dtype:
                 self.embed_tokens = PanelEmbedding(head.weight)

@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 
 from engine.model.config import ModelConfig, load_model_config, read_json_object
-from engine.model.cpu_gemm import gemm_route
 from engine.model.llama import LlamaForCausalLM
+from loragate_kernels.backends import Backends
 
 logger = logging.getLogger(__name__)
 
@@ -29,27 +29,28 @@ _FUSED = {
 }
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, prepack: bool = True) -> LlamaForCausalLM:
-    """Our LlamaForCausalLM with the directory's safetensors weights, in eval mode; on the CPU its GEMMs' weights
-    laid out for the CPU's kernels unless `prepack` is False (LlamaForCausalLM.prepack)."""
+def load_model(model_dir: Path, backends: Backends, prepack: bool = True) -> LlamaForCausalLM:
+    """Our LlamaForCausalLM with the directory's safetensors weights on `backends.device` in `backends.dtype`, in eval
+    mode; its GEMMs' weights laid out for the GEMM route of `backends` unless `prepack` is False
+    (LlamaForCausalLM.prepack)."""
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     tensors = _read_safetensors(model_dir)
     _check_hf_tensors(config, tensors)
-    state = {name: t.to(device=device, dtype=dtype) for name, t in _fuse(config, tensors).items()}
+    state = {name: t.to(device=backends.device, dtype=backends.dtype) for name, t in _fuse(config, tensors).items()}
     with torch.device("meta"):  # no random init of parameters that are overwritten anyway
-        model = LlamaForCausalLM(config, device=torch.device(device))
+        model = LlamaForCausalLM(config, backends)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)  # serving only: no autograd graph even outside inference_mode
     parameters = sum(p.numel() for p in model.parameters())
     packed = model.prepack() if prepack else 0
     logger.info(
-        "loaded %s: %d layers, %.1fM parameters, %d GEMMs on %s",
+        "loaded %s: %d layers, %.1fM parameters, %d GEMMs laid out for the %s route",
         model_dir.name,
         config.num_layers,
         parameters / 1e6,
         packed,
-        gemm_route(model) if packed else f"plain F.linear, in {str(dtype).removeprefix('torch.')}",
+        backends.gemm.value,
     )
     return model.eval()
 

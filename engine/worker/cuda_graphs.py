@@ -11,9 +11,9 @@ graph launches them all at once. What makes a step capturable:
 - Its inputs live in static buffers the graph reads: token ids, positions, slots, context lengths and LoRA row
   tiles in one int64 buffer, block tables in a [max_batch, max_blocks] one, each written per step from a host
   buffer by one copy (two in all), never reallocated.
-- Nothing in it reads a device value on the host: attention is loragate_kernels/paged_attention.py (grid and loop bounds
-  from shapes and device memory), LoRA is loragate_kernels/sgmv.py with a fixed tile count (B: at most one tile per row;
-  padding tiles name the null slot, whose rank is 0, and return at once).
+- Nothing in it reads a device value on the host: attention is loragate_kernels/triton/paged_attention.py (grid and
+  loop bounds from shapes and device memory), LoRA is loragate_kernels/triton/sgmv.py with a fixed tile count (B: at
+  most one tile per row; padding tiles name the null slot, whose rank is 0, and return at once).
 - What a kernel's launch bakes in stays true: the SGMV grid is sized by a rank bound per module group, the
   larger of RANK_FLOOR per module and the group's largest rank over the adapters loaded so far
   (`PoolWeights.max_rank`, which only grows). Programs past a slot's rank return at once, so the floor costs
@@ -38,12 +38,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from engine.lora.batch import LoraBatch
 from engine.lora.device_tier import DeviceAdapterTier
 from engine.lora.peft_config import GROUPS
+from engine.lora.routes import LoraBatch, TritonLora, TritonPlan
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM
-from loragate_kernels import attention_backend, lora_backend
+from loragate_kernels.backends import Kernel
 
 logger = logging.getLogger(__name__)
 
@@ -148,10 +148,11 @@ class DecodeGraphs:
         """`block_table`: the persistent batch's host table [max_rows, max_blocks] (engine/worker/input_batch.py);
         `scratch_page`: a page of the pool reserved for padding rows' K/V."""
         device = kv_cache.device
-        if attention_backend(device) != "triton" or (adapters is not None and lora_backend(device) != "triton"):
+        backends = model.backends
+        if backends.attention is not Kernel.TRITON or (adapters is not None and backends.lora is not Kernel.TRITON):
             raise ValueError(
                 "CUDA graphs need the Triton decode attention and LoRA kernels (LORAGATE_ATTENTION_BACKEND and "
-                "LORAGATE_LORA_BACKEND unset or triton, loragate_kernels/__init__.py); pass --no-cuda-graphs to use "
+                "LORAGATE_LORA_BACKEND unset or triton, loragate_kernels/backends.py); pass --no-cuda-graphs to use "
                 "others"
             )
         self.model, self.kv_cache, self.adapters, self.make_graph = model, kv_cache, adapters, make_graph
@@ -180,7 +181,7 @@ class DecodeGraphs:
 
     def run(self, step: GraphStep, tiles: tuple[list[int], list[int], list[int]] | None) -> torch.Tensor:
         """The final hidden states [n, hidden] of the step's n rows. `tiles`: the step's LoRA row tiles
-        (loragate_kernels/sgmv.py `segment_tiles`), None when no row has an adapter."""
+        (loragate_kernels/triton/sgmv.py `segment_tiles`), None when no row has an adapter."""
         n = len(step.token_ids)
         size = self.bucket(n)
         ranks = self._ranks()
@@ -223,12 +224,12 @@ class DecodeGraphs:
         attn = AttentionMetadata(slots, size, self._tables[:size], lens, (), 0)
         lora = None
         if with_lora:
-            from loragate_kernels.sgmv import SgmvPlan
+            from loragate_kernels.triton.sgmv import SgmvPlan
 
             assert self.adapters is not None
-            plan = SgmvPlan(self._view(4, size), self._view(5, size), self._view(6, size), size)
+            tiles = SgmvPlan(self._view(4, size), self._view(5, size), self._view(6, size), size)
             bounds = dict(zip(GROUPS, self._rank_key, strict=True))
-            lora = LoraBatch([0, size], [self.adapters.null_slot], self.adapters.weights, plan, max_rank=bounds)
+            lora = LoraBatch(TritonLora(self.adapters.weights), TritonPlan(tiles, bounds))
 
         def forward() -> torch.Tensor:
             return self.model(ids, positions, self.kv_cache, attn, lora)

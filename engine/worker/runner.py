@@ -22,15 +22,14 @@ import torch
 from engine.core.outputs import RunnerOutput
 from engine.core.request import Request, TokenLogprob
 from engine.core.scheduler import SchedulerOutput
-from engine.lora.batch import LoraBatch
 from engine.lora.device_tier import DeviceAdapterTier
+from engine.lora.routes import ROUTES, LoraBatch, LoraRoute
 from engine.model.attention import AttentionMetadata, PrefillSeq
 from engine.model.llama import LlamaForCausalLM
 from engine.worker.cuda_graphs import DecodeGraphs, Graph, GraphStep
 from engine.worker.input_batch import InputBatch
 from engine.worker.prompt_logprobs import PromptChunk, plan_chunk, score_prompt_chunks
 from engine.worker.sampler import NON_FINITE, RowTables, Sampler
-from loragate_kernels import lora_backend
 
 NON_FINITE_LOGITS = (
     "the model computed non-finite logits (NaN or inf) for this request; its adapter's weights are the usual cause"
@@ -69,8 +68,8 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = device
-        # "cpp" or "torch" (CPU), "triton" (CUDA): loragate_kernels/__init__.py
-        self.lora_backend = lora_backend(device)
+        # how the steps' LoRA deltas are computed (model.backends.lora: loragate_kernels/backends.py)
+        self.lora: LoraRoute[Any] | None = None if adapters is None else ROUTES[model.backends.lora](adapters.weights)
         max_len = max_model_len or model.config.max_position_embeddings
         self.batch = InputBatch(max_num_seqs, -(-max_len // block_size), model.config.vocab_size, device)
         self.staging = HostStaging(device) if device.type == "cuda" else None
@@ -208,7 +207,7 @@ class ModelRunner:
         segments = self._segments(slots, num_tokens)
         if segments is None:
             return None
-        from loragate_kernels.sgmv import segment_tiles
+        from loragate_kernels.triton.sgmv import segment_tiles
 
         return segment_tiles(*segments, skip_slot=self._tier().null_slot)
 
@@ -217,19 +216,8 @@ class ModelRunner:
         segments = self._segments(slots, num_tokens)
         if segments is None:
             return None
-        tier = self._tier()
-        null = tier.null_slot
-        starts, seg_slots = segments
-        plan = stacked = op_segments = None
-        if self.lora_backend == "triton":  # the step's row tiles, once for every layer and group
-            from loragate_kernels.sgmv import plan_segments
-
-            plan = plan_segments(starts, seg_slots, self.device, skip_slot=null)
-        elif self.lora_backend == "cpp":  # the C++ op reads the segments as tensors, made once for every layer
-            op_segments = torch.tensor(starts + seg_slots, dtype=torch.int64)
-        elif tier.stacks is not None:  # the torch path: a decoding step's adapters at once (engine/lora/stacks.py)
-            stacked = tier.stacks.plan(starts, seg_slots, null)
-        return LoraBatch(starts, seg_slots, tier.weights, plan, stacked, op_segments)
+        assert self.lora is not None  # `_segments` found rows with an adapter: the engine has a tier
+        return self.lora.step(*segments, self._tier().null_slot)
 
     def _prepare(self, requests: list[Request], num_tokens: list[int], rows: list[int]) -> StepInputs | GraphStep:
         """The step's inputs. Every integer input is written into one list and becomes one tensor (one copy

@@ -27,8 +27,8 @@ import torch
 
 from engine.core.request import Request, TokenLogprob
 from engine.worker.token_masks import apply_logit_bias, constrained_copy
-from loragate_kernels import layer_backend
-from loragate_kernels.cpu_ops import greedy_rows_cpu
+from loragate_kernels.backends import Kernel
+from loragate_kernels.cpu.ops import greedy_rows_cpu
 
 _NEG_INF = float("-inf")
 # Top-p looks for the nucleus among this many most likely tokens before falling back to a full sort.
@@ -88,8 +88,13 @@ def _mask_eos_alone(requests: Sequence[Request]) -> bool:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: tuple[int, ...], *, seed: int | None = None) -> None:
+    def __init__(
+        self, eos_token_ids: tuple[int, ...], *, greedy: Kernel = Kernel.TORCH, seed: int | None = None
+    ) -> None:
+        """`greedy`: the sampler seam's route (loragate_kernels/backends.py `Backends.sampler`): CPP picks greedy rows
+        on loragate_kernels/cpu/sampling.cpp, TORCH with torch ops (the twin)."""
         self.eos_token_ids = tuple(eos_token_ids)
+        self.greedy_cpp = greedy is Kernel.CPP
         self._eos_index: dict[tuple[int, torch.device], torch.Tensor] = {}
         # Shared by every row without its own generator. Unseeded: a fresh random seed per sampler, so
         # unseeded requests do not repeat the same draws after each restart.
@@ -204,10 +209,10 @@ class Sampler:
             logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
 
     def _greedy_cpp(self, logits: torch.Tensor, requests: Sequence[Request], plain: bool) -> list[int] | None:
-        """Greedy rows' tokens in one pass of loragate_kernels/cpu_sampling.cpp (argmax, finiteness and the EOS mask of
+        """Greedy rows' tokens in one pass of loragate_kernels/cpu/sampling.cpp (argmax, finiteness and the EOS mask of
         min_tokens together), where the CPU's C++ ops run and every row is plain or masks EOS alone (W1's rows);
         None otherwise. The same tokens as the torch path below (`finite_rows`, `argmax_list`, `_greedy_masked`)."""
-        if logits.device.type != "cpu" or layer_backend(logits.device) != "cpp":
+        if not self.greedy_cpp or logits.device.type != "cpu":
             return None
         if plain:
             banned = torch.empty(0, dtype=torch.long)

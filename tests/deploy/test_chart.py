@@ -18,8 +18,8 @@ import pytest
 import yaml
 from conftest import CHART, NAMESPACE, REPO, find, helm_template, one, render, secret_values
 
-from loragate.adapter_sources import AllowList
 from loragate.cli import build_parser
+from loragate_common.adapter_sources import AllowList
 
 K8S_VERSION = "1.30"
 CRDS = {"ServiceMonitor", "ScaledObject", "HTTPRoute"}

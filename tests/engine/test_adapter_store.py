@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from engine.lora.adapter_store import TMP_PREFIX, AdapterStore, FetchBackoff
-from loragate.adapter_sources import AllowList, SourceError
+from loragate_common.adapter_sources import AllowList, SourceError
 
 from adapter_servers import (
     ADAPTER_FILES,
@@ -207,7 +207,7 @@ FETCH_SCRIPT = """
 import asyncio, sys
 from pathlib import Path
 from engine.lora.adapter_store import AdapterStore
-from loragate.adapter_sources import AllowList
+from loragate_common.adapter_sources import AllowList
 root, url, sha, allow = sys.argv[1:5]
 store = AdapterStore(Path(root), 1 << 30, 1 << 30, AllowList([allow]), 60.0, print)
 asyncio.run(store.ensure(url, sha, None))

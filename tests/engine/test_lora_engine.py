@@ -16,11 +16,10 @@ from test_step_interrupt import Interrupter
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request, SamplingParams
-from engine.lora.batch import LoraBatch
+from engine.lora.routes import Segments, TorchLora
 from engine.lora.stacks import MAX_ROWS_PER_ADAPTER, LoraStacks, StackPlan
-from engine.model.cpu_gemm import panels_usable
 from engine.model.sources import build_tiny_random
-from loragate_kernels import gemm_backend
+from loragate_kernels.backends import Gemm
 
 from lora_fixtures import make_peft_adapter, peft_greedy
 
@@ -101,7 +100,7 @@ def test_mixed_batch_matches_peft(tiny_adapter_dir, prompts, reference) -> None:
 
 
 def test_mlp_adapters_match_peft_where_the_activation_fuses(tmp_path: Path) -> None:
-    """A model whose gate and up fill whole 96-column panels: on cpu_panels.cpp's route its base rows take the GEMM
+    """A model whose gate and up fill whole 96-column panels: on cpu/panels.cpp's route its base rows take the GEMM
     with the activation fused (engine/model/cpu_gemm.py PackedLinear.silu_mul), and steps with adapters on the MLP
     keep their deltas on gate and up (which the fused op has no room for: the MLP runs the two ops apart there)."""
     model_dir = build_tiny_random(tmp_path / "model", seed=5, intermediate_size=192)
@@ -120,12 +119,12 @@ def test_mlp_adapters_match_peft_where_the_activation_fuses(tmp_path: Path) -> N
     assert all(want[(name, 0)] != want[(None, 0)] for name in specs)  # the MLP deltas change the output
     mlp = engine.model.layers[0].mlp
     fused = mlp.gate_up_proj.silu_mul(torch.zeros(1, mlp.gate_up_proj.in_features))
-    assert (fused is not None) == (gemm_backend(torch.device("cpu")) == "cpp" and panels_usable())
+    assert (fused is not None) == (engine.backends.gemm is Gemm.PANELS)
 
 
 @pytest.fixture
 def torch_lora_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU's torch path (where the C++ op cannot be built), which stacks decoding steps' adapters."""
+    """The CPU's torch route (where the C++ op cannot be built), which stacks decoding steps' adapters."""
     monkeypatch.setenv("LORAGATE_LORA_BACKEND", "torch")
 
 
@@ -138,8 +137,7 @@ def test_stacked_decode_lora_matches_peft_and_the_per_segment_path(tiny_adapter_
     jobs = [(name, i) for k, name in enumerate(TINY_ADAPTERS) for i in range(k % 3 + 1)] + [(None, 1)]
     ours = run_all(engine, jobs, prompts)
     assert all(ours[key] == reference[key] for key in jobs), "differs from PEFT"
-    tier = engine.device_adapters
-    assert tier.stacks is not None and tier.stacks.builds >= 1
+    assert isinstance(engine.runner.lora, TorchLora) and engine.runner.lora.stacks.builds >= 1
     _check_stacked_deltas(engine)
 
 
@@ -152,8 +150,9 @@ def test_stacked_deltas_equal_per_segment_deltas(tiny_adapter_dir, prompts, dtyp
 
 
 def _check_stacked_deltas(engine: LLMEngine) -> None:
-    tier = engine.device_adapters
-    assert tier.stacks is not None
+    tier, route = engine.device_adapters, engine.runner.lora
+    assert isinstance(route, TorchLora)
+    stacks = route.stacks
     slots = sorted(res.slot for res in tier.resident.values())
     assert len(slots) == len(TINY_ADAPTERS)
     # 1-3 rows per adapter, a base segment among them, and one adapter in two segments
@@ -161,37 +160,36 @@ def _check_stacked_deltas(engine: LLMEngine) -> None:
     for k, slot in enumerate([*slots[:3], tier.null_slot, *slots[3:], slots[0]]):
         seg_slots.append(slot)
         starts.append(starts[-1] + k % 3 + 1)
-    plan = tier.stacks.plan(starts, seg_slots, tier.null_slot)
+    plan = stacks.plan(starts, seg_slots, tier.null_slot)
     assert plan is not None and plan.mask is not None  # padded: the adapters' row counts differ
-    _compare_with_per_segment(engine, starts, seg_slots, plan, base_rows=list(range(starts[3], starts[4])))
+    _compare_with_per_segment(route, starts, seg_slots, plan, base_rows=list(range(starts[3], starts[4])))
     # requests finish: a step of 4 of those 6 adapters reuses their stack (no copy), its extra adapters padding
-    builds = tier.stacks.builds
+    builds = stacks.builds
     fewer = [0, 2, 3, 5, 6]
-    subset = tier.stacks.plan(fewer, slots[1:5], tier.null_slot)
-    assert subset is not None and subset.stack is plan.stack and tier.stacks.builds == builds
-    _compare_with_per_segment(engine, fewer, slots[1:5], subset, base_rows=[])
+    subset = stacks.plan(fewer, slots[1:5], tier.null_slot)
+    assert subset is not None and subset.stack is plan.stack and stacks.builds == builds
+    _compare_with_per_segment(route, fewer, slots[1:5], subset, base_rows=[])
     # a stack past its byte bound is not built: the per-segment path serves the step
     assert LoraStacks(tier.weights, max_bytes=0).plan(starts, seg_slots, tier.null_slot) is None
     long_segment = [0, MAX_ROWS_PER_ADAPTER + 1]  # a prefill chunk: per segment
-    assert tier.stacks.plan(long_segment, slots[:1], tier.null_slot) is None
+    assert stacks.plan(long_segment, slots[:1], tier.null_slot) is None
 
 
 def _compare_with_per_segment(
-    engine: LLMEngine, starts: list[int], seg_slots: list[int], plan: StackPlan, base_rows: list[int]
+    route: TorchLora, starts: list[int], seg_slots: list[int], plan: StackPlan, base_rows: list[int]
 ) -> None:
     """Every layer's and group's deltas through `plan` equal the per-segment path's on random x and y."""
-    tier = engine.device_adapters
-    dtype = engine.dtype
+    dtype = route.weights.layer_pools[0].dtype
     gen = torch.Generator().manual_seed(0)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    cols, ins = tier.weights.out_cols, tier.weights.in_features
-    for layer in range(engine.model.config.num_layers):
+    cols, ins = route.weights.out_cols, route.weights.in_features
+    for layer in range(len(route.weights.layer_pools)):
         for group in cols:
             x = torch.randn(starts[-1], ins[group], generator=gen).to(dtype)
             y0 = torch.randn(starts[-1], cols[group][-1], generator=gen).to(dtype)
             stacked, looped = y0.clone(), y0.clone()
-            LoraBatch(starts, seg_slots, tier.weights, None, plan).layer(layer).apply(group, stacked, x)
-            LoraBatch(starts, seg_slots, tier.weights).layer(layer).apply(group, looped, x)
+            route.apply(plan, layer, group, stacked, x)
+            route.apply(Segments(starts, seg_slots), layer, group, looped, x)
             torch.testing.assert_close(stacked, looped, atol=tol, rtol=tol)
             assert torch.equal(stacked[base_rows], y0[base_rows])  # rows without an adapter are untouched
 

@@ -1,4 +1,4 @@
-"""The engine with each LoRA backend forced (LORAGATE_LORA_BACKEND): the Triton SGMV kernels (for CPU tensors they
+"""The engine with each LoRA route forced (LORAGATE_LORA_BACKEND): the Triton SGMV kernels (for CPU tensors they
 run under Triton's interpreter, on a host with or without a GPU) and the CPU's C++ op give the same logits as the
 torch path for a mixed-adapter step, and greedy outputs equal to PEFT's for every adapter in one batch. The Triton
 run also loads adapters as a GPU engine does (one staged copy per load, the slot tables' mirror in one copy)."""
@@ -54,7 +54,7 @@ def test_triton_and_cpp_paths_equal_the_torch_path_and_peft(
         engine = LLMEngine(
             EngineConfig(dtype="float32", model="tiny-random", adapter_dir=adapter_dir, max_model_len=256)
         )
-        assert engine.runner.lora_backend == backend
+        assert engine.backends.lora.value == backend and engine.runner.lora.kernel.value == backend
         assert (engine.device_adapters.mirror is not None) == (backend != "torch")
         # The GPU's way of loading an adapter (one staged table copied into every layer at once), on the CPU.
         engine.device_adapters.stage_copies = backend == "triton"

@@ -14,8 +14,6 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
-from engine.config import EngineConfig
-from engine.core.llm_engine import resolve_dtype
 from engine.model import attention, sources
 from engine.model import llama as llama_module
 from engine.model.attention import (
@@ -30,21 +28,21 @@ from engine.model.cpu_gemm import (
     ROW_BUCKET,
     PackedLinear,
     PanelEmbedding,
-    auto_cpu_dtype,
-    gemm_dtype,
     gemm_rows,
-    onednn_available,
-    onednn_packs,
-    panels_usable,
     warm_up_gemms,
 )
 from engine.model.layer_ops import CppLayerOps, TorchLayerOps
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.model.sources import build_tiny_random, load_tokenizer, resolve_model
-from loragate_kernels import attention_backend, cpu_ops
+from loragate_kernels.backends import Backends, Gemm, Machine, onednn_available
 
 CPU = torch.device("cpu")
+
+
+def cpu_model(model_dir: Path, dtype: torch.dtype = torch.float32, prepack: bool = True) -> LlamaForCausalLM:
+    """Our model on the CPU, on the routes this machine and the environment give (the fixtures below force them)."""
+    return load_model(model_dir, Backends.resolve(CPU, dtype), prepack)
 
 
 @dataclass
@@ -115,7 +113,7 @@ def hf_logits(hf: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
 
 
 def load_pair(model_dir: Path) -> tuple[LlamaForCausalLM, PreTrainedModel]:
-    ours = load_model(model_dir, torch.float32, CPU)
+    ours = cpu_model(model_dir, torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return ours, hf
 
@@ -157,8 +155,8 @@ def layer_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     """The layer ops (engine/model/layer_ops.py) and attention the model runs with: torch's, and the CPU's C++ ops
     (which attend prompt rows too where their contexts are short: engine/model/attention.py
     PAGED_PREFILL_MAX_CONTEXT)."""
-    if request.param == "cpp" and not cpu_ops.load():
-        pytest.skip(f"the CPU ops cannot be built here: {cpu_ops.unavailable_reason()}")
+    if request.param == "cpp" and not Machine.probe(CPU).cpu_ops:
+        pytest.skip(f"the CPU ops cannot be built here: {Machine.probe(CPU).cpu_ops_problem}")
     monkeypatch.setenv("LORAGATE_LAYER_BACKEND", request.param)
     monkeypatch.setenv("LORAGATE_ATTENTION_BACKEND", request.param)
     return request.param
@@ -166,12 +164,12 @@ def layer_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 
 @pytest.fixture(params=["onednn", "cpp"])
 def gemm_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The GEMM route the model loads with (loragate_kernels/__init__.py `gemm_backend`): oneDNN-prepacked weights, and
-    loragate_kernels/cpu_gemm.cpp up to SKINNY_ROWS rows with oneDNN above (the default on CPUs with AVX2 and FMA)."""
+    """The GEMM route the model loads with (LORAGATE_GEMM_BACKEND, loragate_kernels/backends.py): oneDNN-prepacked
+    weights, and the C++ GEMM this CPU runs (the default on CPUs with AVX2 and FMA)."""
     if request.param == "onednn" and not onednn_available():
         pytest.skip("this torch has no oneDNN")
-    if request.param == "cpp" and not cpu_ops.load():
-        pytest.skip(f"the CPU ops cannot be built here: {cpu_ops.unavailable_reason()}")
+    if request.param == "cpp" and not Machine.probe(CPU).cpu_ops:
+        pytest.skip(f"the CPU ops cannot be built here: {Machine.probe(CPU).cpu_ops_problem}")
     monkeypatch.setenv("LORAGATE_GEMM_BACKEND", request.param)
     return request.param
 
@@ -192,12 +190,15 @@ def test_tiny_matches_hf(tiny_model_dir: Path, block_size: int, layer_backend: s
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_fresh_prompts_attended_as_one_batch_match_hf(
-    tiny_pair: tuple[LlamaForCausalLM, PreTrainedModel], block_size: int, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path,
+    tiny_pair: tuple[LlamaForCausalLM, PreTrainedModel],
+    block_size: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A step's fresh prompts go through one SDPA call (engine/model/attention.py `FreshBatch`): of one length and
     consecutive (a view), of several lengths (right-padded), and with a chunk after cached context between them (which
     is attended alone) and decode rows in front. Logits as HF's, and the batches were in fact made."""
-    ours, hf = tiny_pair
+    hf = tiny_pair[1]
     made: list[attention.FreshBatch | None] = []
     plan = attention.plan_fresh_batch
 
@@ -207,6 +208,7 @@ def test_fresh_prompts_attended_as_one_batch_match_hf(
 
     monkeypatch.setattr(attention, "plan_fresh_batch", spy)
     monkeypatch.setenv("LORAGATE_ATTENTION_BACKEND", "torch")  # the C++ kernel would take these prompts' rows
+    ours = cpu_model(tiny_model_dir)  # the route is the model's, chosen at load
     vocab, runner = ours.config.vocab_size, PagedRunner(ours, block_size)
     atol = hf_atol("cpp", "cpp")  # the CPU's default routes
     same = [Seq(random_tokens(10, vocab, seed=i)) for i in range(3)]
@@ -239,7 +241,7 @@ def test_prompt_rows_attended_by_the_paged_kernel_match_hf(
     decode kernel (engine/model/attention.py PAGED_PREFILL_MAX_CONTEXT): fresh prompts, a chunk after cached context,
     decode rows in front; a step with a longer context keeps SDPA. Logits as HF's either way, and each step took the
     route its contexts call for (the limit lowered to 12 so both routes run on short prompts)."""
-    if attention_backend(CPU) != "cpp":
+    if Backends.resolve(CPU).attention.value != "cpp":
         pytest.skip("the C++ ops are not built here")
     ours, hf = tiny_pair
     monkeypatch.setattr(attention, "PAGED_PREFILL_MAX_CONTEXT", 12)
@@ -296,9 +298,7 @@ def test_variants_match_hf(tmp_path: Path, overrides: dict, layer_backend: str, 
     model_dir = build_tiny_random(tmp_path / "model", seed=1, num_hidden_layers=2, **overrides)
     ours, hf = load_pair(model_dir)
     if "tie_word_embeddings" in overrides:  # the head reads the embeddings (a packed copy of them on the CPU)
-        assert (
-            ours.config.tie_word_embeddings and load_model(model_dir, torch.float32, CPU, prepack=False).lm_head is None
-        )
+        assert ours.config.tie_word_embeddings and cpu_model(model_dir, torch.float32, prepack=False).lm_head is None
     check_prefill_decode_mixed(ours, hf, block_size=4, atol=hf_atol(layer_backend, gemm_backend))
 
 
@@ -308,20 +308,21 @@ def test_prepacked_gemms_match_plain_linear(tmp_path: Path, dtype: torch.dtype, 
     """On the CPU every projection and the LM head run with weights laid out for the CPU's GEMMs, on either route
     (engine/model/cpu_gemm.py); their outputs equal F.linear's over the plain weights (to fp32 rounding; bf16: both
     accumulate in fp32, and where oneDNN packs no bf16 the GEMMs run in fp32 over the exactly upcast weights:
-    test_bf16_gemm_dtype_follows_onednn). The cpu_gemm.cpp route serves up to SKINNY_ROWS rows from the row-major
+    test_bf16_gemm_dtype_follows_onednn). The cpu/gemm.cpp route serves up to SKINNY_ROWS rows from the row-major
     fp32 weight (a tied head: the embeddings themselves) and oneDNN above; it never takes bf16 weights."""
-    if gemm_dtype(dtype) is None:
+    backends = Backends.resolve(CPU, dtype)
+    if backends.gemm is Gemm.TORCH:
         pytest.skip(f"oneDNN packs no {dtype} weights on this CPU")
     model_dir = build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=2, tie_word_embeddings=tied)
-    plain = load_model(model_dir, dtype, CPU, prepack=False)
-    packed = load_model(model_dir, dtype, CPU)
+    plain = cpu_model(model_dir, dtype, prepack=False)
+    packed = cpu_model(model_dir, dtype)
     linears = [name for name, m in plain.named_modules() if isinstance(m, torch.nn.Linear)]
     assert sorted(n for n, m in packed.named_modules() if isinstance(m, PackedLinear)) == sorted(
         linears + (["lm_head"] if tied else [])
     )
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
-    cpp_fp32 = gemm_backend == "cpp" and gemm_dtype(dtype) == torch.float32
-    panels = cpp_fp32 and panels_usable()
+    cpp_fp32 = gemm_backend == "cpp" and backends.gemm_dtype == torch.float32
+    panels = backends.gemm is Gemm.PANELS
     assert {m.panels for m in packed.modules() if isinstance(m, PackedLinear)} == {panels}
     assert {m.skinny for m in packed.modules() if isinstance(m, PackedLinear)} == {cpp_fp32 and not panels}
     if tied and cpp_fp32 and dtype == torch.float32:  # one copy of the embeddings: the row-major one, or the panels
@@ -356,15 +357,15 @@ def test_prepacked_gemms_match_plain_linear(tmp_path: Path, dtype: torch.dtype, 
 def test_the_mlp_activation_fuses_where_panels_pair_up(
     tmp_path: Path, intermediate: int, layer_backend: str, gemm_backend: str
 ) -> None:
-    """On cpu_panels.cpp's route, with the C++ layer ops and no LoRA, the MLP's gate_up GEMM and its activation are one
+    """On cpu/panels.cpp's route, with the C++ layer ops and no LoRA, the MLP's gate_up GEMM and its activation are one
     op (PackedLinear.silu_mul) wherever gate and up each fill whole 96-column panels, and give the very floats the two
     ops give; elsewhere (128 = 1.33 panels, oneDNN, torch's layer ops) the MLP runs them apart. test_variants_match_hf
     ("fused-mlp") holds the fused model to HF."""
     model_dir = build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=1, intermediate_size=intermediate)
-    mlp = load_model(model_dir, torch.float32, CPU).layers[0].mlp
+    mlp = cpu_model(model_dir, torch.float32).layers[0].mlp
     x = torch.randn(37, mlp.gate_up_proj.in_features, generator=torch.Generator().manual_seed(0))
     fused = mlp.gate_up_proj.silu_mul(x)
-    fuses = gemm_backend == "cpp" and panels_usable() and intermediate % 96 == 0
+    fuses = Backends.resolve(CPU, torch.float32).gemm is Gemm.PANELS and intermediate % 96 == 0
     assert (fused is not None) == fuses
     ops = CppLayerOps if layer_backend == "cpp" else TorchLayerOps
     apart = ops.silu_mul(mlp.gate_up_proj(x))
@@ -384,13 +385,16 @@ def test_bf16_gemm_dtype_follows_onednn(tmp_path: Path) -> None:
         native = True
     except RuntimeError:
         native = False
-    assert onednn_packs(torch.bfloat16) == native
-    assert gemm_dtype(torch.bfloat16) == (torch.bfloat16 if native else torch.float32)
-    assert gemm_dtype(torch.float32) == torch.float32 and not onednn_packs(torch.float16)
-    model = load_model(build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=2), torch.bfloat16, CPU)
+    onednn_dtypes = Machine.probe(CPU).onednn_dtypes
+    assert (torch.bfloat16 in onednn_dtypes) == native and torch.float16 not in onednn_dtypes
+    gemm_dtype = Backends.resolve(CPU, torch.bfloat16).gemm_dtype
+    assert gemm_dtype == (torch.bfloat16 if native else torch.float32)
+    assert Backends.resolve(CPU, torch.float32).gemm_dtype == torch.float32
+    assert Backends.resolve(CPU, torch.float16).gemm is Gemm.TORCH  # no CPU route computes fp16: F.linear
+    model = cpu_model(build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=2), torch.bfloat16)
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert packed and not any(type(m) is torch.nn.Linear for m in model.modules())
-    assert {m.weight.dtype for m in packed} == {gemm_dtype(torch.bfloat16)}
+    assert {m.weight.dtype for m in packed} == {gemm_dtype}
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     assert model.compute_logits(x).dtype == torch.bfloat16
 
@@ -406,7 +410,7 @@ def test_gemm_row_counts_are_bounded_and_warmed(tmp_path: Path, monkeypatch: pyt
             padded == rows if rows <= EXACT_ROWS else (padded % ROW_BUCKET == 0 and rows <= padded < rows + ROW_BUCKET)
         )
     monkeypatch.setenv("LORAGATE_GEMM_BACKEND", "onednn")  # the route that builds a kernel per row count
-    model = load_model(build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=2), torch.float32, CPU)
+    model = cpu_model(build_tiny_random(tmp_path / "model", seed=2, num_hidden_layers=2), torch.float32)
     seen: set[tuple[int, int, int]] = set()
     calls: list[tuple[int, int, int]] = []
     forward = PackedLinear.forward
@@ -426,28 +430,11 @@ def test_gemm_row_counts_are_bounded_and_warmed(tmp_path: Path, monkeypatch: pyt
         assert (*head, gemm_rows(rows)) in seen or rows > 40
 
 
-def test_auto_dtype_follows_the_cpu_flags() -> None:
-    """`--dtype auto` on a CPU: bf16 where it is native (avx512_bf16 or AMX), fp32 elsewhere; this machine's own
-    flags as the kernel reports them (/proc/cpuinfo) decide the engine's choice."""
-    assert auto_cpu_dtype(frozenset({"avx2", "avx512f", "avx512_bf16"}))[0] == torch.bfloat16
-    assert auto_cpu_dtype(frozenset({"avx2", "amx_tile", "amx_bf16"}))[0] == torch.bfloat16
-    assert auto_cpu_dtype(frozenset({"avx2", "avx512f", "avx512bw"}))[0] == torch.float32  # bf16 would be emulated
-    assert auto_cpu_dtype(frozenset())[0] == torch.float32
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    native = any(
-        f in line.split() for line in text.splitlines() if line.startswith("flags") for f in ("avx512_bf16", "amx_bf16")
-    )
-    dtype, reason = resolve_dtype(EngineConfig(model="tiny-random"))
-    assert dtype == (torch.bfloat16 if native else torch.float32), reason
-    assert resolve_dtype(EngineConfig(model="tiny-random", dtype="float32"))[0] == torch.float32
-    assert resolve_dtype(EngineConfig(model="tiny-random", device="cuda"))[0] == torch.bfloat16
-
-
 def test_bfloat16_tracks_fp32_reference(
     tiny_model_dir: Path, tiny_pair: tuple[LlamaForCausalLM, PreTrainedModel]
 ) -> None:
     """bf16 cannot match to 1e-4; a wrong low-precision path (norm, RoPE cast) is off by whole logits."""
-    ours = load_model(tiny_model_dir, torch.bfloat16, CPU)
+    ours = cpu_model(tiny_model_dir, torch.bfloat16)
     runner = PagedRunner(ours, block_size=4)
     seq = Seq(random_tokens(24, ours.config.vocab_size, seed=5))
     got = torch.cat([runner.step([(seq, 16)])[0]] + [runner.step([(seq, 1)])[0] for _ in range(8)])
@@ -575,12 +562,12 @@ def test_rejects_other_architectures_and_bad_shapes(tmp_path: Path, tiny_model_d
     (bad / "config.json").write_text(json.dumps({**raw, "intermediate_size": 96}))
     save_file({"x": torch.zeros(1)}, str(bad / "model.safetensors"))
     with pytest.raises(ValueError, match="missing lm_head.weight, .* and 34 more, unexpected x$"):
-        load_model(bad, torch.float32, CPU)
+        cpu_model(bad, torch.float32)
     build_tiny_random(bad)  # real weights, but intermediate 128 vs the config's 96 below
     (bad / "config.json").write_text(json.dumps({**raw, "intermediate_size": 96}))
     expected = r"layers.0.mlp.gate_proj.weight has shape \(128, 64\), config.json implies \(96, 64\)"
     with pytest.raises(ValueError, match=expected):
-        load_model(bad, torch.float32, CPU)
+        cpu_model(bad, torch.float32)
 
 
 def test_cache_build_race_uses_the_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

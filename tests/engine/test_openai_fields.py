@@ -28,7 +28,7 @@ from engine.entrypoints.guided import COMPILE_TIMEOUT_S, ToolChoice, ToolPlan, p
 from engine.entrypoints.tool_calls import ToolCallStream, tool_message
 from engine.model.sources import load_tokenizer
 from engine.structured import parse_tool_call
-from loragate_kernels import gemm_backend
+from loragate_kernels.backends import Backends, Gemm
 
 from lora_fixtures import load_peft_model, make_peft_adapter
 from polling import poll
@@ -428,11 +428,11 @@ def test_echo_scores_the_prompt_like_hf(
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing before the first token
     expected, full = _hf_prompt_logprobs(tiny_model_dir, adapter_root / ADAPTER if adapter else None, ids)
     # fp32 to 1e-4 plus 1e-5 relative: logprobs reach -20 here, and the CPU's LoRA op sums in another order than
-    # PEFT's matmuls (the torch path's products are PEFT's own and match exactly). The server's GEMMs on the "cpp"
-    # route (loragate_kernels/cpu_gemm.cpp, the default on CPUs with AVX2) sum in another order than HF's BLAS too,
+    # PEFT's matmuls (the torch path's products are PEFT's own and match exactly). The server's GEMMs on the C++
+    # routes (loragate_kernels/cpu/, the default on CPUs with AVX2) sum in another order than HF's BLAS too,
     # and this random tiny model amplifies the last bit (up to ~1.7e-4 in its logits: tests/engine/test_model.py
     # `hf_atol`); a wrong op moves them by ~1.
-    atol = 5e-4 if gemm_backend(torch.device("cpu")) == "cpp" else 1e-4
+    atol = 1e-4 if Backends.resolve("cpu", "float32").gemm in (Gemm.ONEDNN, Gemm.TORCH) else 5e-4
     assert torch.allclose(torch.tensor(lp.token_logprobs[1:]), expected, atol=atol, rtol=1e-5)
     for i, top in enumerate(lp.top_logprobs[1:]):  # the best alternative at each position is HF's best
         assert abs(max(top.values()) - full[i].max().item()) < atol

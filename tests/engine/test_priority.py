@@ -12,7 +12,7 @@ from test_scheduler import fake_run
 from engine.core.preemption import KVSwapper
 from engine.core.request import Request, RequestStatus, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from loragate.priority import Priority
+from loragate_common.priority import Priority
 
 from fake_adapters import make_spec, make_tier
 

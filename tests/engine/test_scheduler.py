@@ -12,7 +12,7 @@ from engine.core.outputs import RunnerOutput
 from engine.core.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.worker.prompt_logprobs import plan_chunk
-from loragate.priority import Priority
+from loragate_common.priority import Priority
 
 EOS = 0
 

@@ -20,7 +20,7 @@ from engine.core.async_engine import AsyncEngine
 from engine.core.llm_engine import LLMEngine
 from engine.core.outputs import RequestOutput
 from engine.core.request import Request, SamplingParams
-from loragate.priority import Priority
+from loragate_common.priority import Priority
 
 
 @dataclass

@@ -45,7 +45,7 @@ from gateway.auth import hash_key
 from gateway.policy import parse_policy
 from gateway.ratelimit import MemoryRateLimiter
 from gateway.telemetry import GatewayMetrics, finish_span, inject_headers, request_span
-from loragate.tracing import setup_tracing
+from loragate_common.tracing import setup_tracing
 
 from mock_upstream import MockUpstream
 from processes import serve_in_thread
@@ -128,13 +128,13 @@ def test_setup_tracing_keeps_an_installed_sdk_provider(
         setup_tracing("loragate-gateway")
         setup_tracing("loragate-engine")
     assert trace.get_tracer_provider() is installed
-    assert not [r for r in caplog.records if r.name.startswith(("opentelemetry", "loragate.tracing"))]
+    assert not [r for r in caplog.records if r.name.startswith(("opentelemetry", "loragate_common.tracing"))]
 
 
 _SETUP_SCRIPT = """
 import sys
 from opentelemetry import trace
-from loragate.tracing import setup_tracing
+from loragate_common.tracing import setup_tracing
 setup_tracing("svc-from-argument")
 setup_tracing("svc-second-call")
 provider = trace.get_tracer_provider()
@@ -330,7 +330,7 @@ def test_gateway_span_and_injected_traceparent(spans: InMemorySpanExporter) -> N
         "gen_ai.request.model": "tiny-random",
         "loragate.tenant": "acme",
         "loragate.adapter": "qv-r8",
-        "loragate.priority": "critical",
+        "loragate_common.priority": "critical",
         "http.response.status_code": 200,
         "loragate.outcome": "ok",
         "gen_ai.usage.input_tokens": 11,

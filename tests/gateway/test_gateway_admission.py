@@ -9,7 +9,7 @@ import pytest
 
 from gateway.admission import AdmissionController, Shed, Slot, Upstream
 from gateway.breaker import CircuitBreaker
-from loragate.priority import Priority
+from loragate_common.priority import Priority
 
 from fake_clock import FakeClock
 

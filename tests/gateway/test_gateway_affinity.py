@@ -15,7 +15,7 @@ import pytest
 
 from gateway.admission import AdmissionController, EngineLoad, Slot, Upstream, rendezvous_order
 from gateway.breaker import CircuitBreaker
-from loragate.priority import Priority
+from loragate_common.priority import Priority
 
 from fake_clock import FakeClock
 

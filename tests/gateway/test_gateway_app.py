@@ -34,7 +34,7 @@ from gateway.proxy import Call, Exchange, Proxy
 from gateway.ratelimit import MemoryRateLimiter, RateLimiter
 from gateway.redis_limiter import RedisRateLimiter
 from gateway.telemetry import GatewayMetrics
-from loragate.priority import Priority
+from loragate_common.priority import Priority
 
 import policies
 from gateway_testing import asgi, assert_error, run

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from gateway.auth import Authenticator, hash_key
 from gateway.policy import Limits, Policy, PolicyError, load_policy, parse_policy
-from loragate.priority import Priority
+from loragate_common.priority import Priority
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The CPU's bf16 GEMM over its tile layout (loragate_kernels/cpu_amx.cpp), on both its kernels (AMX tiles, and the
+"""The CPU's bf16 GEMM over its tile layout (loragate_kernels/cpu/amx.cpp), on both its kernels (AMX tiles, and the
 AVX-512 bf16 dot instruction), against a float64 oracle and oneDNN: row counts that fill the tiles and that do not
 (padded to 16 on AMX; 4-row tiles and their remainders on the dot kernel), one and two row tiles, several column
 blocks (runs of 3 on the dot kernel, and the 1 or 2 left over) split over 1 and 2 threads, a bias, inputs with padded
@@ -13,16 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.cpu_gemm import PackedLinear, amx_usable, tiles_usable
-from loragate_kernels import cpu_flags, cpu_ops, onednn_available
+from engine.model.cpu_gemm import PackedLinear
+from loragate_kernels.backends import Gemm, Machine, onednn_available
 
-BUILT = cpu_ops.load()
-HAS_DOT = BUILT and "avx512_bf16" in cpu_flags() and bool(torch.ops.loragate_cpu.dot_ready())
-pytestmark = pytest.mark.skipif(not (amx_usable() or HAS_DOT), reason="no AMX tiles, no AVX-512 bf16")
+MACHINE = Machine.probe("cpu")
+pytestmark = pytest.mark.skipif(not (MACHINE.amx or MACHINE.bf16_dot), reason="no AMX tiles, no AVX-512 bf16")
 KERNELS = [
-    pytest.param("amx", marks=pytest.mark.skipif(not amx_usable(), reason="the CPU has no AMX tiles")),
-    pytest.param("dot", marks=pytest.mark.skipif(not HAS_DOT, reason="the CPU has no AVX-512 bf16")),
+    pytest.param("amx", marks=pytest.mark.skipif(not MACHINE.amx, reason="the CPU has no AMX tiles")),
+    pytest.param("dot", marks=pytest.mark.skipif(not MACHINE.bf16_dot, reason="the CPU has no AVX-512 bf16")),
 ]
+ROUTE = Gemm.AMX if MACHINE.amx else Gemm.DOT  # what a bf16 model's GEMMs take here
 
 
 def tiled(kernel: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,16 +107,14 @@ def test_bad_arguments_are_refused(
 
 
 def test_packed_linear_takes_the_tile_layout_for_bf16_layers_of_whole_blocks() -> None:
-    assert tiles_usable()  # AMX or the bf16 dot kernel: this module runs only where one of them does
     torch.set_num_threads(2)
     x, w, b = operands(40, 96, 576, seed=4)
-    layer = PackedLinear(w, b, cpp=True)
-    assert layer.tiles and "cpu_amx.cpp" in layer.extra_repr()
+    layer = PackedLinear(w, b, ROUTE, torch.bfloat16)
+    assert layer.tiles and "cpu/amx.cpp" in layer.extra_repr()
     close_to_oracle(layer(x), x, w, b)
     close_to_oracle(layer(x[:3]), x[:3], w, b)
-    odd = PackedLinear(w[:40], b[:40], cpp=True)  # 40 output columns: not whole blocks of 32
+    odd = PackedLinear(w[:40], b[:40], ROUTE, torch.bfloat16)  # 40 output columns: not whole blocks of 32
     assert not odd.tiles and "oneDNN" in odd.extra_repr()
     torch.testing.assert_close(
         odd(x), F.linear(x.float(), w[:40].float(), b[:40].float()).bfloat16(), rtol=8e-3, atol=8e-3
     )
-    assert not PackedLinear(w.float(), b.float(), cpp=True).tiles  # fp32: cpu_panels.cpp's or cpu_gemm.cpp's route

@@ -1,4 +1,4 @@
-"""The CPU's C++ paged decode attention (loragate_kernels/cpu_attention.cpp) against the float64 oracle and the engine's
+"""The CPU's C++ paged decode attention (loragate_kernels/cpu/attention.cpp) against the float64 oracle and the engine's
 torch decode path, on tests/kernels/test_paged_attention.py's cases: ragged contexts (1, bs-1, bs, bs+1, several
 blocks), permuted non-contiguous pages, and NaN/+inf/-inf in every cache slot no sequence owns (a read at or past a
 context length turns a row into NaN). Also: the engine sends its decodes to the op by default on a CPU, rows of length 0
@@ -22,13 +22,15 @@ from test_paged_attention import (
     run_engine,
 )
 
-from loragate_kernels import attention_backend, cpu_ops
-from loragate_kernels.cpu_ops import paged_decode_attention_cpu
+from loragate_kernels.backends import Kernel
+from loragate_kernels.cpu.ops import paged_decode_attention_cpu
+
+from built_ops import require_cpu_ops
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    assert cpu_ops.load(), f"the CPU ops did not build: {cpu_ops.unavailable_reason()}"
+    require_cpu_ops()
 
 
 # 32, 64, 128: the AVX-512 loop's sizes (where the CPU has AVX-512); 24: the portable loop
@@ -42,7 +44,6 @@ def test_the_op_matches_the_oracle_and_the_torch_path(
     num_kv_heads: int,
     block_size: int,
     head_dim: int,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     seed = 1000 * DTYPES.index(dtype) + 100 * HEADS.index((num_heads, num_kv_heads)) + block_size + head_dim
     case = make_case(
@@ -57,10 +58,8 @@ def test_the_op_matches_the_oracle_and_the_torch_path(
     out = paged_decode_attention_cpu(case.q, case.cache_after_write(), case.block_tables, case.context_lens)
     assert out.dtype == dtype and out.shape == case.q.shape
     assert_close(out, oracle(case), dtype)
-    monkeypatch.setenv("LORAGATE_ATTENTION_BACKEND", "torch")
     torch_out, _ = run_engine(case)
-    monkeypatch.setenv("LORAGATE_ATTENTION_BACKEND", "cpp")
-    cpp_out, cpp_cache = run_engine(case)  # through plan_attention and paged_attention, as a step runs it
+    cpp_out, cpp_cache = run_engine(case, Kernel.CPP)  # through plan_attention and paged_attention, as a step runs it
     torch.testing.assert_close(cpp_cache, case.cache_after_write(), rtol=0, atol=0, equal_nan=True)
     assert_close(cpp_out, torch_out, dtype)
     assert_close(cpp_out, oracle(case), dtype)
@@ -128,13 +127,6 @@ def test_prompt_rows_deep_in_a_long_context() -> None:
     case = prompt_rows(seqs, [(1, 29, 1), (0, 650, 50)])
     out = paged_decode_attention_cpu(case.q, case.cache_after_write(), case.block_tables, case.context_lens)
     assert_close(out, oracle(case), torch.float32)
-
-
-def test_a_cpu_engine_attends_with_the_op_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LORAGATE_ATTENTION_BACKEND", raising=False)
-    assert attention_backend(torch.device("cpu")) == "cpp"
-    monkeypatch.setattr(cpu_ops, "_state", {"ok": False, "reason": "no compiler"})
-    assert attention_backend(torch.device("cpu")) == "torch"
 
 
 def test_peaked_scores_and_strided_q() -> None:

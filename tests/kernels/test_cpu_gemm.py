@@ -1,8 +1,8 @@
-"""The CPU's GEMM for few rows (loragate_kernels/cpu_gemm.cpp `skinny_linear`) against a float64 oracle and F.linear:
+"""The CPU's GEMM for few rows (loragate_kernels/cpu/gemm.cpp `skinny_linear`) against a float64 oracle and F.linear:
 every tile shape it has (rows in 4s and their tails; weight rows in 3s and chunks of 24 with AVX2, in 6s and chunks
 of 48 with AVX-512, and their tails), columns that are not a multiple of a vector (masked loads), columns split into
 blocks (more than 1,024), a bias, inputs with padded row strides, 1 and 2 threads, empty shapes; bad arguments
-refused with an error. And the seam that picks it (loragate_kernels/__init__.py `gemm_backend`).
+refused with an error. (Which CPUs take it: loragate_kernels/backends.py, tests/kernels/test_backends.py.)
 """
 
 from __future__ import annotations
@@ -11,14 +11,12 @@ import pytest
 import torch
 from gemm_oracle import check_strided_and_odd_inputs, close_to_oracle, operands
 
-from loragate_kernels import cpu_flags, cpu_ops, gemm_backend, onednn_available
-
-CPU = torch.device("cpu")
+from built_ops import require_cpu_ops
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    assert cpu_ops.load(), f"the CPU ops did not build: {cpu_ops.unavailable_reason()}"
+    require_cpu_ops()
 
 
 def skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,16 +59,3 @@ def test_strided_and_odd_inputs() -> None:
 def test_bad_arguments_are_refused(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, message: str) -> None:
     with pytest.raises(RuntimeError, match=message):
         skinny(x, w, b)
-
-
-def test_the_seam_picks_by_cpu_and_honours_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LORAGATE_GEMM_BACKEND", raising=False)
-    default = "cpp" if {"avx2", "fma"} <= cpu_flags() else ("onednn" if onednn_available() else "torch")
-    assert gemm_backend(CPU) == default
-    assert gemm_backend(torch.device("meta")) == "torch"
-    for forced in ("torch", "cpp") + (("onednn",) if onednn_available() else ()):
-        monkeypatch.setenv("LORAGATE_GEMM_BACKEND", forced)
-        assert gemm_backend(CPU) == forced
-    monkeypatch.setenv("LORAGATE_GEMM_BACKEND", "mkl")
-    with pytest.raises(ValueError, match="LORAGATE_GEMM_BACKEND must be one of"):
-        gemm_backend(CPU)

@@ -1,4 +1,4 @@
-"""The CPU's fused layer ops (loragate_kernels/cpu_layer.cpp) against a float64 oracle and their torch twins
+"""The CPU's fused layer ops (loragate_kernels/cpu/layer.cpp) against a float64 oracle and their torch twins
 (engine/model/layer_ops.py `TorchLayerOps`, what CUDA and compiler-less CPUs run): RMSNorm, the residual add fused
 with it, SiLU-and-mul, RoPE with the K/V cache write. Inputs with padded row strides (a fused projection's slice),
 1 and 2 threads, extreme activations; cache rows outside the layer refused before anything is written; the seam.
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from engine.model.attention import AttentionPlan, key_rows
-from engine.model.layer_ops import CppLayerOps, TorchLayerOps, layer_ops
-from loragate_kernels import cpu_ops, layer_backend
+from engine.model.layer_ops import CppLayerOps, TorchLayerOps
+
+from built_ops import require_cpu_ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["fp32", "bf16", "fp16"]
@@ -19,7 +20,7 @@ DTYPE_IDS = ["fp32", "bf16", "fp16"]
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    assert cpu_ops.load(), f"the CPU ops did not build: {cpu_ops.unavailable_reason()}"
+    require_cpu_ops()
 
 
 def strided(rows: int, cols: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -171,15 +172,3 @@ def test_bad_arguments_are_refused() -> None:
         CppLayerOps.rope_write_kv(qkv, cos, sin, cache, plan, 5)
     with pytest.raises(RuntimeError, match="cos and sin"):
         CppLayerOps.rope_write_kv(qkv, cos.double(), sin, cache, plan, 4)
-
-
-def test_the_seam(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu = torch.device("cpu")
-    monkeypatch.delenv("LORAGATE_LAYER_BACKEND", raising=False)
-    assert layer_backend(cpu) == "cpp" and layer_ops(cpu) is CppLayerOps  # the default where the ops build
-    assert layer_backend(torch.device("cuda")) == "torch"  # nothing changes on a GPU
-    monkeypatch.setenv("LORAGATE_LAYER_BACKEND", "torch")
-    assert layer_ops(cpu) is TorchLayerOps
-    monkeypatch.setenv("LORAGATE_LAYER_BACKEND", "triton")
-    with pytest.raises(ValueError, match="LORAGATE_LAYER_BACKEND must be one of torch, cpp"):
-        layer_backend(cpu)

@@ -1,9 +1,10 @@
-"""The CPU's C++ LoRA op (loragate_kernels/cpu_lora.cpp) against the per-row float64 oracle and the torch twin
+"""The CPU's C++ LoRA op (loragate_kernels/cpu/lora.cpp) against the per-row float64 oracle and the torch twin
 (loragate_kernels/reference.py `lora_sgmv_group`), on the cases tests/kernels/test_sgmv_triton.py builds: mixed ranks
 {1, 4, 8, 16, 64}, a module some slots skip, a rank-0 slot, empty and repeated segments, rows in no segment,
 unaligned shuffled offsets and NaN in every pool element no adapter owns (reading outside a slot's weights
 turns the result into NaN); y a column slice of a wider tensor. Also: the op refuses tables that point outside
-the pool, and the backend seam falls back to the torch path when the op cannot be built.
+the pool, and each GEMM's fused twin equals the GEMM then the op. (Where the ops cannot be built the torch route
+serves: tests/kernels/test_backends.py.)
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import pytest
 import torch
 from test_sgmv_triton import DTYPES, LAYOUTS, GroupCase, assert_update, make_group_case, oracle, run_twin
 
-import loragate_kernels
-from loragate_kernels import cpu_ops, lora_backend
-from loragate_kernels.sgmv import GroupTables
+from loragate_kernels.cpu import ops as cpu_ops
+from loragate_kernels.triton.sgmv import GroupTables
+
+from built_ops import require_cpu_ops
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    assert cpu_ops.load(), f"the CPU LoRA op did not build: {cpu_ops.unavailable_reason()}"
+    require_cpu_ops()
 
 
 def tables_of(case: GroupCase) -> GroupTables:
@@ -123,26 +125,6 @@ def test_the_op_refuses_tables_outside_the_pool() -> None:
         with pytest.raises(RuntimeError, match=message):
             cpu_ops.lora_sgmv_group_cpu(**{**args, "out_cols": case.out_cols, **changes})  # type: ignore[arg-type]
     assert torch.equal(case.y, before)  # refused before writing anything
-
-
-def test_the_backend_seam_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu = torch.device("cpu")
-    monkeypatch.delenv("LORAGATE_LORA_BACKEND", raising=False)
-    assert lora_backend(cpu) == "cpp"
-    monkeypatch.setenv("LORAGATE_LORA_BACKEND", "torch")
-    assert lora_backend(cpu) == "torch"
-    monkeypatch.delenv("LORAGATE_LORA_BACKEND")
-    # where the op cannot be built the torch path serves, and forcing the op says why it cannot
-    monkeypatch.setattr(cpu_ops, "_state", {"ok": False, "reason": "no compiler"})
-    assert loragate_kernels.lora_backend(cpu) == "torch"
-    monkeypatch.setenv("LORAGATE_LORA_BACKEND", "cpp")
-    with pytest.raises(ValueError, match="no compiler"):
-        lora_backend(cpu)
-
-
-def test_the_build_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LORAGATE_CPU_OPS", "0")
-    assert cpu_ops._build() == (False, "LORAGATE_CPU_OPS=0")
 
 
 FUSED = [

@@ -1,4 +1,4 @@
-"""Building the CPU ops survives a build that was stopped half-way (loragate_kernels/cpu_ops.py `build_lock`).
+"""Building the CPU ops survives a build that was stopped half-way (loragate_kernels/cpu/build.py `build_lock`).
 
 torch's extension builder guards a build directory with a file (torch.utils.file_baton.FileBaton: `lock`) that only
 a build that finishes removes; a process killed mid-build left it, and every later `load()` waited on it forever.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from loragate_kernels import cpu_ops
+from loragate_kernels.cpu import build as cpu_ops
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_a_build_killed_holding_torchs_lock_does_not_block_the_next_start(tmp_pa
     holder.send_signal(signal.SIGKILL)
     holder.wait(timeout=30)
     assert (build / "lock").exists()
-    start = python("from loragate_kernels import cpu_ops; print(cpu_ops.load(), flush=True)", env)
+    start = python("from loragate_kernels.cpu import build; print(build.load(), flush=True)", env)
     try:
         out, _ = start.communicate(timeout=240)
     finally:
@@ -80,7 +80,7 @@ def test_a_live_build_is_waited_for_and_its_lock_left_alone(tmp_path: Path) -> N
         f"""
         import time
         from pathlib import Path
-        from loragate_kernels.cpu_ops import build_lock
+        from loragate_kernels.cpu.build import build_lock
         with build_lock(Path({str(build)!r})):
             (Path({str(build)!r}) / "lock").touch()
             print("building", flush=True)
@@ -96,7 +96,7 @@ def test_a_live_build_is_waited_for_and_its_lock_left_alone(tmp_path: Path) -> N
         f"""
         import logging, time
         from pathlib import Path
-        from loragate_kernels.cpu_ops import build_lock
+        from loragate_kernels.cpu.build import build_lock
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         with build_lock(Path({str(build)!r})):
             print("acquired", time.time(), flush=True)

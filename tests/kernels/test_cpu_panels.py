@@ -1,10 +1,10 @@
-"""The CPU's fp32 GEMM over a panel layout of the weight (loragate_kernels/cpu_panels.cpp `panel_linear`, for CPUs
+"""The CPU's fp32 GEMM over a panel layout of the weight (loragate_kernels/cpu/panels.cpp `panel_linear`, for CPUs
 with AVX-512) against a float64 oracle and F.linear: every tile height (rows in 4s and their tails), output widths
 that fill no whole panel (96 columns, zero-padded) or several, K that is no multiple of the 64-column blocks the
 tile sums in registers, prompt-sized row counts, a wide LM-head-like weight (each thread asking for its next panel),
 runs of rows split across threads where the panels are few, a bias, inputs with padded row strides, empty shapes;
 the layout itself against the weight; bad arguments refused with an error. `panel_linear_silu` (the same GEMM of a
-[gate; up] weight with the MLP's activation on its tiles) against `panel_linear` then cpu_layer.cpp's `silu_mul`, to
+[gate; up] weight with the MLP's activation on its tiles) against `panel_linear` then cpu/layer.cpp's `silu_mul`, to
 the bit, and against F.silu over a float64 product.
 """
 
@@ -14,11 +14,9 @@ import pytest
 import torch
 from gemm_oracle import check_strided_and_odd_inputs, close_to_oracle, operands
 
-from loragate_kernels import cpu_ops
+from loragate_kernels.backends import Machine
 
-pytestmark = pytest.mark.skipif(
-    not (cpu_ops.load() and torch.ops.loragate_cpu.panels_ready()), reason="this CPU or build has no AVX-512"
-)
+pytestmark = pytest.mark.skipif(not Machine.probe("cpu").panels, reason="this CPU or build has no AVX-512")
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:

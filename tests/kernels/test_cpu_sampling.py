@@ -1,4 +1,4 @@
-"""The CPU's greedy pick (loragate_kernels/cpu_sampling.cpp) against torch's argmax and isfinite, and the sampler
+"""The CPU's greedy pick (loragate_kernels/cpu/sampling.cpp) against torch's argmax and isfinite, and the sampler
 through it against the sampler's torch path: ties (the first index wins, also across the ranges the banned columns split
 a row into), NaN and infinities anywhere (banned columns included), rows where every column is banned, strided rows,
 vocabularies that are not a multiple of the vector width, 1 and 2 threads, bad arguments.
@@ -11,7 +11,10 @@ import torch
 
 from engine.core.request import Request, SamplingParams
 from engine.worker.sampler import NO_TOKEN, NON_FINITE, Sampler
-from loragate_kernels import cpu_ops
+from loragate_kernels.backends import Kernel
+from loragate_kernels.cpu import ops as cpu_ops
+
+from built_ops import require_cpu_ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["fp32", "bf16", "fp16"]
@@ -19,7 +22,7 @@ DTYPE_IDS = ["fp32", "bf16", "fp16"]
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    assert cpu_ops.load(), f"the CPU ops did not build: {cpu_ops.unavailable_reason()}"
+    require_cpu_ops()
 
 
 def expected(logits: torch.Tensor, banned: list[int]) -> list[int]:
@@ -104,17 +107,15 @@ def _request(params: SamplingParams, outputs: int = 0) -> Request:
     ],
     ids=["plain", "eos-masked", "stop-ids"],
 )
-def test_the_sampler_picks_the_same_tokens_on_both_backends(
-    dtype: torch.dtype, params: SamplingParams, outputs: int, monkeypatch: pytest.MonkeyPatch
+def test_the_sampler_picks_the_same_tokens_on_both_routes(
+    dtype: torch.dtype, params: SamplingParams, outputs: int
 ) -> None:
     eos = (0, 5)
     raw = hostile_rows(300, dtype, seed=3)
     raw[7, 0] = raw[7, 5] = raw[7].max() + 4  # EOS is the argmax: masked below min_tokens
     requests = [_request(params, outputs) for _ in range(raw.shape[0])]
-    monkeypatch.setenv("LORAGATE_LAYER_BACKEND", "torch")
-    want = Sampler(eos)(raw.clone(), requests).token_ids
-    monkeypatch.setenv("LORAGATE_LAYER_BACKEND", "cpp")
-    got = Sampler(eos)(raw.clone(), requests).token_ids
+    want = Sampler(eos, greedy=Kernel.TORCH)(raw.clone(), requests).token_ids
+    got = Sampler(eos, greedy=Kernel.CPP)(raw.clone(), requests).token_ids
     assert got == want
     assert want[2] == want[3] == want[4] == NON_FINITE
     assert (want[7] in eos) == (outputs >= params.min_tokens)

@@ -1,5 +1,5 @@
-"""The Triton paged-attention decode kernel (loragate_kernels/paged_attention.py) against two references: a per-sequence
-float64 oracle written here (gather the context through the block table, repeat kv heads, softmax) and the
+"""The Triton paged-attention decode kernel (loragate_kernels/triton/paged_attention.py) against two references: a
+per-sequence float64 oracle written here (gather the context through the block table, repeat kv heads, softmax) and the
 engine's torch decode path (engine/model/attention.py `paged_attention` with a decode-only plan).
 
 Without a GPU the kernel runs under Triton's interpreter (tests/conftest.py) on CPU tensors; with one, the same
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from engine.model.attention import AttentionMetadata, paged_attention, plan_attention
-from loragate_kernels.paged_attention import BLOCK_N, paged_decode_attention
+from loragate_kernels.backends import Kernel
+from loragate_kernels.triton.paged_attention import BLOCK_N, paged_decode_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -121,15 +122,10 @@ def oracle(case: DecodeCase) -> torch.Tensor:
     return out
 
 
-@pytest.fixture(autouse=True)
-def torch_attention_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine's reference is its torch decode path, whatever the device (its "triton" one is this kernel)."""
-    monkeypatch.setenv("LORAGATE_ATTENTION_BACKEND", "torch")
-
-
-def run_engine(case: DecodeCase) -> tuple[torch.Tensor, torch.Tensor]:
+def run_engine(case: DecodeCase, kernel: Kernel = Kernel.TORCH) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, cache after the step) of the engine's path: a decode-only step through plan_attention, on the
-    CPU (the torch decode path unless LORAGATE_ATTENTION_BACKEND says otherwise)."""
+    CPU, on the attention route `kernel` (by default the torch decode path, the engine's reference whatever the
+    device: its "triton" route is this kernel)."""
     attn = AttentionMetadata(
         slot_mapping=case.new_slots(),
         num_decode_tokens=case.q.shape[0],
@@ -138,7 +134,7 @@ def run_engine(case: DecodeCase) -> tuple[torch.Tensor, torch.Tensor]:
         prefills=(),
         max_decode_context_len=int(case.context_lens.max()),
     )
-    plan = plan_attention(attn, case.block_size, case.cache.shape[3], case.q.dtype)
+    plan = plan_attention(attn, case.block_size, case.cache.shape[3], case.q.dtype, kernel)
     cache = case.cache.clone()
     return paged_attention(case.q, case.k_new, case.v_new, cache, plan), cache
 
@@ -185,12 +181,11 @@ def test_matches_the_oracle_and_the_engine(dtype: torch.dtype, num_heads: int, n
     assert_close(out, engine_out, dtype)
 
 
-def test_the_engine_triton_backend_runs_this_kernel(monkeypatch: pytest.MonkeyPatch):
-    """LORAGATE_ATTENTION_BACKEND=triton sends the engine's decodes here: the same output as its torch path."""
+def test_the_engine_triton_route_runs_this_kernel():
+    """The triton attention route sends the engine's decodes here: the same output as its torch path."""
     case = make_case([2, 13, 31], num_heads=8, num_kv_heads=2, block_size=8, dtype=torch.float32, seed=3)
     torch_out, _ = run_engine(case)
-    monkeypatch.setenv("LORAGATE_ATTENTION_BACKEND", "triton")
-    triton_out, triton_cache = run_engine(case)
+    triton_out, triton_cache = run_engine(case, Kernel.TRITON)
     torch.testing.assert_close(triton_cache, case.cache_after_write(), rtol=0, atol=0, equal_nan=True)
     assert_close(triton_out, torch_out, torch.float32)
     assert_close(triton_out, oracle(case), torch.float32)
@@ -296,7 +291,7 @@ def test_host_side_never_reads_device_values(monkeypatch: pytest.MonkeyPatch):
     through aten._local_scalar_dense), and the launch grid is the same whatever the context lengths."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import loragate_kernels.paged_attention as module
+    import loragate_kernels.triton.paged_attention as module
 
     launches: list[tuple[int, ...]] = []
 

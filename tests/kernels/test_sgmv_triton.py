@@ -1,7 +1,7 @@
-"""The Triton SGMV kernels (loragate_kernels/sgmv.py) against their torch twin (loragate_kernels/reference.py
+"""The Triton SGMV kernels (loragate_kernels/triton/sgmv.py) against their torch twin (loragate_kernels/reference.py
 `lora_sgmv_group`), itself checked against a per-row float64 oracle written here.
 
-Without a GPU the kernels run under Triton's interpreter on CPU tensors (loragate_kernels/triton_jit.py picks it by
+Without a GPU the kernels run under Triton's interpreter on CPU tensors (loragate_kernels/triton/jit.py picks it by
 the tensors' device); with one, the same tests run compiled on CUDA tensors. Each case mixes ranks
 {1, 4, 8, 16, 64} in one batch, a group of three modules of different widths (q/k/v-like) where some slots
 do not target every module, a rank-0 slot, T = 1, a segment longer than one row tile, a slot used by two
@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loragate_kernels import lora_backend
 from loragate_kernels.reference import lora_sgmv_group
-from loragate_kernels.sgmv import BLOCK_M, GroupTables, column_tiles, lora_sgmv_group_triton, plan_segments
+from loragate_kernels.triton.sgmv import BLOCK_M, GroupTables, column_tiles, lora_sgmv_group_triton, plan_segments
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # relative to the largest |delta|
@@ -187,13 +186,3 @@ def test_the_torch_twin_matches_the_oracle(layout: str) -> None:
     run_twin(case)
     assert not torch.isnan(case.y).any()
     assert_update(case, before, delta, touched)
-
-
-def test_the_backend_seam(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LORAGATE_LORA_BACKEND", raising=False)
-    assert lora_backend(torch.device("cuda:0")) == "triton"  # a CPU's default: tests/kernels/test_cpu_lora.py
-    monkeypatch.setenv("LORAGATE_LORA_BACKEND", "triton")
-    assert lora_backend(torch.device("cpu")) == "triton"
-    monkeypatch.setenv("LORAGATE_LORA_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="LORAGATE_LORA_BACKEND"):
-        lora_backend(torch.device("cpu"))

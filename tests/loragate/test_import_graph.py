@@ -1,5 +1,6 @@
-"""No import cycles between the project's modules, counting imports made only for type checking: each one
-is a sign that two modules hold one concept between them (a Protocol or a split says which owns what)."""
+"""The project's import graph: no cycles between its modules, counting imports made only for type checking (each one
+is a sign that two modules hold one concept between them: a Protocol or a split says which owns what), and the
+command line on top (nothing in engine/, gateway/, loragate_kernels/ or loragate_common/ imports loragate/)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "gateway", "loragate_kernels", "loragate")
+PACKAGES = ("engine", "gateway", "loragate_kernels", "loragate_common", "loragate")
 
 
 def module_name(path: Path) -> str:
@@ -58,13 +59,28 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycles_between_project_modules() -> None:
+def project_graph() -> dict[str, set[str]]:
     files = [p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")]
     known = {module_name(p) for p in files}
     graph = {module_name(p): imports(p, known) - {module_name(p)} for p in files}
     assert len(graph) > 50  # the walk found the project
-    cycle = find_cycle(graph)
+    return graph
+
+
+def test_no_import_cycles_between_project_modules() -> None:
+    cycle = find_cycle(project_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_command_line_is_at_the_top_of_the_graph() -> None:
+    graph = project_graph()
+    below = {
+        module: sorted(name for name in imported if name.split(".")[0] == "loragate")
+        for module, imported in graph.items()
+        if module.split(".")[0] != "loragate"
+    }
+    assert {module: names for module, names in below.items() if names} == {}
+    assert any(name.startswith("engine.") for name in graph["loragate.cli"])  # the walk sees the CLI's imports
 
 
 def test_the_checker_finds_a_cycle_through_a_type_only_import(tmp_path: Path) -> None:

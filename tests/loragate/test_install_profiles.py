@@ -77,7 +77,7 @@ def test_pip_install_without_extras_is_a_working_gateway_and_cli(tmp_path: Path)
     assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
     outside = tmp_path / "elsewhere"  # not the checkout: only the installed package is importable
     outside.mkdir()
-    done = _python("import gateway.app, loragate.http_server\n" + REPORT, python, outside)
+    done = _python("import gateway.app, loragate_common.http_server\n" + REPORT, python, outside)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
     for name in ("torch", "transformers", "peft"):

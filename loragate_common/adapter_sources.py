@@ -39,7 +39,7 @@ from urllib.parse import unquote
 
 import httpx
 
-from loragate.errors import shown
+from loragate_common.errors import shown
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 REASONS = frozenset(

@@ -5,20 +5,20 @@
 //   panel_pack_weight(weight)                  weight [N, K] fp32 -> panels [ceil(N / 96), K, 96], zero-padded
 //   panel_linear(x, panels, bias, n)           x [M, K] @ weight^T (+ bias [n]) -> new [M, n] fp32
 //   panel_linear_silu(x, panels, bias, n)      the same for a [gate; up] weight, then silu(gate) * up -> new [M, n / 2]
-//                                              (cpu_layer.cpp's silu_mul, fused: the MLP's first GEMM without LoRA)
+//                                              (cpu/layer.cpp's silu_mul, fused: the MLP's first GEMM without LoRA)
 //   panel_linear_lora(x, panels, bias, n, segments, pool, block, out_cols)
-//                                              the same with a LoRA group added (cpu_lora.cpp's op, one call)
+//                                              the same with a LoRA group added (cpu/lora.cpp's op, one call)
 //   panels_ready()                             whether this build has the kernel (a CPU with AVX-512)
 //
 // A panel is 96 output columns of the weight, all of K, stored k-major: the 96 weights of one K column are one
 // contiguous run of 6 vectors. A tile multiplies 4 rows of x by a panel: for each k, x[m, k] broadcast against the 6
-// vectors, 24 sums in registers and no horizontal sums (cpu_gemm.cpp's row-major kernel folds 24 sums across lanes at
+// vectors, 24 sums in registers and no horizontal sums (cpu/gemm.cpp's row-major kernel folds 24 sums across lanes at
 // the end of every tile, a fifth of its instructions at K = 576). The sums of PANEL_K columns at a time join the
 // tile's running sums in memory, so no sum runs over more than PANEL_K products in sequence (the error stays near the
 // row-major kernel's). A thread takes consecutive panels, one sequential stream, and while it computes one it asks for
 // the next a few lines at a time. Every row count runs here: a prompt step re-reads a panel from L2 for each 4 rows,
 // and one copy of the weight serves decode and prefill. A step's GEMMs on a 2-core AVX-512 EPYC (docs/performance.md,
-// the ninth session): 51.1 -> 46.3 ms at 32 rows against cpu_gemm.cpp, 723 -> 682 ms at 512 against oneDNN.
+// the ninth session): 51.1 -> 46.3 ms at 32 rows against cpu/gemm.cpp, 723 -> 682 ms at 512 against oneDNN.
 //
 // Two compiler traps, both measured: with the K-block loop inside the tile, GCC spills the 6 weight vectors to the
 // stack (`block` is not inlined, so its registers are its own); without the empty asm that pins them, it folds the
@@ -33,8 +33,8 @@
 #include <type_traits>
 #include <utility>
 
-#include "cpu_common.h"
-#include "cpu_lora.h"
+#include "common.h"
+#include "lora.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -169,7 +169,7 @@ void multiply(const float* x, int64_t ldx, int64_t m, const float* panels, int64
 
 // y [m, half] = silu(x . gate panels (+ bias)) * (x . up panels (+ bias)), the weight's rows [gate; up] and half =
 // 96 pairs: pair p is gate panel p and up panel p + pairs. Per tile, both panels' sums wait in L1 for the activation
-// (cpu_common.h `silu_mul16`), 16 columns at a time; an item asks for the next pair's two panels, each over its own
+// (cpu/common.h `silu_mul16`), 16 columns at a time; an item asks for the next pair's two panels, each over its own
 // tiles' passes.
 void multiply_silu(const float* x, int64_t ldx, int64_t m, const float* panels, int64_t pairs, int64_t k,
                    const float* bias, float* y) {
@@ -249,7 +249,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const 
   return y;
 }
 
-// panel_linear of a [gate; up] weight with cpu_layer.cpp's silu_mul on its output, in one pass: equal to
+// panel_linear of a [gate; up] weight with cpu/layer.cpp's silu_mul on its output, in one pass: equal to
 // silu_mul(panel_linear(x, panels, bias, n)) to the bit, without the [M, n] product in memory.
 at::Tensor panel_linear_silu(const at::Tensor& x_in, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
                              int64_t n) {
@@ -267,7 +267,7 @@ at::Tensor panel_linear_silu(const at::Tensor& x_in, const at::Tensor& panels, c
   return y;
 }
 
-// panel_linear with a group's LoRA added, in one call (as cpu_gemm.cpp's skinny_linear_lora).
+// panel_linear with a group's LoRA added, in one call (as cpu/gemm.cpp's skinny_linear_lora).
 at::Tensor panel_linear_lora(const at::Tensor& x_in, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
                              int64_t n, const at::Tensor& segments, const at::Tensor& pool, const at::Tensor& block,
                              at::IntArrayRef out_cols) {

@@ -35,8 +35,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu_common.h"
-#include "cpu_lora.h"
+#include "common.h"
+#include "lora.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -345,7 +345,7 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   return tile_linear(x, packed, bias, false);
 }
 
-// amx_linear with a group's LoRA added, in one call: as cpu_gemm.cpp's skinny_linear_lora.
+// amx_linear with a group's LoRA added, in one call: as cpu/gemm.cpp's skinny_linear_lora.
 at::Tensor amx_linear_lora(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                            const at::Tensor& segments, const at::Tensor& pool, const at::Tensor& block,
                            at::IntArrayRef out_cols) {

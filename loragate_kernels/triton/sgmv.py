@@ -16,7 +16,7 @@ shared by all layers and groups.
 
 Dtypes: pool, x and y share a dtype (fp32, fp16 or bf16); products accumulate in fp32; fp32 dots run in
 IEEE precision (Triton would default them to tf32). Kernels run compiled for CUDA tensors and under Triton's
-interpreter for CPU ones (loragate_kernels/triton_jit.py); interpreted, dot operands are cast to fp32 first: the
+interpreter for CPU ones (loragate_kernels/triton/jit.py); interpreted, dot operands are cast to fp32 first: the
 interpreter multiplies bf16 dots' raw bits (triton issue 11584).
 """
 
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loragate_kernels.triton_jit import cuda_device, device_jit, interpreted
+from loragate_kernels.triton.jit import cuda_device, device_jit, interpreted
 
 BLOCK_M = 16  # rows per tile (a decode segment of one row still takes a whole tile)
 BLOCK_N = 32  # output columns (expand) or rank rows (shrink) per tile

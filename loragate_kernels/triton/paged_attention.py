@@ -15,7 +15,7 @@ Dtypes: q, the cache and the output share a dtype (fp32, fp16 or bf16); scores, 
 accumulate in fp32; probabilities are rounded to the cache's dtype before the product with V (as the torch
 path's `_decode_attention` and FlashAttention do); fp32 dots run in IEEE precision (Triton would default them
 to tf32). Kernels run compiled for CUDA tensors and under Triton's interpreter for CPU ones
-(loragate_kernels/triton_jit.py); interpreted, dot operands are cast to fp32 first: the interpreter multiplies bf16
+(loragate_kernels/triton/jit.py); interpreted, dot operands are cast to fp32 first: the interpreter multiplies bf16
 dots' raw bits (triton issue 11584).
 """
 
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loragate_kernels.triton_jit import cuda_device, device_jit, interpreted
+from loragate_kernels.triton.jit import cuda_device, device_jit, interpreted
 
 BLOCK_N = 32  # context positions per loop iteration (independent of the cache's block_size)
 # tl.dot needs every dimension >= 16 on a GPU, and the query group (num_heads // num_kv_heads) is 1..8 in

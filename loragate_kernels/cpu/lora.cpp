@@ -33,8 +33,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_common.h"
-#include "cpu_lora.h"
+#include "common.h"
+#include "lora.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-"""Fetching adapters (loragate/adapter_sources.py) from a real S3 API (moto_server), a Hub-shaped server and
+"""Fetching adapters (loragate_common/adapter_sources.py) from a real S3 API (moto_server), a Hub-shaped server and
 an archive server on 127.0.0.1, with faults injected at the servers.
 
 References: the source files themselves (fetched bytes must be identical), hashlib and the real `sha256sum`
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from loragate.adapter_sources import AllowList, Fetched, SourceError, check_adapter_files, fetch, parse_source
+from loragate_common.adapter_sources import AllowList, Fetched, SourceError, check_adapter_files, fetch, parse_source
 
 from adapter_servers import (
     ADAPTER_FILES,

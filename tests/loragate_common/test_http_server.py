@@ -1,4 +1,4 @@
-"""Bounds on client connections (loragate/http_server.py), through a real `loragate gateway` process.
+"""Bounds on client connections (loragate_common/http_server.py), through a real `loragate gateway` process.
 
 A slowloris client (a request head or body trickled one byte at a time), a connection that sends nothing,
 and more connections than --max-connections: each is answered (408 or 503, JSON) and closed, and the

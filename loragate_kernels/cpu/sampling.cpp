@@ -17,7 +17,7 @@
 #include <limits>
 #include <vector>
 
-#include "cpu_common.h"
+#include "common.h"
 
 namespace {
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive
 
-from loragate.errors import ApiError, bad_request, too_large
+from loragate_common.errors import ApiError, bad_request, too_large
 
 MAX_BODY_BYTES = 8 << 20
 SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end-of-stream event

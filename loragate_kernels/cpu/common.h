@@ -1,5 +1,5 @@
-// Scalar helpers the CPU ops share (loragate_kernels/cpu_lora.cpp, cpu_attention.cpp, cpu_layer.cpp,
-// cpu_panels.cpp): conversions between the model's dtypes and fp32, e^x and SiLU, each written so the compiler
+// Scalar helpers the CPU ops share (loragate_kernels/cpu/lora.cpp, cpu/attention.cpp, cpu/layer.cpp,
+// cpu/panels.cpp): conversions between the model's dtypes and fp32, e^x and SiLU, each written so the compiler
 // vectorizes the loops that call them.
 #pragma once
 
@@ -134,7 +134,7 @@ inline __m512 exp_nonpositive16(__m512 x) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_NLT_UQ), e);
 }
 
-// silu(x) * up for 16 x at once (cpu_layer.cpp's `silu_mul`, and cpu_panels.cpp's `panel_linear_silu` on a tile's
+// silu(x) * up for 16 x at once (cpu/layer.cpp's `silu_mul`, and cpu/panels.cpp's `panel_linear_silu` on a tile's
 // sums): silu(x) = x / (1 + E) for x >= 0 and x E / (1 + E) below, from E = e^-|x| in (0, 1] so nothing overflows;
 // 1 / (1 + E) as the reciprocal estimate and one Newton step (within an ulp or two of the division, whose throughput
 // was half the loop's time).

@@ -25,7 +25,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cpu_lora.h"
+#include "lora.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -267,7 +267,7 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight, const
   return y;
 }
 
-// skinny_linear with a group's LoRA added: loragate_kernels/cpu_lora.cpp's op on its output (the same arguments), in
+// skinny_linear with a group's LoRA added: loragate_kernels/cpu/lora.cpp's op on its output (the same arguments), in
 // one call where there were two (a decode step makes 120 of each, and a call costs several microseconds of dispatch
 // between kernels that have just evicted the dispatcher from the caches).
 at::Tensor skinny_linear_lora(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,

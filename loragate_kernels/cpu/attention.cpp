@@ -1,7 +1,7 @@
 // The CPU path's paged decode attention: one new token per sequence attending over its context in one layer's
 // paged KV cache, reading K and V through the block tables where they lie (no gather of the context into a
 // batch-shaped copy, as the torch path does; loragate_kernels/cpu_ops.py documents the op,
-// loragate_kernels/paged_attention.py is the GPU's Triton twin and states the same semantics).
+// loragate_kernels/triton/paged_attention.py is the GPU's Triton twin and states the same semantics).
 //
 // One work item per sequence serves all its heads: each K/V row is read once per step, for the `group = num_heads /
 // num_kv_heads` query heads that share its kv head (GQA), and a page is read front to back. Scores, the softmax and
@@ -27,7 +27,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_common.h"
+#include "common.h"
 
 
 namespace {
