@@ -32,8 +32,9 @@ batch once (`decode_adapter_bytes`). The last lines print those bytes per side, 
 (`read_bandwidth`) and, for each side against the side before it, the ratio's ceiling (`ratio_ceiling`): what the
 ratio would be if the later side took the earlier one's measured time plus only its extra adapter bytes at that
 bandwidth, every decode step. Over 512 ids W1's 32 requests name 25 adapters (rank sum 236) where over 8 they name 8
-(rank sum 68): in bf16 the extra reads alone hold zipf:512 / zipf:8 to ~0.89 on a 2-core VM reading ~25 GB/s (0.91
-in a minute when it read 31; docs/performance.md, the sixth session).
+(rank sum 68), so on a 2-core machine the extra reads alone hold zipf:512 / zipf:8 some way below 1, and how far
+moves with the read bandwidth of the minute (docs/performance.md, *LoRA cost and the adapter curve*, has the
+figures).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ finishes), run in-process on one warmed engine, every step timed alone.
 
 Each burst prints its tok/s over wall time; the last burst's steps are split into those that carry prompt tokens
 (prefill chunks, with the decodes that ride along) and decode-only steps: count, seconds, tokens, ms a step, and
-the first few (tokens, ms). In-process tok/s ran within 1-2% of the served figure (fp32, 2026-12-04), so what the
-split shows is what a served burst spends.
+the first few (tokens, ms). In-process tok/s runs within a few per cent of the served figure (docs/performance.md),
+so what the split shows is what a served burst spends.
 
 `--profile` then runs one more wave of `--concurrency` prompts and prints the torch profiler's ops of its second step
 (512 prompt tokens) and of its 41st (decode-only): what a served prompt step and decode step spend, op by op.

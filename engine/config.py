@@ -1,96 +1,267 @@
-"""Engine configuration, parsed once at the edge (CLI or tests) and never changed afterwards."""
+"""Engine configuration, parsed once at the edge (CLI or tests) and never changed afterwards.
+
+Every field is one engine setting, declared once here: its type and default, and (in its `Flag`) its command-line
+name, help, choices and the rule its value follows. `loragate engine`'s flags are generated from these fields
+(loragate/engine_cli.py), `from_flags` builds a config from the parsed flags, and `validate` checks the same rules
+for configs built in code. This module imports nothing but the standard library: the CLI builds its parser from it
+without the engine's dependencies.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """How a setting's value is read from text (`parse`) and what makes it valid (`check`: the problem, or None)."""
+
+    parse: Callable[[str], Any]
+    check: Callable[[Any], str | None]
+
+
+def _int(minimum: int) -> Rule:
+    def check(value: Any) -> str | None:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+        return None if ok else f"must be an integer >= {minimum}"
+
+    return Rule(int, check)
+
+
+def _seconds(minimum_exclusive: bool) -> Rule:
+    def check(value: Any) -> str | None:
+        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        ok = number and (value > 0 if minimum_exclusive else value >= 0)
+        return None if ok else f"must be a number of seconds {'>' if minimum_exclusive else '>='} 0"
+
+    return Rule(float, check)
+
+
+def _choice(*choices: str) -> Rule:
+    return Rule(str, lambda value: None if value in choices else f"must be one of {', '.join(choices)}")
+
+
+def _threads_check(value: Any) -> str | None:
+    return _POSITIVE.check(value) if value != "auto" else None
+
+
+def existing_directory(text: str) -> str:
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"{text!r} is not an existing directory")
+    return str(path.resolve())
+
+
+_POSITIVE = _int(1)
+_NON_NEGATIVE = _int(0)
+_SECONDS = _seconds(minimum_exclusive=True)
+_TEXT = Rule(str, lambda value: None if isinstance(value, str) and value else "must be a non-empty string")
+_THREADS = Rule(lambda text: text if text == "auto" else int(text), _threads_check)
+_DIRECTORY = Rule(existing_directory, lambda value: None if isinstance(value, str) else "must be a directory path")
+_PREFIXES = Rule(str, lambda value: None if isinstance(value, tuple) else "must be a tuple of source prefixes")
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """A setting's command-line form. `name`: the flag (default `--field-name`); `off`: for a boolean that is on by
+    default, the flag that turns it off; `many`: the flag takes one or more values, and may repeat; `cli_default`:
+    the CLI's default where it differs from the field's (which suits configs built in code)."""
+
+    help: str
+    rule: Rule = _TEXT
+    name: str | None = None
+    off: str | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    many: bool = False
+    required: bool = False
+    cli_default: Any = None
+    cli: bool = True
+
+
+def _setting(default: Any, flag: Flag) -> Any:
+    return field(default=default, metadata={"flag": flag})
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str = "smollm2"  # smollm2 | tiny-random | a path to an HF Llama-family dir (safetensors)
-    device: str = "cpu"
-    # auto: bfloat16 on CUDA and on CPUs with native bf16 (avx512_bf16 or AMX), float32 on other CPUs
-    # (engine/model/cpu_gemm.py auto_cpu_dtype)
-    dtype: str = "auto"
-    block_size: int = 16  # tokens per KV cache block
-    pool_mb: int = 512  # memory budget of the KV block pool
-    num_kv_blocks: int | None = None  # overrides the count derived from pool_mb (tests, tuning)
-    max_batch_tokens: int = 2048  # tokens computed per engine step (chunked prefill budget)
-    # prompt tokens per step for requests below critical (None: max_batch_tokens); bounds how long a critical
-    # request arriving mid-step waits for that step (engine/core/scheduler.py)
-    max_prefill_tokens: int | None = 512
-    # a critical arrival ends a step of lower-class work between two layers (it runs again after the critical
-    # request starts), instead of waiting for all of it (engine/core/llm_engine.py, step)
-    critical_interrupts: bool = True
-    max_num_seqs: int = 128  # requests running at once
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    served_model_name: str | None = None  # None: derived from `model`
-    # torch intra-op threads: a number (fixed), "auto" (the CPUs the process may use, fewer while it cannot
-    # get them: engine/worker/threads.py; what `loragate engine` runs) or None (torch's setting untouched)
-    num_threads: int | str | None = None
-    adapter_dir: str | None = None  # every PEFT LoRA subdirectory is registered under its folder name
-    max_device_adapters: int = 8  # adapters resident in the page pool at once
-    host_adapter_mb: int = 512  # host-RAM LRU of parsed adapter weights
-    max_adapters_per_step: int | None = None  # distinct adapters in one step (None: the device tier)
-    preemption: str = "auto"  # recompute | swap | auto (by the measured cost of each)
-    aging_s: float | None = 10.0  # a waiting request gains one priority class per aging_s waited
-    enable_prefix_cache: bool = True  # reuse KV blocks of prompt prefixes (same adapter version only)
-    # adapters with an `adapter` label of their own in the per-adapter metrics (the first seen); the rest: "other"
-    metrics_max_adapters: int = 50
-    # Adapters fetched from object stores, the Hub or https (engine/lora/adapter_store.py): the bounded disk
-    # cache they land in (None: fetching is off), its size bound, one adapter's size cap, the source prefixes
-    # the engine may fetch from (nothing else, whatever a request says), how long one download may take, and
-    # how long a request waits for one before it gets 503 adapter_loading.
-    adapter_cache_dir: str | None = None
-    adapter_cache_mb: int = 10240
-    adapter_max_mb: int = 1024
-    adapter_source_allow: tuple[str, ...] = ()
-    adapter_fetch_timeout_s: float = 300.0
-    adapter_load_wait_s: float = 20.0
-    # run the shapes serving meets before the server listens (LLMEngine.warm_up; AsyncEngine.load does it)
-    warmup: bool = True
-    # CUDA only: steps of decodes alone replay CUDA graphs captured per batch-size bucket
-    # (engine/worker/cuda_graphs.py); off: every step launches its kernels one by one
-    cuda_graphs: bool = True
+    model: str = _setting(
+        "smollm2",
+        Flag("smollm2, tiny-random, or a path to a Hugging Face Llama-family directory (safetensors)", required=True),
+    )
+    device: str = _setting("cpu", Flag("cpu or cuda[:N]"))
+    dtype: str = _setting(
+        "auto",
+        Flag(
+            "auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or AMX, float32 on other CPUs "
+            "(loragate_kernels/backends.py)",
+            _choice(*DTYPE_NAMES),
+            choices=DTYPE_NAMES,
+        ),
+    )
+    block_size: int = _setting(16, Flag("tokens per KV cache block", _POSITIVE))
+    pool_mb: int = _setting(512, Flag("memory budget of the KV block pool (and adapter pages), in MiB", _POSITIVE))
+    num_kv_blocks: int | None = _setting(
+        None, Flag("KV blocks in the pool, overriding --pool-mb (tests, tuning)", _POSITIVE, cli=False)
+    )
+    max_batch_tokens: int = _setting(2048, Flag("tokens computed per engine step (chunked prefill budget)", _POSITIVE))
+    max_prefill_tokens: int | None = _setting(
+        512,
+        Flag(
+            "prompt tokens per step for requests below critical: bounds how long a critical request arriving "
+            "mid-step waits for that step (engine/core/scheduler.py)",
+            _POSITIVE,
+        ),
+    )
+    critical_interrupts: bool = _setting(
+        True,
+        Flag(
+            "a critical request arriving mid-step waits for the whole step, instead of ending a step of "
+            "lower-class work between two layers (that step then runs again after it starts)",
+            off="--no-critical-interrupts",
+        ),
+    )
+    max_num_seqs: int = _setting(128, Flag("requests running at once", _POSITIVE))
+    max_model_len: int | None = _setting(
+        None, Flag("context length (default: the model's max_position_embeddings)", _POSITIVE)
+    )
+    served_model_name: str | None = _setting(None, Flag("the name /v1/models reports (default: derived from --model)"))
+    num_threads: int | str | None = _setting(
+        None,
+        Flag(
+            "torch intra-op threads: N, or auto: the CPUs this process may use (affinity mask and cgroup quota), "
+            "fewer while other processes take them (engine/worker/threads.py); configs built in code leave torch's "
+            "setting untouched by default",
+            _THREADS,
+            name="--threads",
+            cli_default="auto",
+        ),
+    )
+    adapter_dir: str | None = _setting(
+        None,
+        Flag(
+            "register every PEFT LoRA subdirectory under its folder name; POST /v1/adapters loads more from inside "
+            "it at run time",
+            _DIRECTORY,
+        ),
+    )
+    max_device_adapters: int = _setting(
+        8, Flag("adapters resident in device memory at once (least recently used evicted)", _POSITIVE)
+    )
+    host_adapter_mb: int = _setting(512, Flag("host-RAM cache of parsed adapter weights, in MiB", _NON_NEGATIVE))
+    max_adapters_per_step: int | None = _setting(
+        None, Flag("distinct adapters computed in one step (default: --max-device-adapters)", _POSITIVE)
+    )
+    preemption: str = _setting(
+        "auto",
+        Flag(
+            "how a preempted request gives back its KV pages (auto: the cheaper, measured)",
+            _choice("recompute", "swap", "auto"),
+            choices=("recompute", "swap", "auto"),
+        ),
+    )
+    aging_s: float | None = _setting(
+        10.0, Flag("seconds of waiting that raise a request by one priority class", _SECONDS)
+    )
+    enable_prefix_cache: bool = _setting(
+        True,
+        Flag(
+            "do not reuse KV blocks of shared prompt prefixes (reuse is keyed by adapter version)",
+            off="--no-prefix-cache",
+        ),
+    )
+    metrics_max_adapters: int = _setting(
+        50,
+        Flag(
+            "adapters with an `adapter` label of their own in the per-adapter metrics (the first N seen); the rest "
+            'are counted as "other"',
+            _NON_NEGATIVE,
+            metavar="N",
+        ),
+    )
+    # Adapters fetched from object stores, the Hub or https (engine/lora/adapter_store.py).
+    adapter_cache_dir: str | None = _setting(
+        None,
+        Flag(
+            "the disk cache for adapters fetched from --adapter-source-allow sources (object stores, the Hub, "
+            "https); created if missing, kept across restarts (default: fetching is off)"
+        ),
+    )
+    adapter_cache_mb: int = _setting(
+        10240,
+        Flag(
+            "size bound of --adapter-cache-dir in MiB (least recently used adapters not in use are evicted)",
+            _POSITIVE,
+        ),
+    )
+    adapter_max_mb: int = _setting(1024, Flag("largest adapter the engine fetches, in MiB", _POSITIVE))
+    adapter_source_allow: tuple[str, ...] = _setting(
+        (),
+        Flag(
+            "source prefixes adapters may be fetched from (s3://bucket/prefix/, hf://org/, https://host/path/, a "
+            "local directory); a request naming any other source is refused",
+            _PREFIXES,
+            metavar="PREFIX",
+            many=True,
+        ),
+    )
+    adapter_fetch_timeout_s: float = _setting(300.0, Flag("longest one adapter download may take", _SECONDS))
+    adapter_load_wait_s: float = _setting(
+        20.0,
+        Flag(
+            "how long a request waits for its adapter's download before it gets 503 adapter_loading",
+            _seconds(minimum_exclusive=False),
+        ),
+    )
+    warmup: bool = _setting(
+        True,
+        Flag(
+            "listen as soon as the model is loaded (default: first run the shapes serving meets, a few seconds: "
+            "LLMEngine.warm_up)",
+            off="--no-warmup",
+        ),
+    )
+    cuda_graphs: bool = _setting(
+        True,
+        Flag(
+            "CUDA: launch every decode step's kernels one by one instead of replaying captured CUDA graphs "
+            "(engine/worker/cuda_graphs.py)",
+            off="--no-cuda-graphs",
+        ),
+    )
+
+    @classmethod
+    def from_flags(cls, parsed: object) -> EngineConfig:
+        """The config from parsed command-line flags: an object with one attribute per CLI setting."""
+        values: dict[str, Any] = {}
+        for f, flag in settings():
+            if flag.cli:
+                value = getattr(parsed, f.name)
+                values[f.name] = tuple(value) if flag.many else value
+        return cls(**values)
 
     def validate(self) -> None:
-        if self.block_size < 1:
-            raise ValueError("block_size must be >= 1")
-        if self.pool_mb < 1:
-            raise ValueError("pool_mb must be >= 1")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError("num_kv_blocks must be >= 1")
-        if self.max_batch_tokens < 1:
-            raise ValueError("max_batch_tokens must be >= 1")
-        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
-            raise ValueError("max_prefill_tokens must be >= 1")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.max_device_adapters < 1:
-            raise ValueError("max_device_adapters must be >= 1")
-        if self.host_adapter_mb < 0:
-            raise ValueError("host_adapter_mb must be >= 0")
-        if self.metrics_max_adapters < 0:
-            raise ValueError("metrics_max_adapters must be >= 0")
-        if self.max_adapters_per_step is not None and self.max_adapters_per_step < 1:
-            raise ValueError("max_adapters_per_step must be >= 1")
-        if self.preemption not in ("recompute", "swap", "auto"):
-            raise ValueError(f"preemption must be recompute, swap or auto, got {self.preemption!r}")
-        if self.aging_s is not None and self.aging_s <= 0:
-            raise ValueError("aging_s must be > 0")
+        """ValueError naming the first setting whose value breaks its rule, or two settings that do not go together."""
+        for f, flag in settings():
+            value = getattr(self, f.name)
+            if value is None and "None" in str(f.type) or isinstance(value, bool) and flag.off is not None:
+                continue
+            problem = flag.rule.check(value)
+            if problem is not None:
+                raise ValueError(f"{f.name} {problem}, got {value!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if (
-            self.num_threads is not None
-            and self.num_threads != "auto"
-            and (not isinstance(self.num_threads, int) or self.num_threads < 1)
-        ):
-            raise ValueError(f"num_threads must be a positive integer or 'auto', got {self.num_threads!r}")
-        if self.adapter_cache_mb < 1 or self.adapter_max_mb < 1:
-            raise ValueError("adapter_cache_mb and adapter_max_mb must be >= 1")
-        if self.adapter_fetch_timeout_s <= 0 or self.adapter_load_wait_s < 0:
-            raise ValueError("adapter_fetch_timeout_s must be > 0 and adapter_load_wait_s >= 0")
         if self.adapter_source_allow and self.adapter_cache_dir is None:
             raise ValueError("--adapter-source-allow needs --adapter-cache-dir (where fetched adapters are kept)")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+def settings() -> Iterator[tuple[Any, Flag]]:
+    """Every setting of EngineConfig with its Flag, in declaration order."""
+    for f in fields(EngineConfig):
+        yield f, f.metadata["flag"]

@@ -44,11 +44,12 @@ def serve(
     discovery: DnsUpstreams | None = None,
     clear_overrides: bool = False,
     usage_retention: int = RETENTION,
+    log_probes: bool = False,
 ) -> None:
     """Serve the gateway until SIGINT/SIGTERM. `policy`, if given, is `policy_path` already loaded.
 
     On the first signal the gateway stops admitting (503 draining, /readyz 503) but keeps listening until
-    nothing is in flight or `drain_timeout_s` passed.
+    nothing is in flight or `drain_timeout_s` passed. `log_probes`: log /healthz, /readyz, /load and /metrics too.
     """
     policy = policy if policy is not None else load_policy(policy_path)
     setup_tracing("loragate-gateway")
@@ -86,4 +87,5 @@ def serve(
         drain_timeout_s=drain_timeout_s,
         limits=limits if limits is not None else ConnectionLimits(),
         log_level=log_level,
+        log_probes=log_probes,
     )

@@ -14,6 +14,9 @@ Both the engine and the gateway serve through `serve_app`. It adds two things to
   503 `draining`, and /readyz 503) while it keeps listening, so callers learn to go elsewhere instead of
   meeting a refused connection; once idle (or after `drain_timeout_s`) uvicorn's graceful shutdown runs.
   A second signal skips the drain.
+- **Quiet probes** (`ProbeFilter`): uvicorn's access log leaves out requests to the paths load balancers, the
+  gateway's load poll and Prometheus call every few seconds (PROBE_PATHS), unless `log_probes`: at the default level
+  an operator's terminal shows requests, not polls.
 
 This module is torch-free: the gateway imports it.
 """
@@ -178,6 +181,19 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+PROBE_PATHS = frozenset({"/healthz", "/readyz", "/load", "/metrics"})
+
+
+class ProbeFilter(logging.Filter):
+    """Drops uvicorn access-log records of requests to PROBE_PATHS (a query string included)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].partition("?")[0] not in PROBE_PATHS
+        return True
+
+
 def serve_app(
     app: Any,
     host: str,
@@ -188,9 +204,15 @@ def serve_app(
     drain_timeout_s: float,
     limits: ConnectionLimits = ConnectionLimits(),
     log_level: str = "info",
+    log_probes: bool = False,
 ) -> None:
-    """Serve `app` on host:port until SIGINT/SIGTERM, with the client bounds and the drain above."""
+    """Serve `app` on host:port until SIGINT/SIGTERM, with the client bounds, the drain and the quiet probes above."""
     limits.validate()
+    access = logging.getLogger("uvicorn.access")
+    for old in [f for f in access.filters if isinstance(f, ProbeFilter)]:
+        access.removeFilter(old)
+    if not log_probes:
+        access.addFilter(ProbeFilter())
     config = uvicorn.Config(
         app,
         host=host,

@@ -16,10 +16,15 @@ DRAIN_TIMEOUT_S = 30  # after SIGTERM, requests in the engine get this long to f
 
 
 def serve(
-    config: EngineConfig, host: str, port: int, log_level: str = "info", limits: ConnectionLimits | None = None
+    config: EngineConfig,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    limits: ConnectionLimits | None = None,
+    log_probes: bool = False,
 ) -> None:
     """Load the model, then serve the OpenAI API until SIGINT/SIGTERM (with a graceful drain). `limits`: the
-    client bounds (None: ConnectionLimits' defaults).
+    client bounds (None: ConnectionLimits' defaults); `log_probes`: log /healthz, /readyz, /load and /metrics too.
 
     On the first signal new generation requests and /readyz answer 503 `draining`; once the engine holds
     no request (or after DRAIN_TIMEOUT_S) the server shuts down.
@@ -47,4 +52,5 @@ def serve(
         drain_timeout_s=DRAIN_TIMEOUT_S,
         limits=limits if limits is not None else ConnectionLimits(),
         log_level=log_level,
+        log_probes=log_probes,
     )

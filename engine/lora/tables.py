@@ -97,7 +97,7 @@ class DeviceMirror:
             }
             for layer in range(num_layers)
         ]
-        # the same blocks whole, [FIELDS, slots] each: the CPU's C++ op takes one (loragate_kernels/cpu_ops.py)
+        # the same blocks whole, [FIELDS, slots] each: the CPU's C++ op takes one (loragate_kernels/cpu/ops.py)
         self.blocks = [dict(zip(GROUPS, self.packed[layer], strict=True)) for layer in range(num_layers)]
         self.out_cols = {g: torch.tensor(cols, dtype=torch.int32, device=device) for g, cols in out_cols.items()}
         self.n_tiles = {g: column_tiles(cols, device) for g, cols in out_cols.items()}

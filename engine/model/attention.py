@@ -106,11 +106,10 @@ FRESH_BATCH_WASTE = 2.0
 
 # On the C++ path, a step whose prompt chunks all have contexts of at most this many tokens attends every row, prompt
 # tokens included, in one call of the paged decode kernel (loragate_kernels/cpu/attention.cpp): a prompt token at
-# position p is a decode row with context p + 1, its K/V already in the cache; in fp32 the kernel takes a prompt's rows
-# 16 at a time, one a lane. Per layer on a 2-core AVX-512 EPYC against SDPA's flash kernel on the same K/V
-# (`python bench/prompt_attention.py`; docs/performance.md, the eleventh session): fp32 2 prompts of 256 tokens 2.15 ->
-# 0.96 ms, one of 512 4.09 -> 2.66, one of 1024 11.6 -> 10.7, one of 2048 39.2 -> 43.3 (slower); bf16 (a row at a time
-# on the bf16 dot instruction) 2.19 -> 1.12, 4.21 -> 2.97, 12.5 -> 12.0, 40.4 -> 49.6. Longer contexts keep SDPA.
+# position p is a decode row with context p + 1, its K/V already in the cache, so nothing is padded or copied; in fp32
+# the kernel takes a prompt's rows 16 at a time, one a lane. Each row reads its whole context where SDPA's flash kernel
+# tiles it, so the kernel's lead over SDPA shrinks as contexts grow: it is ahead up to 1024 tokens and behind at 2048
+# (`python bench/prompt_attention.py`; docs/performance.md, *Attention*, has the figures). Longer contexts keep SDPA.
 PAGED_PREFILL_MAX_CONTEXT = 1024
 
 

@@ -43,7 +43,7 @@ class LayerLoraDelta(Protocol):
 
 
 class LoraDelta(Protocol):
-    """All the LoRA the model sees of a step (engine/lora/batch.py's LoraBatch implements it)."""
+    """All the LoRA the model sees of a step (engine/lora/routes.py's LoraBatch implements it)."""
 
     def layer(self, index: int) -> LayerLoraDelta: ...
 

@@ -1,5 +1,5 @@
-// The CPU path's bf16 GEMM over its own tile layout of the weight (loragate_kernels/cpu_ops.py builds this file;
-// engine/model/cpu_gemm.py decides where it runs; F.linear is its oracle in tests/kernels/test_cpu_amx.py):
+// The CPU path's bf16 GEMM over its own tile layout of the weight (loragate_kernels/cpu/build.py builds this file;
+// loragate_kernels/backends.py decides where it runs; F.linear is its oracle in tests/kernels/test_cpu_amx.py):
 //
 //   amx_pack_weight(weight)           weight [N, K] bf16 -> the tile layout below (N and K multiples of 32)
 //   amx_linear(x, packed, bias)       x [M, K] @ weight^T (+ bias [N]) -> new [M, N] bf16, sums in fp32: on AMX
@@ -8,19 +8,20 @@
 //   amx_ready(), dot_ready()          whether this build has the AMX kernel and Linux lets the process use tiles;
 //                                     whether it has the dot kernel
 //
-// A decode step multiplies tens of rows by every weight of the model once, so its GEMMs stream the weights from
-// memory: on a 2-core AVX-512 + AMX VM, oneDNN's packed bf16 GEMMs read a decode step's 270 MB at ~16 GB/s, a plain
-// sum at ~21-27. The AMX kernel reads each thread's share of a weight as one sequential stream (the layout below puts
-// a block of 32 output columns, all of K, in one contiguous run, and a thread takes consecutive blocks), asks for
-// the lines 8 KB ahead into L2 as it goes, and multiplies on the tile unit (two 16 x 32 tiles of x against two
-// 32 x 16 tiles of the weight into four 16 x 16 fp32 accumulators per 32 columns of K): ~23 GB/s at 32 rows.
-// At hundreds of rows (prefill) it runs ~10% behind oneDNN's packed GEMMs (docs/performance.md).
+// A decode step multiplies tens of rows by every weight of the model once, so its GEMMs stream the weights from memory,
+// and oneDNN's packed bf16 GEMMs read them well below the rate a plain sum reads. The AMX kernel reads each thread's
+// share of a weight as one sequential stream (the layout below puts a block of 32 output columns, all of K, in one
+// contiguous run, and a thread takes consecutive blocks), asks for the lines 8 KB ahead into L2 as it goes, and
+// multiplies on the tile unit (two 16 x 32 tiles of x against two 32 x 16 tiles of the weight into four 16 x 16 fp32
+// accumulators per 32 columns of K), close to a plain sum's rate at decode row counts. At hundreds of rows (prefill) it
+// runs a little behind oneDNN's packed GEMMs, kept rather than a second copy of every weight (docs/performance.md,
+// *GEMMs, route by route*, has the figures).
 //
 // Without AMX (an AVX-512 + avx512_bf16 EPYC), the dot kernel reads the same layout: a 64-byte row of it is one K
 // pair for 16 output columns, which is what the bf16 dot instruction multiplies against a broadcast pair of x. A tile
 // is 4 rows of x by 96 output columns (24 fp32 sums in registers, no horizontal sums). A thread takes consecutive runs
 // of 96 columns and asks for its next run a few lines per K block while it computes the current one (its first run:
-// 8 KB ahead of its first pass). A decode step's GEMMs at 32 rows on a 2-core EPYC: 29.4 -> 23.0 ms against oneDNN.
+// 8 KB ahead of its first pass). At decode row counts it runs ahead of oneDNN's packed kernels (docs/performance.md).
 //
 // Layout: packed[N / 32][K / 32][2][16][32]: for block nb of 32 output columns and block kb of 32 columns of K,
 // tile t (its columns 16 t .. 16 t + 15) holds in row r the pairs (k = 2r, 2r + 1) of each of its 16 columns, as

@@ -1,6 +1,6 @@
 // The CPU path's paged decode attention: one new token per sequence attending over its context in one layer's
 // paged KV cache, reading K and V through the block tables where they lie (no gather of the context into a
-// batch-shaped copy, as the torch path does; loragate_kernels/cpu_ops.py documents the op,
+// batch-shaped copy, as the torch path does; loragate_kernels/cpu/ops.py documents the op,
 // loragate_kernels/triton/paged_attention.py is the GPU's Triton twin and states the same semantics).
 //
 // One work item per sequence serves all its heads: each K/V row is read once per step, for the `group = num_heads /
@@ -224,10 +224,10 @@ inline void values_row_bf16(const float* sums, float* row) {
 
 // Page by page: each page's keys, then its values, are read once, front to back, for every head, while a page AHEAD
 // of it is asked for into L2 (pages lie anywhere in the cache, so the hardware prefetcher loses the stream at each).
-// The queries and each head's output sums wait in small buffers in L1 between pages. Fp32 at 32 sequences x 160
-// positions, 30 layers (236 MB of K/V), on a 2-core AVX-512 EPYC: 19 -> 10-13 ms against one head at a time over the
-// whole context (each page then read in three strided sweeps, one per kv head). Without the L2 requests this loop
-// takes 18-20 ms; a plain read of the same bytes takes ~6 (docs/performance.md, the tenth session).
+// The queries and each head's output sums wait in small buffers in L1 between pages. Reading one head at a time over
+// the whole context instead reads each page in one strided sweep per kv head, and takes about twice as long; so
+// does this loop without the L2 requests. With them it still runs short of a plain read of the same bytes
+// (docs/performance.md, *Attention*, has the figures).
 template <typename T, int NC>
 void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
                    int64_t table_stride, const int64_t* lens, double scale, const std::vector<int64_t>* only) {

@@ -1,14 +1,14 @@
-// The CPU path's GEMM for few rows against a weight that streams from memory (loragate_kernels/cpu_ops.py builds
-// this file; engine/model/cpu_gemm.py decides where it runs; F.linear is its oracle in tests/kernels/test_cpu_gemm.py):
+// The CPU path's GEMM for few rows against a weight that streams from memory (loragate_kernels/cpu/build.py builds this
+// file; loragate_kernels/backends.py decides where it runs; F.linear is its oracle in tests/kernels/test_cpu_gemm.py):
 //
 //   skinny_linear(x, weight, bias)   x [M, K] @ weight[N, K]^T (+ bias [N])   -> new [M, N], fp32
 //
-// A decode step multiplies tens of rows by every weight of the model once: each weight byte is used M times, and
-// is read from DRAM (a model is far larger than the caches). oneDNN's kernels keep the FMA units busy once the
-// weight is in cache, but stall on its first read: W1's decode GEMMs (M = 32) streamed at ~12 GB/s against the ~30
-// a plain sum reads (docs/performance.md). This op reads the weight in blocks of CHUNK_ROWS rows x at most
-// MAX_BLOCK_K columns (in L2 with the block's rows of x), and while it computes one block it prefetches the next
-// one into L2, a few lines per 64 columns of every tile, so the next block's reads are hits.
+// A decode step multiplies tens of rows by every weight of the model once: each weight byte is used M times, and is
+// read from DRAM (a model is far larger than the caches). oneDNN's kernels keep the FMA units busy once the weight is
+// in cache, but stall on its first read: W1's decode GEMMs (M = 32) streamed at well under half the rate a plain sum
+// reads (docs/performance.md, *GEMMs, route by route*, has the figures). This op reads the weight in blocks of
+// CHUNK_ROWS rows x at most MAX_BLOCK_K columns (in L2 with the block's rows of x), and while it computes one block it
+// prefetches the next one into L2, a few lines per 64 columns of every tile, so the next block's reads are hits.
 //
 // A tile is the dot products of TILE_M rows of x with up to Isa::MAX_R rows of the weight, one vector of columns at
 // a time, reduced horizontally once per block: with AVX-512 (32 registers) 4 x 6 accumulators, 6 weight vectors

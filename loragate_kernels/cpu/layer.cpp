@@ -1,7 +1,7 @@
-// The CPU path's fused elementwise ops of a decoder layer (loragate_kernels/cpu_ops.py builds this file and documents
-// each op; engine/model/layer_ops.py `TorchLayerOps` is the torch twin and the test oracle). In torch each of these is
-// 3-8 ops with a tensor between each (RMSNorm alone is pow, mean, add, rsqrt, mul, mul on a CPU): one pass over
-// the rows here, in fp32, rounded once to the model's dtype.
+// The CPU path's fused elementwise ops of a decoder layer (loragate_kernels/cpu/build.py builds this file,
+// loragate_kernels/cpu/ops.py documents each op; engine/model/layer_ops.py `TorchLayerOps` is the torch twin and the
+// test oracle). In torch each of these is 3-8 ops with a tensor between each (RMSNorm alone is pow, mean, add, rsqrt,
+// mul, mul on a CPU): one pass over the rows here, in fp32, rounded once to the model's dtype.
 //
 //   rms_norm(x, w, eps)                 x * rsqrt(mean(x^2) + eps) * w                     -> new [T, n]
 //   add_rms_norm(residual!, x, w, eps)  residual += x (rounded to its dtype), then rms_norm(residual, w, eps)

@@ -1,7 +1,7 @@
 // The CPU path's batched LoRA for one module group (q/k/v, o, gate/up or down) of one layer: every segment of a
 // step in one call, reading each adapter's A and B.T straight from the unified page pool through the slot tables
 // (the same arguments and result as loragate_kernels/reference.py `lora_sgmv_group`, the oracle;
-// loragate_kernels/cpu_ops.py builds this file and documents the op).
+// loragate_kernels/cpu/build.py builds this file, loragate_kernels/cpu/ops.py documents the op).
 //
 //   shrink:  h[rows, 0 : r_mk] = x[rows] @ A_mk.T        A_mk = rows h_cols[m] .. + r_mk of A_k [R_k, in]
 //   expand:  y[rows, out_cols[m] : out_cols[m + 1]] += h[rows, 0 : r_mk] @ B_mk.T

@@ -1,5 +1,5 @@
-// The CPU path's fp32 GEMM over a panel layout of the weight, for CPUs with AVX-512 (loragate_kernels/cpu_ops.py
-// builds this file; engine/model/cpu_gemm.py decides where it runs; F.linear is its oracle in
+// The CPU path's fp32 GEMM over a panel layout of the weight, for CPUs with AVX-512 (loragate_kernels/cpu/build.py
+// builds this file; loragate_kernels/backends.py decides where it runs; F.linear is its oracle in
 // tests/kernels/test_cpu_panels.py):
 //
 //   panel_pack_weight(weight)                  weight [N, K] fp32 -> panels [ceil(N / 96), K, 96], zero-padded
@@ -13,12 +13,12 @@
 // A panel is 96 output columns of the weight, all of K, stored k-major: the 96 weights of one K column are one
 // contiguous run of 6 vectors. A tile multiplies 4 rows of x by a panel: for each k, x[m, k] broadcast against the 6
 // vectors, 24 sums in registers and no horizontal sums (cpu/gemm.cpp's row-major kernel folds 24 sums across lanes at
-// the end of every tile, a fifth of its instructions at K = 576). The sums of PANEL_K columns at a time join the
-// tile's running sums in memory, so no sum runs over more than PANEL_K products in sequence (the error stays near the
+// the end of every tile, a fifth of its instructions at K = 576). The sums of PANEL_K columns at a time join the tile's
+// running sums in memory, so no sum runs over more than PANEL_K products in sequence (the error stays near the
 // row-major kernel's). A thread takes consecutive panels, one sequential stream, and while it computes one it asks for
 // the next a few lines at a time. Every row count runs here: a prompt step re-reads a panel from L2 for each 4 rows,
-// and one copy of the weight serves decode and prefill. A step's GEMMs on a 2-core AVX-512 EPYC (docs/performance.md,
-// the ninth session): 51.1 -> 46.3 ms at 32 rows against cpu/gemm.cpp, 723 -> 682 ms at 512 against oneDNN.
+// and one copy of the weight serves decode and prefill. It runs ahead of cpu/gemm.cpp at decode row counts and of
+// oneDNN at prefill row counts (docs/performance.md, *GEMMs, route by route*, has the figures).
 //
 // Two compiler traps, both measured: with the K-block loop inside the tile, GCC spills the 6 weight vectors to the
 // stack (`block` is not inlined, so its registers are its own); without the empty asm that pins them, it folds the

@@ -1,8 +1,9 @@
-// The CPU path's greedy pick (loragate_kernels/cpu_ops.py builds this file and documents the op;
-// engine/worker/sampler.py calls it, and its torch form, `argmax_list` after `finite_rows`, is the test oracle): one
-// pass over each row of logits finds the first index of the row's maximum and whether every logit is finite. In torch
-// that is a sum (for finiteness) and a max over the whole batch, and on bf16 logits torch's max is not vectorised: ~1.2
-// ms a step for 32 rows of a 49,152-token vocabulary, against ~0.25 ms here.
+// The CPU path's greedy pick (loragate_kernels/cpu/build.py builds this file, loragate_kernels/cpu/ops.py documents the
+// op; engine/worker/sampler.py calls it, and its torch form, `argmax_list` after `finite_rows`, is the test oracle):
+// one pass over each row of logits finds the first index of the row's maximum and whether every logit is finite. In
+// torch that is a sum (for finiteness) and a max over the whole batch, and on bf16 logits torch's max is not
+// vectorised: several times this pass's time for 32 rows of a 49,152-token vocabulary (docs/performance.md has the
+// figures).
 //
 //   greedy_rows(logits [B, V], banned [n] int64, non_finite, no_token) -> [B] int64
 //       the first index of each row's maximum over the columns not in `banned` (EOS while min_tokens is unmet);

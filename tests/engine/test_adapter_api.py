@@ -569,7 +569,7 @@ def test_engine_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_up_banner_names_the_adapters() -> None:
-    from loragate.cli import _banner
+    from loragate.up_cli import _banner
 
     banner = _banner("http://127.0.0.1:8000", ["french", "mine", "pirate"], "dev-k", "admin-k")
     assert "ops page: http://127.0.0.1:8000/admin/ui   admin key (new every run): admin-k" in banner

@@ -123,8 +123,8 @@ def test_short_steps_are_judged_together_and_many_cpus_shrink_in_proportion() ->
 
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), ("3", 3)])
 def test_threads_flag(value: str, expected: object) -> None:
-    assert build_parser().parse_args(["engine", "--model", "tiny-random", "--threads", value]).threads == expected
-    assert build_parser().parse_args(["engine", "--model", "tiny-random"]).threads == "auto"
+    assert build_parser().parse_args(["engine", "--model", "tiny-random", "--threads", value]).num_threads == expected
+    assert build_parser().parse_args(["engine", "--model", "tiny-random"]).num_threads == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["engine", "--model", "tiny-random", "--threads", "0"])
 
