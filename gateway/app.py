@@ -49,7 +49,7 @@ from gateway.overrides import Overrides
 from gateway.policy import Policy, PolicyError
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
-from gateway.redis_client import breakers_of
+from gateway.redis_client import breakers_of, stop_probes
 from gateway.reload import PolicyStore
 from gateway.request_context import HeaderLimit
 from gateway.routes import HANDLERS, ApiRoutes
@@ -226,6 +226,8 @@ def build_app(
             await limiter.aclose()
             await shared.aclose()
             await adapters.aclose()
+            # An open Redis breaker probes Redis from a task of its own (gateway/redis_client.py).
+            await stop_probes(breakers_of(limiter, shared, adapters.store))
 
     proxy = Proxy(http, admission, metrics)
     admin = AdminRoutes(store, fleet, metrics, shared, ledger, adapters)

@@ -1,6 +1,7 @@
 """The Redis circuit breaker (gateway/redis_client.py): its states on a hand-moved clock, then in front of a
 real Redis that is frozen (SIGSTOP) or gone, for plain commands, scripts, pipelines, the rate limiter and
-the fleet store, and in the gateway's metrics."""
+the fleet store, and in the gateway's metrics; its background probe, which closes it without traffic once
+Redis answers again."""
 
 from __future__ import annotations
 
@@ -20,19 +21,23 @@ from gateway.fleet_store import RedisFleetStore
 from gateway.policy import Limits
 from gateway.ratelimit import RateLimiterUnavailable
 from gateway.redis_client import (
+    PING_TIMEOUT_S,
     UNREACHABLE,
     RedisBreaker,
     RedisSkipped,
     breaker_for,
     breakers_of,
+    pinger,
     redis_client,
+    stop_probes,
 )
 from gateway.redis_limiter import RedisRateLimiter
 from gateway.telemetry import GatewayMetrics
 
 from fake_clock import FakeClock
+from polling import wait_until
 from processes import free_port
-from redis_server import RedisServer, redis_server_fixture
+from redis_server import RedisServer, ping, redis_server_fixture
 
 redis_server = redis_server_fixture(scope="function")
 
@@ -171,6 +176,8 @@ def test_settings_are_checked() -> None:
         RedisBreaker(base_interval_s=2, max_interval_s=1)
     with pytest.raises(ValueError, match="probe_lost_s"):
         RedisBreaker(probe_lost_s=0)
+    with pytest.raises(ValueError, match="ping_interval_s"):
+        RedisBreaker(ping_interval_s=0)
 
 
 def test_one_breaker_per_url_shared_by_every_client() -> None:
@@ -180,6 +187,7 @@ def test_one_breaker_per_url_shared_by_every_client() -> None:
     assert breakers_of(limiter, store, object()) == [breaker_for(url)]
     assert breaker_for(f"redis://127.0.0.1:{free_port()}/0") is not breaker_for(url)
     assert "secret" not in breaker_for("redis://:secret@127.0.0.1:1/0").name
+    assert breaker_for(url).ping is not None  # the process's breakers probe in the background while open
 
 
 # ---- in front of a real Redis ------------------------------------------------------------------------
@@ -374,3 +382,170 @@ def test_metrics_show_the_breaker() -> None:
     clock.advance(0.25)
     breaker.answered(breaker.admit())
     assert scrape()["loragate_gateway_redis_breaker_open"] == 0
+
+
+# ---- the background probe -----------------------------------------------------------------------------
+
+
+def test_the_background_probe_pings_until_an_answer_closes_the_breaker() -> None:
+    """A fake PING: failures keep the breaker open; an error reply is an answer, and closes it; the task
+    then ends. It also ends when a call's probe closes the breaker first."""
+    clock = FakeClock()
+    outcomes: list[BaseException | None] = []
+
+    async def fake_ping() -> None:
+        outcome = outcomes.pop(0) if outcomes else ConnectionRefusedError(111, "refused")
+        if outcome is not None:
+            raise outcome
+
+    breaker = RedisBreaker(clock=clock, ping=fake_ping, ping_interval_s=0.01)
+
+    async def scenario() -> None:
+        outcomes.extend([ConnectionRefusedError(111, "refused"), RedisSkipped("no"), ResponseError("LOADING")])
+        breaker.failed(False, BOOM)
+        assert breaker.pinging
+        await wait_until(lambda: not breaker.is_open, what="closed by the third PING")
+        assert breaker.pings == 3 and breaker.failures == 0 and breaker.skipped == 0
+        await wait_until(lambda: not breaker.pinging, what="the probe's task ended")
+        described = breaker.describe()["background_probe"]
+        assert described["running"] is False and described["pings"] == 3
+        assert "RedisSkipped" in described["last_error"]
+
+        breaker.failed(False, BOOM)  # a new outage: PINGs fail until a call's probe closes the breaker
+        await wait_until(lambda: breaker.pings >= 5, what="two more PINGs")
+        assert breaker.describe()["background_probe"]["running"] is True
+        clock.advance(0.25)
+        breaker.answered(breaker.admit())
+        await wait_until(lambda: not breaker.pinging, what="the probe's task ended")
+        assert breaker.state == "closed"
+
+    asyncio.run(scenario())
+
+
+def test_the_background_probe_runs_on_a_live_event_loop_and_stops_at_shutdown() -> None:
+    """Opened outside a loop, nothing runs; a skipped call starts the probe on its own loop; `asyncio.run`
+    cancels it on the way out and the next loop's skipped call starts it again; `stop_probes` cancels it."""
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    breaker = RedisBreaker(ping=pinger(url))
+    breaker.failed(False, BOOM)
+    assert breaker.is_open and not breaker.pinging
+
+    async def run_a_while() -> None:
+        assert skips(breaker)
+        assert breaker.pinging
+        before = breaker.pings
+        await wait_until(lambda: breaker.pings >= before + 2, what="two PINGs")
+        assert breaker.is_open and "ConnectionError" in breaker.describe()["background_probe"]["last_error"]
+
+    asyncio.run(run_a_while())
+    assert not breaker.pinging  # cancelled with its loop
+    asyncio.run(run_a_while())  # started again on another loop
+
+    async def stopped() -> None:
+        assert skips(breaker) and breaker.pinging
+        await stop_probes([breaker, RedisBreaker()])
+        assert not breaker.pinging and breaker.is_open
+
+    asyncio.run(stopped())
+
+
+def test_without_traffic_the_breaker_closes_soon_after_a_restarted_redis_answers(redis_server: RedisServer) -> None:
+    """Redis killed, then started again on its port: no call is made meanwhile, yet the breaker closes
+    within half a second of Redis answering the test's own PING, and the pooled connections from before
+    the restart are not used."""
+    breaker = RedisBreaker(ping=pinger(redis_server.url))
+
+    def restart() -> float:
+        redis_server.start()  # returns once Redis answers a PING
+        return time.monotonic()
+
+    async def scenario() -> float:
+        client = redis_client(redis_server.url, breaker=breaker)
+        assert await client.ping()
+        redis_server.stop()
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await client.ping()
+        assert breaker.is_open and breaker.pinging
+        await asyncio.sleep(1.0)  # no call: only the background probe tries Redis
+        assert breaker.is_open and breaker.pings >= 2
+        answered = await asyncio.to_thread(restart)
+        await wait_until(lambda: not breaker.is_open, what="the breaker closed")
+        closed = time.monotonic()
+        assert breaker.skipped == 0  # no call got near Redis while it was open
+        await wait_until(lambda: not breaker.pinging, what="the probe's task ended")
+        assert await client.ping()  # the connection from before the restart was dropped
+        await client.aclose()
+        return closed - answered
+
+    recovered_s = asyncio.run(scenario())
+    assert recovered_s < 0.5, f"the breaker closed {recovered_s:.3f} s after Redis answered"
+    assert breaker.failures == 0 and breaker.outages == 1
+
+
+def test_a_frozen_redis_holds_one_ping_at_a_time_and_the_breaker_closes_soon_after_it_thaws(
+    redis_server: RedisServer,
+) -> None:
+    """SIGSTOP: one call waits its timeout and opens the breaker; the background PINGs go out one at a time,
+    each waiting its own timeout (Redis's connection count says so too); after SIGCONT the breaker closes
+    within half a second of Redis answering the test's PING, without a call."""
+    real = pinger(redis_server.url)
+    in_flight = peak = 0
+
+    async def counted_ping() -> None:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            await real()
+        finally:
+            in_flight -= 1
+
+    breaker = RedisBreaker(ping=counted_ping)
+
+    def thawed() -> float:
+        redis_server.resume()
+        while not ping(redis_server.port):
+            pass
+        return time.monotonic()
+
+    async def scenario() -> dict[str, Any]:
+        client = redis_client(redis_server.url, breaker=breaker)
+        assert await client.ping()
+        with redis.Redis(port=redis_server.port) as plain:
+            connections = int(plain.info("stats")["total_connections_received"])
+        out: dict[str, Any] = {}
+        redis_server.pause()
+        try:
+            with pytest.raises(redis.exceptions.TimeoutError):
+                await client.get("key")
+            assert breaker.is_open and breaker.pinging
+            frozen_at = time.monotonic()
+            await asyncio.sleep(2.0)
+            out["open"] = breaker.is_open
+        finally:
+            answered = await asyncio.to_thread(thawed)
+        out["frozen_s"] = answered - frozen_at
+        await wait_until(lambda: not breaker.is_open, what="the breaker closed")
+        out["recovered_s"] = time.monotonic() - answered
+        out["pings"] = breaker.pings
+        out["skipped"] = breaker.skipped
+        await wait_until(lambda: not breaker.pinging, what="the probe's task ended")
+        assert await client.get("key") is None
+        with redis.Redis(port=redis_server.port) as plain:
+            # Those sent while frozen, the test's PING, this client; the thawed Redis has accepted them all
+            await wait_until(
+                lambda: int(plain.info("stats")["total_connections_received"]) - connections >= out["pings"] + 2,
+                what="Redis accepted the connections",
+            )
+            out["connections"] = int(plain.info("stats")["total_connections_received"]) - connections
+        await client.aclose()
+        return out
+
+    out = asyncio.run(scenario())
+    assert out["open"] and out["skipped"] == 0
+    assert peak == 1
+    # Each PING while frozen waited its timeout before the next went out: no pile-up.
+    assert 2 <= out["pings"] <= out["frozen_s"] / PING_TIMEOUT_S + 2, out
+    # No other connection was opened: the PINGs, the test's PING, the plain client, one for the call after.
+    assert out["connections"] <= out["pings"] + 3, out
+    assert out["recovered_s"] < 0.5, f"the breaker closed {out['recovered_s']:.3f} s after Redis answered"

@@ -79,7 +79,7 @@ async def while_frozen(url: str) -> tuple[int, dict[str, float], dict[str, Any]]
 
 
 def breaker_closed(url: str) -> bool:
-    """The gateway's Redis breaker is closed (its housekeeping round probes Redis every second)."""
+    """The gateway's Redis breaker is closed (it PINGs Redis in the background while open)."""
     return asyncio.run(redis_metrics(url))["loragate_gateway_redis_breaker_open"] == 0
 
 
@@ -116,6 +116,9 @@ def test_a_frozen_redis_costs_one_timeout_not_one_per_request(tmp_path: Path, re
                 assert during["loragate_gateway_redis_skipped_total"] > 0, during
                 assert admin["state"] in ("open", "half_open") and admin["failures"] >= 1, admin
                 assert "Timeout" in admin["last_error"], admin
+                # Its background probe runs, its PINGs timing out while Redis is frozen.
+                probe = admin["background_probe"]
+                assert probe["running"] and probe["pings"] >= 1 and "Timeout" in probe["last_error"], admin
                 poll(lambda: breaker_closed(url), 15, interval_s=0.2, what="the Redis breaker closed")
             assert any(frozen >= MIN_RATIO * killed for killed, frozen in pairs), (
                 f"(served with Redis killed, frozen) in {FAULT_S:g} s: {pairs}"
