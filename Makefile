@@ -9,7 +9,7 @@ STAMP := $(VENV)/.loragate-installed
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install serve lint test soak bench clean
+.PHONY: install serve lint test test-no-cpu-ops soak bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,13 @@ lint: $(STAMP)
 
 test: $(STAMP) $(TOOLS)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The torch routes on purpose: the C++ ops switched off, as on a machine without a compiler (docs/backends.md). The
+# kernel tests and the engine's HF and PEFT equality tests; the C++ ops' own tests skip.
+FALLBACK_TESTS := tests/kernels tests/engine/test_model.py tests/engine/test_lora_engine.py \
+	tests/engine/test_lora_triton_path.py tests/engine/test_engine.py tests/engine/test_sampler.py
+test-no-cpu-ops: $(STAMP)
+	LORAGATE_CPU_OPS=0 $(BIN)/python -m pytest $(FALLBACK_TESTS) $(PYTEST_ARGS)
 
 # The fault suite (tests/reliability/) with every count and duration ten times longer than in `make test`.
 soak: $(STAMP)

@@ -35,7 +35,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.adapter_catalog import AdapterCatalog, Quota, Registration
-from gateway.adapter_ids import check_id, check_ref
 from gateway.admin import ADMIN_BODY_BYTES, admin_who, key_fingerprint
 from gateway.catalog_entry import CatalogEntry, check_sha256
 from gateway.catalog_store import CatalogBusy
@@ -43,6 +42,7 @@ from gateway.fleet import Fleet
 from gateway.policy import Tenant
 from gateway.redis_client import UNREACHABLE
 from gateway.reload import PolicyStore
+from loragate_common.adapter_ids import check_id, check_ref
 from loragate_common.adapter_sources import AllowList, SourceError, parse_source
 from loragate_common.errors import ApiError, bad_request, shown, unauthorized, unavailable
 from loragate_common.http_io import read_json

@@ -1,6 +1,6 @@
 """The fleet's adapter catalog: adapter ids, each with numbered versions pinned to a source and a digest.
 
-  id         `name` or `tenant/name` (gateway/adapter_ids.py); `ID@N` names version N, `ID` alone the newest
+  id         `name` or `tenant/name` (loragate_common/adapter_ids.py); `ID@N` names version N, `ID` alone the newest
              version not deprecated (all deprecated: the newest)
   version    {version, source, sha256, size, revision, published_by, published_at, deprecated}
   entry      the id's versions, its tenant (the namespace owner; None for the operators' own) and a
@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gateway.adapter_ids import split_ref
 from gateway.catalog_entry import AdapterVersion, CatalogEntry, live, parse_entries
 from gateway.catalog_store import CatalogStore, Writes
 from gateway.redis_client import UNREACHABLE
+from loragate_common.adapter_ids import split_ref
 from loragate_common.errors import ApiError
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,6 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway.adapter_catalog import AdapterCatalog, Pinned
-from gateway.adapter_ids import base_id
 from gateway.admission import Shed
 from gateway.fleet import Fleet
 from gateway.policy import Tenant
@@ -40,7 +39,8 @@ from gateway.rollout import Routed
 from gateway.telemetry import GatewayMetrics, finish_span, request_span
 from gateway.tenant_gate import TenantGate
 from gateway.usage import UsageLedger, UsageRecord, split_version
-from loragate_common.errors import ApiError, adapter_not_found, bad_request, shown, unavailable
+from loragate_common.adapter_ids import base_id, requested_adapter
+from loragate_common.errors import ApiError, adapter_not_found, shown, unavailable
 from loragate_common.http_io import ClientGone, read_json, unless_disconnected
 
 logger = logging.getLogger(__name__)
@@ -101,10 +101,7 @@ class GenerateRoutes:
 
         403 not allowed (checked on the id without its version), 404 unknown (a catalog adapter no engine
         lists is not unknown: the engine fetches it); a rollout's override header may answer 400 or 403."""
-        named = request.headers.getlist("x-adapter-id")
-        if len(named) > 1:
-            raise bad_request("X-Adapter-ID: given more than once; name one adapter")
-        name = (named[0] if named else "").strip() or (body.model or "").strip()
+        name = requested_adapter(request.headers.getlist("x-adapter-id"), body.model)
         models = await self.fleet.catalog.models()
         if not name or name in models.bases:
             return None, None, None

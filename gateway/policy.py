@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.adapter_ids import id_problem
+from loragate_common.adapter_ids import id_problem
 from loragate_common.adapter_sources import AllowList, SourceError
 from loragate_common.priority import Priority
 

@@ -13,12 +13,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.adapter_catalog import AdapterCatalog
-from gateway.adapter_ids import base_id
 from gateway.fleet import Fleet
 from gateway.ratelimit import RateLimiter
 from gateway.reload import PolicyStore
 from gateway.telemetry import GatewayMetrics
 from gateway.tenant_gate import TenantGate
+from loragate_common.adapter_ids import base_id
 from loragate_common.errors import ApiError, error_response, unavailable
 from loragate_common.http_io import list_body
 

@@ -85,6 +85,7 @@ class MockUpstream:
         self._resume = threading.Event()
         self.streams_finished = 0  # streams that sent [DONE]
         self.streams_aborted = 0  # streams cancelled because the client (the gateway) went away
+        self.load_polls = 0  # GET /load requests answered
         self._serving = contextlib.ExitStack()
         self.url = ""
 
@@ -141,6 +142,7 @@ class MockUpstream:
         )
 
     async def _load(self, request: Request) -> Response:
+        self.load_polls += 1
         load = self.behavior.load
         if load is None:
             return JSONResponse({"error": {"type": "not_found", "message": "no /load"}}, status_code=404)

@@ -60,7 +60,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: Priority
-    adapter_id: str | None
+    adapter: AdapterSpec | None  # the version generate() resolved and checked
     arrival_time: float  # time.monotonic() when generate() accepted it: queue time includes the inbox wait
 
 
@@ -151,23 +151,19 @@ class AsyncEngine:
         priority: Priority = Priority.STANDARD,
         adapter_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Validate now (ValueError, KeyError for an unknown adapter, RequestFailed for one whose weights
-        failed to load), then stream the request's outputs; one that fails in the engine raises
-        RequestFailed from the iterator.
+        """Validate now (LLMEngine.validate_request, the request's one check: ValueError, KeyError for an unknown
+        adapter, RequestFailed for one whose weights failed to load), then stream the request's outputs; one that
+        fails in the engine raises RequestFailed from the iterator. The engine thread queues it as checked here.
 
         Closing the iterator early (client gone, task cancelled) aborts the request and frees its blocks.
         """
-        adapter = None if adapter_id is None else self.engine.adapters.get(adapter_id)  # KeyError
-        params.validate()
-        self.engine.check_request(prompt_token_ids, params, adapter)
-        if adapter is not None:
-            try:
-                self.engine.check_adapter(adapter)
-            except AdapterUnusable as exc:
-                raise RequestFailed(RequestError("adapter_error", str(exc))) from None
+        try:
+            adapter = self.engine.validate_request(prompt_token_ids, params, adapter_id)
+        except AdapterUnusable as exc:
+            raise RequestFailed(RequestError("adapter_error", str(exc))) from None
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        return self._stream(_Add(request_id, list(prompt_token_ids), params, priority, adapter_id, time.monotonic()))
+        return self._stream(_Add(request_id, list(prompt_token_ids), params, priority, adapter, time.monotonic()))
 
     # ---- adapters -------------------------------------------------------------------------------------
 
@@ -281,18 +277,10 @@ class AsyncEngine:
                 self.engine.retire_adapter(item.adapter_id)
                 continue
             try:
-                self.engine.add_request(
-                    item.request_id,
-                    item.prompt_token_ids,
-                    item.params,
-                    item.priority,
-                    item.adapter_id,
-                    item.arrival_time,
+                self.engine.enqueue(
+                    item.request_id, item.prompt_token_ids, item.params, item.priority, item.adapter, item.arrival_time
                 )
-            except AdapterUnusable as exc:  # its adapter broke since generate() checked it
-                failed = RequestFailed(RequestError("adapter_error", str(exc)))
-                self._event_loop().call_soon_threadsafe(self._fail, item.request_id, failed)
-            except (ValueError, KeyError) as exc:
+            except ValueError as exc:  # its output constraint could not start
                 self._event_loop().call_soon_threadsafe(self._fail, item.request_id, exc)
 
     def _fail_all(self, exc: Exception) -> None:

@@ -214,6 +214,19 @@ class LLMEngine:
             raise
         return spec
 
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, adapter_id: str | None = None
+    ) -> AdapterSpec | None:
+        """The one check of a request, made where it enters (`add_request`, AsyncEngine.generate): ValueError if it
+        could never run here, KeyError for an unknown adapter, AdapterUnusable for an adapter version whose weights
+        failed to load. Returns the adapter version it will use (None: the base model)."""
+        params.validate()
+        adapter = None if adapter_id is None else self.adapters.get(adapter_id)  # KeyError: unknown
+        self.check_request(prompt_token_ids, params, adapter)
+        if adapter is not None:
+            self.check_adapter(adapter)
+        return adapter
+
     def add_request(
         self,
         request_id: str,
@@ -223,13 +236,23 @@ class LLMEngine:
         adapter_id: str | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        """Queue a request; `arrival_time` (time.monotonic()) when it arrived before this call (it waited in
-        the async engine's inbox): queue time, aging and arrival order count from then."""
-        params.validate()
-        adapter = None if adapter_id is None else self.adapters.get(adapter_id)  # KeyError: unknown
-        self.check_request(prompt_token_ids, params, adapter)
-        if adapter is not None:
-            self.check_adapter(adapter)
+        """Check a request (`validate_request`) and queue it (`enqueue`): the synchronous entry point."""
+        adapter = self.validate_request(prompt_token_ids, params, adapter_id)
+        return self.enqueue(request_id, prompt_token_ids, params, priority, adapter, arrival_time)
+
+    def enqueue(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: Priority,
+        adapter: AdapterSpec | None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request its entry point checked (`validate_request`: nothing is checked again, and the adapter
+        version it resolved is the one the request uses). `arrival_time` (time.monotonic()) when it arrived before
+        this call (it waited in the async engine's inbox): queue time, aging and arrival order count from then.
+        ValueError only where the request's output constraint cannot start."""
         try:
             request = Request(
                 request_id,

@@ -49,6 +49,7 @@ from engine.entrypoints.responses import ChatFormatter, CompletionFormatter, Ech
 from engine.entrypoints.tracing import engine_span, record_error, record_output
 from engine.lora.peft_config import AdapterError, validate_adapter_id
 from engine.structured import template_supports_tools
+from loragate_common.adapter_ids import requested_adapter
 from loragate_common.errors import ApiError, adapter_not_found, bad_request, error_body, error_response, unavailable
 from loragate_common.http_io import SSE_DONE, ClientGone, list_body, read_json, sse, unless_disconnected
 from loragate_common.priority import Priority
@@ -201,10 +202,7 @@ class EngineRoutes:
 
         An id that could never be registered is answered 404 here, before it reaches the engine.
         """
-        named = request.headers.getlist("x-adapter-id")
-        if len(named) > 1:
-            raise bad_request("X-Adapter-ID: given more than once; name one adapter")
-        name = (named[0] if named else "").strip() or (model or "").strip()
+        name = requested_adapter(request.headers.getlist("x-adapter-id"), model)
         if name in ("", self.base_model):
             return None
         try:

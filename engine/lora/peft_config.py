@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from engine.model.config import ModelConfig
+from loragate_common.adapter_ids import ref_problem
+from loragate_common.errors import shown
 
 MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_MODULES = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))  # under self_attn, the rest under mlp
@@ -36,8 +38,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
-MAX_ID_LEN = 128
-_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
 _MAX_PATTERN_LEN = 1000
 _LLAMA_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default when target_modules is null
 # LoraConfig options that change the forward pass or add weights we do not apply: any truthy value is refused.
@@ -67,23 +67,13 @@ _Fail = Callable[[str], AdapterError]  # builds an error that names the adapter
 
 
 def validate_adapter_id(adapter_id: str) -> str:
-    """Return `adapter_id` if it is `[namespace/]name[@version]`, at most 128 characters: the name and the
-    namespace (a tenant's, for adapters it publishes) each of [A-Za-z0-9._-], not starting with '.' and
-    without '..'; the version digits (a catalog version: gateway/adapter_catalog.py)."""
-    if not isinstance(adapter_id, str) or not 1 <= len(adapter_id) <= MAX_ID_LEN:
-        raise AdapterError(f"adapter id must be a string of 1 to {MAX_ID_LEN} characters")
-    name, at, version = adapter_id.partition("@")
-    segments = name.split("/")
-    if (
-        len(segments) > 2
-        or any(_ID_RE.fullmatch(s) is None or s.startswith(".") or ".." in s for s in segments)
-        or (at and not version.isascii())
-        or (at and not version.isdigit())
-    ):
-        raise AdapterError(
-            f"invalid adapter id {adapter_id!r}: use [namespace/]name[@version], names of letters, digits, "
-            "'.', '_' and '-', not starting with '.' and without '..', a version of digits"
-        )
+    """Return `adapter_id` if it is `ID` or `ID@N` (loragate_common/adapter_ids.py: the gateway's catalog follows the
+    same rules), else AdapterError saying why."""
+    if not isinstance(adapter_id, str):
+        raise AdapterError(f"adapter id must be a string, not {type(adapter_id).__name__}")
+    problem = ref_problem(adapter_id)
+    if problem is not None:
+        raise AdapterError(f"invalid adapter id {shown(adapter_id)}: {problem}")
     return adapter_id
 
 

@@ -46,6 +46,7 @@ LOAD_FIELDS = {
     "device_adapters",
     "max_num_seqs",
     "max_device_adapters",
+    "backends",
 }
 
 Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -74,9 +75,14 @@ def _engine(log: Path, adapter_root: Path, *extra: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, adapter_root: Path) -> Iterator[str]:
+def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine") / "engine.log"
+
+
+@pytest.fixture(scope="module")
+def server(server_log: Path, adapter_root: Path) -> Iterator[str]:
     """One request computed at a time: a second one waits, so a test can hold one running and one waiting."""
-    with _engine(tmp_path_factory.mktemp("engine") / "engine.log", adapter_root, "--max-num-seqs", "1") as base:
+    with _engine(server_log, adapter_root, "--max-num-seqs", "1") as base:
         yield base
 
 
@@ -155,6 +161,22 @@ def test_load_when_idle_and_with_adapters_on_the_device(server: str) -> None:
     header = resp.headers.get("x-loragate-load")
     _parsed(header)
     assert abs(float(header.rpartition("pool=")[2]) - after["pool_used"]) <= 0.01
+
+
+def test_load_names_the_backends_and_the_log_leaves_out_probes(server: str, server_log: Path) -> None:
+    """GET /load shows the routes the engine chose at start (loragate_kernels/backends.py), the same the engine logged
+    once; the access log lists generation requests but not /load, /readyz, /healthz or /metrics (--log-probes)."""
+    from loragate_kernels.backends import Backends
+
+    backends = _idle(server)["backends"]
+    assert backends == Backends.resolve("cpu", "float32").describe()  # the test process sees the same machine
+    for path in ("/load", "/readyz", "/healthz", "/metrics"):
+        assert httpx.get(f"{server}{path}").status_code == 200
+    _request(server, "completion", None, 1)
+    log = server_log.read_text()
+    assert log.count("backends: device=cpu dtype=float32") == 1
+    assert re.search(r'"POST /v1/completions HTTP/1.1" 200', log)
+    assert not re.search(r'"GET /(load|readyz|healthz|metrics) HTTP', log), log[-2000:]
 
 
 def test_load_counts_running_and_waiting(server: str) -> None:

@@ -857,3 +857,24 @@ def test_metrics_count_requests_by_reason_and_stream_timings(mock: MockUpstream)
     assert 'status="401",tenant="unknown"} 1.0' in text
     assert 'loragate_gateway_time_to_first_token_seconds_count{adapter="a1"} 1.0' in text
     assert 'loragate_gateway_time_per_output_token_seconds_count{adapter="a1"} 1.0' in text
+
+
+@pytest.mark.parametrize("probes", [False, True], ids=["default", "log-probes"])
+def test_the_log_shows_requests_not_polls(tmp_path: Path, mock: MockUpstream, probes: bool) -> None:
+    """At the default level the gateway logs each request it serves, but neither the probes it answers (/healthz,
+    /readyz, /metrics) nor its own requests to the engines (the load poll every second, the proxied calls), unless
+    --log-probes; `loragate up`'s banner stays on the screen."""
+    extra = ["--log-level", "info", *(["--log-probes"] if probes else [])]
+    mock.behavior.load = (0, 0, ())
+    proc, url = start_gateway(tmp_path, "gw", policy_yaml(), [mock.url], *extra)
+    try:
+        for path in ("/healthz", "/readyz", "/metrics"):
+            assert httpx.get(f"{url}{path}", timeout=5).status_code == 200
+        assert httpx.post(f"{url}/v1/completions", json=COMPLETION, headers=AUTH, timeout=10).status_code == 200
+        poll(lambda: mock.load_polls >= 2, 10, what="two load polls")
+    finally:
+        stop_process(proc)
+    log = (tmp_path / "gw.log").read_text()
+    assert '"POST /v1/completions HTTP/1.1" 200' in log
+    assert ('"GET /readyz HTTP/1.1" 200' in log) == probes and ('"GET /metrics HTTP/1.1" 200' in log) == probes
+    assert "HTTP Request:" not in log  # httpx's line per request to an engine

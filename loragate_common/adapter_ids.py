@@ -1,11 +1,14 @@
-"""Adapter ids as the fleet's catalog (gateway/adapter_catalog.py), the policy and the request path read them.
+"""Adapter ids and the adapter a request names, one set of rules for the gateway (its catalog, policy and request
+path: gateway/adapter_catalog.py, gateway/policy.py, gateway/generate.py) and the engine (what it registers and
+serves: engine/lora/peft_config.py, engine/entrypoints/server.py).
 
   id      `name` or `tenant/name`: each segment [A-Za-z0-9._-]+, not starting with '.', without '..', at most
-          128 characters in all (the engine's engine.lora.peft_config.validate_adapter_id accepts the same,
-          plus the version)
+          128 characters in all
   ref     `ID` or `ID@N`, N a positive integer: version N of ID
 
-Every id and ref comes from a client or a publisher: these checks are the only way one enters the catalog.
+`requested_adapter` reads the adapter a request names: `X-Adapter-ID` (once at most), else the body's `model`.
+Every id and ref comes from a client or a publisher: these checks are the only way one enters the catalog or an
+engine.
 """
 
 from __future__ import annotations
@@ -61,6 +64,24 @@ def base_id(name: str) -> str:
     """The id a name refers to without its version (what tenants' globs are checked against)."""
     ref = split_ref(name)
     return ref[0] if ref is not None else name
+
+
+def ref_problem(value: str) -> str | None:
+    """Why `value` is not `ID` or `ID@N` (None: it is one)."""
+    if split_ref(value) is not None:
+        return None
+    name, at, _ = value.rpartition("@")
+    problem = id_problem(name if at else value)
+    return problem if problem is not None else "a version is `ID@N` with N a positive integer"
+
+
+def requested_adapter(header_values: list[str], model: str | None) -> str:
+    """The adapter a request names, stripped ("" for none): its `X-Adapter-ID` header (`header_values`, every copy
+    the request sent) wins over the body's `model`. 400 when the header is given more than once. Whether the name is
+    an adapter, the base model or a rollout is the caller's to say."""
+    if len(header_values) > 1:
+        raise bad_request("X-Adapter-ID: given more than once; name one adapter")
+    return (header_values[0] if header_values else "").strip() or (model or "").strip()
 
 
 def check_ref(value: str, field: str = "id") -> tuple[str, int | None]:
