@@ -8,8 +8,10 @@ past their time bound) is a 503.
 
 Parts: `keywords` (what each JSON Schema keyword means to the engine), `schema` (checking a schema), `vocabulary`
 (the tokenizer as the engine sees it, tokens JSON never needs taken out), `grammars` (xgrammar: compile, cache, the
-per-request constraint), `worker` (the compile child process, killed past a time bound), `response_format`, `tools`
-(constrained and `auto` tool calls).
+per-request constraint), `worker` (the compile child process, killed past a time bound), `automata` and `dead_ends`
+(what a compiled grammar could start but never finish, such as a `pattern` that matches nothing, and where in the
+schema: refused before generation, not dead-ended during it), `response_format`, `tools` (constrained and `auto`
+tool calls).
 """
 
 from engine.structured.grammars import CompiledGrammar, GrammarConstraint, prepare_tokenizer

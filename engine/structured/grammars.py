@@ -208,6 +208,8 @@ def _build(kind: str, digest: str, schema: Any, vocab: Vocabulary, path: str, ti
         ) from None
     except WorkerRefusal as exc:
         where = path if exc.path is None else format_path(path, tuple(exc.path))
+        if exc.unsatisfiable:  # it compiled, but could start a value it can never finish (automata.py)
+            raise SchemaError(where, exc.message) from None
         raise SchemaError(where, f"the grammar engine cannot enforce this: {exc.message}") from None
     except WorkerCrashed as exc:  # the child died on this schema (memory, a crash): refused; it restarts
         raise SchemaError(path, f"the grammar engine failed on this schema ({exc})") from None

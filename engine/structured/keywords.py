@@ -132,6 +132,103 @@ MISREAD_REGEX = (
 )
 
 
+def misplaced_anchor(pattern: str) -> tuple[int, str] | None:
+    """(index, "^" or "$") of the first anchor xgrammar would misread, or None. It drops every anchor and matches
+    a pattern against the whole string, which is right only for a `^` that no match can reach after reading a
+    character (nothing but zero-width items before it, in no repeated group), and a `$` likewise before nothing
+    more: `a^` matches nothing, but read as `a` it would let "a" through."""
+    items, end = _regex_sequence_alternatives(pattern, 0)
+    if end != len(pattern):
+        return None  # unbalanced: xgrammar refuses it itself
+    return _first_misplaced(items, before=True, after=True, repeated=False)
+
+
+# A parsed regex item: ("anchor", index, char), ("atom", least, most), ("group", alternatives, least, most)
+# (most None: unbounded); alternatives are lists of items.
+_QUANTIFIER = re.compile(r"\*|\+|\?|\{(\d+)(,(\d*))?\}")
+
+
+def _regex_sequence_alternatives(pattern: str, i: int) -> tuple[list[list[tuple[Any, ...]]], int]:
+    """The alternatives from `i` up to an unmatched ")" or the end, and the index there."""
+    alternatives: list[list[tuple[Any, ...]]] = [[]]
+    while i < len(pattern) and pattern[i] != ")":
+        char = pattern[i]
+        if char == "|":
+            alternatives.append([])
+            i += 1
+            continue
+        if char in "^$":
+            alternatives[-1].append(("anchor", i, char))
+            i += 1
+            continue
+        if char == "(":
+            i += 1
+            if pattern.startswith("?", i):  # (?:...), (?<name>...); look-around is refused before this
+                named = pattern.startswith("?<", i) and pattern[i + 2 : i + 3] not in ("=", "!")
+                close = pattern.find(">", i) if named else -1
+                i = close + 1 if close >= 0 else i + 2 + pattern.startswith("?<", i)
+            inner, i = _regex_sequence_alternatives(pattern, i)
+            if i >= len(pattern):
+                return alternatives, -1  # unbalanced
+            least, most, i = _regex_quantifier(pattern, i + 1)
+            alternatives[-1].append(("group", inner, least, most))
+            continue
+        if char == "\\":
+            i += 2
+        elif char == "[":
+            i += 1
+            i += pattern[i : i + 1] == "^"
+            while i < len(pattern) and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+            i += 1
+        else:
+            i += 1
+        least, most, i = _regex_quantifier(pattern, i)
+        alternatives[-1].append(("atom", least, most))
+    return alternatives, i
+
+
+def _regex_quantifier(pattern: str, i: int) -> tuple[int, int | None, int]:
+    """(least, most, index after it) of the quantifier at `i`: (1, 1, i) when there is none."""
+    match = _QUANTIFIER.match(pattern, i)
+    if match is None:
+        return 1, 1, i
+    end = match.end() + pattern.startswith("?", match.end())  # a lazy quantifier matches the same strings
+    text = match.group(0)
+    if text in "*+?":
+        return (0 if text != "+" else 1), (1 if text == "?" else None), end
+    least = int(match.group(1))
+    most = least if match.group(2) is None else (int(match.group(3)) if match.group(3) else None)
+    return least, most, end
+
+
+def _zero_width(item: tuple[Any, ...]) -> bool:
+    """The item can read no character."""
+    if item[0] == "anchor":
+        return True
+    if item[-1] == 0:  # at most 0 repetitions
+        return True
+    return item[0] == "group" and all(all(_zero_width(x) for x in alt) for alt in item[1])
+
+
+def _first_misplaced(
+    alternatives: list[list[tuple[Any, ...]]], *, before: bool, after: bool, repeated: bool
+) -> tuple[int, str] | None:
+    for items in alternatives:
+        for k, item in enumerate(items):
+            clear_before = before and all(_zero_width(x) for x in items[:k])
+            clear_after = after and all(_zero_width(x) for x in items[k + 1 :])
+            if item[0] == "anchor":
+                if repeated or not (clear_before if item[2] == "^" else clear_after):
+                    return item[1], item[2]
+            elif item[0] == "group":
+                again = repeated or ((item[3] is None or item[3] > 1) and not _zero_width(item))
+                found = _first_misplaced(item[1], before=clear_before, after=clear_after, repeated=again)
+                if found is not None:
+                    return found
+    return None
+
+
 def subschemas(node: Any, path: Path = ()) -> Iterator[tuple[Path, dict[str, Any]]]:
     """Every object subschema under `node` with its path, parents first (boolean schemas need no check)."""
     if not isinstance(node, dict):

@@ -9,7 +9,10 @@ what it enforces, measured keyword by keyword (tests/engine/test_structured.py h
    and a `oneOf` whose options may overlap (one told apart by a required `const` property is an `anyOf`);
 3. contradictions (`minimum` above `maximum`, an empty `enum`, a `const` outside its own `type`), and what the
    engine would get wrong without a word: `minLength`/`maxLength` beside a `pattern` or `format` (it ignores
-   the length), number bounds with no number of at most 6 decimal places between them (an empty value).
+   the length), number bounds with no number of at most 6 decimal places between them (an empty value), a `^` or
+   `$` away from the ends of a pattern (it drops anchors: `a^`, which matches nothing, would let "a" through).
+A pattern that matches nothing (`[^\\s\\S]`), or whose matches need what the engine cannot write in a string, is
+found in the compiled grammar instead (worker.py, automata.py), with a path too.
 Each raises `SchemaError` with a path into the request (`response_format.json_schema.schema.properties.age.
 minimum`). Keywords JSON Schema does not define are annotations by the spec, and are ignored.
 """
@@ -32,6 +35,7 @@ from engine.structured.keywords import (
     TYPED,
     UNSUPPORTED,
     Path,
+    misplaced_anchor,
     resolve_ref,
     subschemas,
 )
@@ -145,10 +149,21 @@ class _Node:
             raise self.fail("format", message=f"unsupported format {fmt!r}; supported: {', '.join(sorted(FORMATS))}")
 
     def _check_pattern(self, pattern: str, keys: Path) -> None:
-        """Refuse the regex constructs the engine misreads without an error (its own errors come from compiling)."""
+        """Refuse the regex constructs the engine misreads without an error (its own errors come from compiling;
+        a pattern that matches nothing is found in the compiled grammar: worker.py)."""
         for construct, name in MISREAD_REGEX:
             if construct.search(pattern):
                 raise self.fail(*keys, message=f"unsupported in a pattern: {name}")
+        anchor = misplaced_anchor(pattern)
+        if anchor is not None:
+            index, char = anchor
+            where = "the start of every match" if char == "^" else "the end of every match"
+            raise self.fail(
+                *keys,
+                message=f"unsupported in a pattern: {char} away from {where} (at index {index}); the grammar engine "
+                "drops anchors and matches the whole string, so it would let through strings this pattern does not "
+                "match (put ^ and $ only at the pattern's ends)",
+            )
 
     def _check_values(self) -> None:
         node = self.node

@@ -7,10 +7,13 @@ background. The parent talks to it over its stdin/stdout in length-prefixed JSON
 
     {"op": "tokenizer", "key", "info"}  ->  {"ok": true}        (xgrammar's TokenizerInfo, serialized; once per child)
     {"op": "compile", "key", "schema"}  ->  {"ok": true, "grammar": <serialized CompiledGrammar>}
-                                         |  {"ok": false, "error", "path": [...] or null}
+                                         |  {"ok": false, "error", "path": [...] or null, "unsatisfiable": bool}
 
 On a refusal the child also finds where in the schema it comes from: the deepest subschema the engine refuses on
-its own. One compile at a time; callers queue on a lock, for at most their own time bound.
+its own. A schema that compiles is refused too (`unsatisfiable`) when its grammar can start a value it can never
+finish (dead_ends.py, over automata.py: a `pattern` that matches nothing, or whose matches need what it cannot
+write in a string), located the same way: the deepest subschema whose own grammar has the fault, and the keyword
+without which it has none. One compile at a time; callers queue on a lock, for at most their own time bound.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
+
+from engine.structured.dead_ends import unsatisfiable
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +59,14 @@ class WorkerCrashed(RuntimeError):
 
 
 class WorkerRefusal(Exception):
-    """xgrammar refused the schema: `path` (a list of keys and indices into it) is where, when found."""
+    """xgrammar refused the schema, or (`unsatisfiable`) its grammar could start a value it can never finish:
+    `path` (a list of keys and indices into it) is where, when found."""
 
-    def __init__(self, message: str, path: list[str | int] | None) -> None:
+    def __init__(self, message: str, path: list[str | int] | None, unsatisfiable: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.path = path
+        self.unsatisfiable = unsatisfiable
 
 
 class CompileWorker:
@@ -91,7 +98,7 @@ class CompileWorker:
         finally:
             self._lock.release()
         if not reply["ok"]:
-            raise WorkerRefusal(reply["error"], reply.get("path"))
+            raise WorkerRefusal(reply["error"], reply.get("path"), bool(reply.get("unsatisfiable")))
         return str(reply["grammar"])
 
     def warm(self, key: str, info_json: Callable[[], str]) -> None:
@@ -195,12 +202,18 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
             compilers[message["key"]] = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             _write(out, {"ok": True})
             continue
+        reply: dict[str, Any]
         try:
             compiled = compilers[message["key"]].compile_json_schema(message["schema"], **JSON_OPTIONS)
-            _write(out, {"ok": True, "grammar": compiled.serialize_json()})
+            fault = unsatisfiable(compiled, message["schema"], xgrammar, JSON_OPTIONS)
+            if fault is not None:
+                reply = {"ok": False, "error": fault[1], "path": fault[0], "unsatisfiable": True}
+            else:
+                reply = {"ok": True, "grammar": compiled.serialize_json()}
         except Exception as exc:
             path, error = _locate(json.loads(message["schema"]), xgrammar)
-            _write(out, {"ok": False, "error": error or _clean(exc), "path": path})
+            reply = {"ok": False, "error": error or _clean(exc), "path": path}
+        _write(out, reply)
 
 
 def _locate(schema: Any, xgrammar: Any) -> tuple[list[str | int] | None, str | None]:

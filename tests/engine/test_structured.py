@@ -6,8 +6,10 @@ so walks end), advances the constraint, and checks that EOS is allowed exactly w
 walks found what the vocabulary filter and the format rewrites now prevent: raw control characters and invalid
 UTF-8 inside strings, and dates such as 4310-11-31.
 
-Also: json_object, constrained tool calls (required and named), refusals naming the exact JSON path, a compile
-killed at its time bound, a shared in-flight compile, the digest cache, and `auto` tool-call markup.
+Also: json_object, constrained tool calls (required and named), refusals naming the exact JSON path (patterns that
+can match nothing among them, which xgrammar alone would let a request start and then dead-end on, shown here too;
+and through the `openai` client against a real engine), a compile killed at its time bound, a shared in-flight
+compile, the digest cache, and `auto` tool-call markup.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import jsonschema
 import numpy as np
+import openai
 import pytest
 import torch
 import xgrammar
@@ -37,7 +40,12 @@ from engine.structured import (
     template_supports_tools,
 )
 from engine.structured import grammars as grammars_module
-from engine.structured.worker import CompileTimeout, WorkerRefusal
+from engine.structured.automata import ALL_BYTES, DEAD_END, EMPTY, Automata, AutomataFormatError
+from engine.structured.dead_ends import unsatisfiable
+from engine.structured.vocabulary import vocabulary
+from engine.structured.worker import JSON_OPTIONS, CompileTimeout, WorkerRefusal
+
+from processes import start_engine_server
 
 MAX_STEPS = 3000
 CLOSE_AFTER = 40  # steps after which a walk prefers closing tokens
@@ -560,6 +568,230 @@ def test_silent_gaps_of_the_engine_are_refused(tiny_tokenizer, schema, accepted_
         validate(walker.walk(grammar, seed), schema)
 
 
+# Patterns xgrammar compiles but no request can finish: its matcher allows a token when it continues what the grammar
+# can read, without asking whether anything can complete it, so a value is started and then no token at all is
+# allowed, mid-generation. Refused up front (engine/structured/automata.py reads xgrammar's own automata), at the
+# keyword's path: (schema, path, words in the message).
+P = f"{S}.properties.s"
+NO_NAME = "^[^\\s\\S]$"  # a property-name pattern that matches nothing
+UNMATCHABLE = [
+    (obj({"s": {"type": "string", "pattern": "[^\\s\\S]"}}), f"{P}.pattern", "matches no string"),
+    ({"type": "string", "pattern": "^[^\\d\\D]+$"}, f"{S}.pattern", "matches no string"),
+    (obj({"s": {"type": "string", "pattern": "^ab[^\\w\\W]$"}}, required=[]), f"{P}.pattern", "matches no string"),
+    (obj({"s": {"type": "string", "pattern": "^(yes|no[^\\s\\S])$"}}), f"{P}.pattern", "part of the pattern"),
+    (obj({"s": {"type": "string", "pattern": "^a\nb$"}}), f"{P}.pattern", "every string"),  # a raw newline
+    (obj({"s": {"type": "string", "pattern": "^a\\tb$"}}), f"{P}.pattern", "control character"),
+    (obj({"s": {"type": "string", "pattern": "^(a\\tx|b)$"}}), f"{P}.pattern", "some strings"),
+    (obj({"s": {"type": "string", "pattern": '^(a"x|b)$'}}), f"{P}.pattern", "must escape"),
+    (
+        obj({"xs": {"type": "array", "items": {"type": "string", "pattern": "[^\\s\\S]"}, "maxItems": 2}}),
+        f"{S}.properties.xs.items.pattern",
+        "matches no string",
+    ),
+    (
+        obj({"v": {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "[^\\s\\S]"}]}}),
+        f"{S}.properties.v.anyOf[1].pattern",
+        "matches no string",
+    ),
+    (
+        {"$defs": {"word": {"type": "string", "pattern": "^x[^\\s\\S]$"}}, **obj({"w": {"$ref": "#/$defs/word"}})},
+        f"{S}.$defs.word.pattern",
+        "matches no string",
+    ),
+    (
+        {"type": "object", "patternProperties": {NO_NAME: {"type": "integer"}}, "additionalProperties": False},
+        f"{S}.patternProperties[{json.dumps(NO_NAME)}]",
+        "property-name pattern",
+    ),
+    # anchors away from the ends: xgrammar drops them, so `a^` (nothing matches) would be read as "a"
+    (obj({"s": {"type": "string", "pattern": "a^"}}), f"{P}.pattern", "^ away from the start"),
+    (obj({"s": {"type": "string", "pattern": "^a$b"}}), f"{P}.pattern", "$ away from the end"),
+    (obj({"s": {"type": "string", "pattern": "^(^ab)+$"}}), f"{P}.pattern", "(at index 2)"),
+    # contradictions the checks already refused before compiling: a length beside a pattern, enum against pattern
+    (obj({"s": {"type": "string", "pattern": "^[a-z]{2}$", "minLength": 5}}), f"{P}.minLength", "pattern"),
+    (obj({"s": {"type": "string", "pattern": "^[a-z]+$", "enum": ["ok", "NO"]}}), f"{P}.enum", '"NO" does not fit'),
+    (obj({"s": {"type": "string", "pattern": "^[0-9]+$", "const": "x"}}), f"{P}.const", "does not fit"),
+]
+# Their satisfiable neighbours: accepted, and every walk fits the schema.
+MATCHABLE = [
+    obj({"s": {"type": "string", "pattern": "^(yes|no)$"}}),
+    obj({"s": {"type": "string", "pattern": "^a\\n?b$"}}),  # the newline is optional: "ab"
+    obj({"s": {"type": "string", "pattern": "^a(\\t|b)$"}}),  # the tab is never written: "ab"
+    obj({"s": {"type": "string", "pattern": "^a[^\\s\\S]*b$"}}),  # an empty class, zero times: "ab"
+    obj({"s": {"type": "string", "pattern": "^a$|^bc$"}}),  # anchors at both ends of each alternative
+    obj({"s": {"type": "string", "pattern": "^(^a$|^bc$)$"}}),
+    obj({"s": {"type": "string", "pattern": "^[\\^$]{1,3}$"}}),  # ^ and $ in a class are characters
+    obj({"s": {"type": "string", "pattern": "^[a-z]{2}$", "enum": ["ok", "no"]}}),
+    {"type": "object", "patternProperties": {"^x[0-9]$": {"type": "integer"}}, "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("schema,path,words", UNMATCHABLE, ids=[p.removeprefix(S) + w for _, p, w in UNMATCHABLE])
+def test_a_pattern_that_can_match_nothing_is_refused_at_its_path(tiny_tokenizer, schema, path, words):
+    for _ in range(2):  # the second refusal may come from the cache: the same path
+        with pytest.raises(SchemaError) as info:
+            compile_response_format(json_schema_format(schema), tiny_tokenizer)
+        assert info.value.path == path, info.value
+        assert words in info.value.message, info.value
+        assert str(info.value).startswith(f"{path}: ")
+
+
+@pytest.mark.parametrize("schema", MATCHABLE, ids=[json.dumps(s)[-40:] for s in MATCHABLE])
+def test_a_pattern_that_can_match_is_accepted_and_kept_to(tokenizer, schema):
+    grammar = compile_response_format(json_schema_format(schema), tokenizer)
+    walker = Walker(tokenizer)
+    for seed in range(3):
+        validate(walker.walk(grammar, seed), schema)
+
+
+@pytest.mark.parametrize(
+    "pattern,optional,prefix",
+    [
+        ("[^\\s\\S]", False, '{"s": "'),
+        ("[^\\s\\S]", True, '{"s": "'),  # {} would fit, yet "s" may be started
+        ("^(yes|no[^\\s\\S])$", False, '{"s": "no'),
+        ("^a\\tb$", False, '{"s": "a'),  # the vocabulary never writes a raw tab
+    ],
+)
+def test_without_the_check_xgrammar_starts_them_and_dead_ends(tiny_tokenizer, pattern, optional, prefix):
+    """What the refusals above prevent: xgrammar's own grammar for such a schema lets the value start, then allows
+    no token at all (not even EOS): the request would fail mid-generation."""
+    vocab = vocabulary(tiny_tokenizer)
+    schema = obj({"s": {"type": "string", "pattern": pattern}}, required=[] if optional else None)
+    compiled = xgrammar.GrammarCompiler(vocab.info, max_threads=1, cache_enabled=False).compile_json_schema(
+        json.dumps(schema), **JSON_OPTIONS
+    )
+    matcher = xgrammar.GrammarMatcher(compiled)
+    assert matcher.accept_string(prefix)
+    mask = torch.zeros(vocab.words, dtype=torch.int32)
+    matcher.fill_next_token_bitmask(mask)
+    assert not bool(mask.any())
+    with pytest.raises(SchemaError):
+        compile_response_format(json_schema_format(schema), tiny_tokenizer)
+
+
+def test_without_the_check_xgrammar_reads_a_misplaced_anchor_as_nothing():
+    """`a^` matches no string, but xgrammar drops the anchor and accepts "a"."""
+    import re
+
+    from xgrammar.testing import _is_grammar_accept_string
+
+    raw = xgrammar.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": "a^"}), **JSON_OPTIONS)
+    assert _is_grammar_accept_string(raw, '"a"')
+    assert re.search("a^", "a") is None
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate("a", {"type": "string", "pattern": "a^"})
+
+
+def _byte_compiler() -> xgrammar.GrammarCompiler:
+    info = xgrammar.TokenizerInfo([bytes([b]) for b in range(256)] + [b"</s>"], stop_token_ids=[256])
+    return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+@pytest.mark.parametrize(
+    "pattern,writable,anything",
+    [
+        ("[^\\s\\S]", EMPTY, EMPTY),
+        ("(a|b[^\\s\\S])", DEAD_END, DEAD_END),
+        ("(ab|ab[^\\s\\S])", DEAD_END, DEAD_END),  # a part that matches nothing, beside one that does
+        ("a\\nb", EMPTY, None),  # only control characters, which no vocabulary writes
+        ("(a\\nb|c)", DEAD_END, None),  # "a" can be written, and then nothing
+        ("a(\\n|b)", None, None),  # "a" then "b"
+        ("a\\n?b", None, None),
+        ("a[^\\s\\S]*b", None, None),
+        ("(ab){2,3}x?", None, None),
+        ("[a-z]{1,300}", None, None),
+        ("é+|[^a]", None, None),
+    ],
+)
+def test_automata_tell_empty_and_dead_end_grammars(pattern, writable, anything):
+    grammar = _byte_compiler().compile_regex(pattern).grammar
+    automata = Automata.of(grammar)
+    assert automata.problem() == writable
+    assert automata.problem(ALL_BYTES) == anything
+
+
+def test_automata_read_every_byte_xgrammar_prints():
+    """Every byte an edge can hold, in each of xgrammar's escapes (\\0, \\a, \\x1f, \\", \\', \\?, \\\\, \\xc3 ...),
+    is read back as that byte."""
+    ascii_bytes = " | ".join(f'"\\x{b:02x}" "z"' for b in range(128))
+    automata = Automata.parse(_print(_byte_compiler().compile_grammar(f"root ::= {ascii_bytes}").grammar))
+    assert _bytes_on_edges(automata) == set(range(128))
+    automata = Automata.parse(_print(_byte_compiler().compile_grammar("root ::= [\\u0080-\\u07ff]").grammar))
+    assert _bytes_on_edges(automata) == set(range(0xC2, 0xE0)) | set(range(0x80, 0xC0))
+
+
+def _print(grammar: Any) -> str:
+    from xgrammar.testing import _print_grammar_fsms
+
+    return _print_grammar_fsms(grammar)
+
+
+def _bytes_on_edges(automata: Automata) -> set[int]:
+    return {
+        b
+        for edges in automata.edges.values()
+        for kind, low, high, _ in edges
+        if kind == 0
+        for b in range(low, high + 1)
+    }
+
+
+def test_automata_in_an_unknown_form_are_an_error_and_the_check_lets_the_schema_through(monkeypatch):
+    header = "Rule 0: root, FSM: CompactFSM(num_states=1, start=0, end=[0], edges=["
+    for text in ("not automata", f"{header}\n0: [Token(5)->0]\n])", "Rule 0: other, FSM: None\n"):
+        with pytest.raises(AutomataFormatError):
+            Automata.parse(text).problem()
+    # In the compile child: a grammar whose automata cannot be read is compiled, not refused (the check fails open).
+    schema = json.dumps(obj({"s": {"type": "string", "pattern": "[^\\s\\S]"}}))
+    compiled = _byte_compiler().compile_json_schema(schema, **JSON_OPTIONS)
+    assert unsatisfiable(compiled, schema, xgrammar, JSON_OPTIONS) is not None
+
+    def unreadable(grammar: Any) -> Automata:
+        raise AutomataFormatError("a new xgrammar")
+
+    monkeypatch.setattr(Automata, "of", staticmethod(unreadable))
+    assert unsatisfiable(compiled, schema, xgrammar, JSON_OPTIONS) is None
+
+
+@pytest.fixture(scope="module")
+def engine_url(tmp_path_factory: pytest.TempPathFactory):
+    proc, base = start_engine_server(tmp_path_factory.mktemp("engine") / "engine.log", "--max-model-len", "256")
+    try:
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_unmatchable_patterns_are_a_400_through_the_openai_client(engine_url):
+    client = openai.OpenAI(base_url=f"{engine_url}/v1", api_key="x", max_retries=0, timeout=120)
+    ask: dict[str, Any] = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40}
+    unmatchable = obj({"s": {"type": "string", "pattern": "^(yes|no[^\\s\\S])$"}})
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**ask, response_format=json_schema_format(unmatchable))
+    assert info.value.status_code == 400
+    assert info.value.body["type"] == "invalid_request_error"
+    assert info.value.body["message"].startswith(f"{P}.pattern: part of the pattern")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**ask, tools=[_tool("f", unmatchable)], tool_choice="required")
+    assert info.value.status_code == 400
+    assert info.value.body["message"].startswith("tools[0].function.parameters.properties.s.pattern: ")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model="tiny-random",
+            prompt="hi",
+            max_tokens=10,
+            extra_body={"response_format": json_schema_format(obj({"s": {"type": "string", "pattern": "a^"}}))},
+        )
+    assert info.value.status_code == 400 and info.value.body["message"].startswith(f"{P}.pattern: ")
+    # The satisfiable neighbour is served, and its answer fits.
+    matchable = obj({"s": {"type": "string", "pattern": "^(yes|no)$"}})
+    answer = client.chat.completions.create(**ask, response_format=json_schema_format(matchable), temperature=0)
+    assert answer.choices[0].finish_reason == "stop"
+    assert validate(answer.choices[0].message.content or "", matchable)["s"] in ("yes", "no")
+
+
 def _tool(name: str, parameters: Any = None) -> dict[str, Any]:
     function: dict[str, Any] = {"name": name}
     if parameters is not None:
@@ -604,6 +836,18 @@ REFUSED_TOOLS = [
         {"type": "function", "function": {"name": "a"}},
         "tools[0].function.parameters.properties.x.pattern",
         "Word boundary",
+    ),
+    (  # a pattern that matches nothing, found in the union of the tools' grammar: located in the tool
+        [_tool("ok"), _tool("b", obj({"x": {"type": "string", "pattern": "[^\\s\\S]"}}))],
+        "required",
+        "tools[1].function.parameters.properties.x.pattern",
+        "matches no string",
+    ),
+    (
+        [_tool("a", obj({"x": {"type": "string", "pattern": "^(a|b[^\\d\\D])$"}}, required=[])), _tool("b")],
+        {"type": "function", "function": {"name": "a"}},
+        "tools[0].function.parameters.properties.x.pattern",
+        "can match nothing",
     ),
     ([_tool("ok")], {"type": "function", "function": {"name": "missing"}}, "tool_choice.function.name", "missing"),
     ([_tool("ok")], "auto", "tool_choice", "required"),
