@@ -47,6 +47,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.gateway_overhead import MOCK  # noqa: E402
 from loragate.launch import stop, wait_healthy  # noqa: E402
 
 KEY = "bench-key"
@@ -59,17 +60,6 @@ tenants:
     limits: {{requests_per_second: {limit}, burst: {limit}, tokens_per_minute: 1000000000}}
 admission: {{max_inflight_per_upstream: 64, max_queue: 1024, queue_timeout_ms: 30000}}
 ratelimit: {{on_redis_error: {mode}}}
-"""
-MOCK = """
-import sys, time
-sys.path.insert(0, {tests!r})
-from mock_upstream import MockUpstream
-mock = MockUpstream().start()
-mock.behavior.tokens = 4
-mock.behavior.token_interval_s = 0.0
-print(mock.url, flush=True)
-while True:
-    time.sleep(3600)
 """
 # `loragate gateway` with FILE loaded as gateway/redis_client.py (a version without `stop_probes` gets a
 # no-op one: gateway/app.py calls it at shutdown).
