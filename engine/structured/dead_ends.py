@@ -11,10 +11,12 @@ engine's grammars use (worker.py JSON_OPTIONS).
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from typing import Any
 
 from engine.structured.automata import ALL_BYTES, DEAD_END, EMPTY, Automata
+
+logger = logging.getLogger(__name__)  # in the compile child, unconfigured: warnings reach its stderr
 
 
 def unsatisfiable(
@@ -25,7 +27,7 @@ def unsatisfiable(
     try:
         problem = Automata.of(compiled.grammar).problem()
     except Exception as exc:
-        print(f"loragate grammar worker: the dead-end check was skipped: {exc!r}", file=sys.stderr, flush=True)
+        logger.warning("the dead-end check was skipped: %r", exc)
         return None
     if problem is None:
         return None
@@ -33,7 +35,7 @@ def unsatisfiable(
     try:
         located = _locate_dead_end(schema, xgrammar, options)
     except Exception as exc:
-        print(f"loragate grammar worker: locating a dead end failed: {exc!r}", file=sys.stderr, flush=True)
+        logger.warning("locating a dead end failed: %r", exc)
         located = None
     return located or (None, _message(None, problem))
 
