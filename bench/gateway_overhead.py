@@ -71,6 +71,16 @@ while True:
 BODY = {"model": "mock-base", "prompt": "The quick brown fox", "max_tokens": 4}
 
 
+def start_mock(env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+    """tests/mock_upstream.py in a process of its own (4 tokens an answer, at once); the process and its URL."""
+    mock = subprocess.Popen(
+        [sys.executable, "-c", MOCK.format(tests=str(REPO / "tests"))], stdout=subprocess.PIPE, env=env
+    )
+    if mock.stdout is None:  # never: stdout=PIPE
+        raise RuntimeError("the mock upstream's stdout is not a pipe")
+    return mock, mock.stdout.readline().decode().strip()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -107,13 +117,8 @@ def main() -> None:
     env = {**os.environ, "LORAGATE_BENCH_KEY": KEY, "PYTHONPATH": str(REPO)}
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        mock = subprocess.Popen(
-            [sys.executable, "-c", MOCK.format(tests=str(REPO / "tests"))], stdout=subprocess.PIPE, env=env
-        )
+        mock, mock_url = start_mock(env)
         procs.append(mock)
-        if mock.stdout is None:  # never: stdout=PIPE
-            raise RuntimeError("the mock upstream's stdout is not a pipe")
-        mock_url = mock.stdout.readline().decode().strip()
         policy = Path(tempfile.mkdtemp()) / "policy.yaml"
         policy.write_text(POLICY)
         port = free_port()

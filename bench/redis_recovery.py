@@ -47,7 +47,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.gateway_overhead import MOCK  # noqa: E402
+from bench.gateway_overhead import start_mock  # noqa: E402
 from loragate.launch import stop, wait_healthy  # noqa: E402
 
 KEY = "bench-key"
@@ -289,13 +289,8 @@ def main() -> None:
     redis.start()
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        mock = subprocess.Popen(
-            [sys.executable, "-c", MOCK.format(tests=str(REPO / "tests"))], stdout=subprocess.PIPE, env=env
-        )
+        mock, mock_url = start_mock(env)
         procs.append(mock)
-        if mock.stdout is None:  # never: stdout=PIPE
-            raise RuntimeError("the mock upstream's stdout is not a pipe")
-        mock_url = mock.stdout.readline().decode().strip()
         wait_healthy(mock_url, mock, timeout_s=60, name="the mock upstream")
         print(f"gateway/redis_client.py: {figures['redis_client']}; {args.runs} runs, {args.rate:g} requests/s")
         for mode in ("open", "closed"):
