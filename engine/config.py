@@ -64,6 +64,7 @@ _SECONDS = _seconds(minimum_exclusive=True)
 _TEXT = Rule(str, lambda value: None if isinstance(value, str) and value else "must be a non-empty string")
 _THREADS = Rule(lambda text: text if text == "auto" else int(text), _threads_check)
 _DIRECTORY = Rule(existing_directory, lambda value: None if isinstance(value, str) else "must be a directory path")
+_SWITCH = Rule(bool, lambda value: None if isinstance(value, bool) else "must be true or false")  # flags: `off`
 _PREFIXES = Rule(str, lambda value: None if isinstance(value, tuple) else "must be a tuple of source prefixes")
 
 
@@ -124,6 +125,7 @@ class EngineConfig:
         Flag(
             "a critical request arriving mid-step waits for the whole step, instead of ending a step of "
             "lower-class work between two layers (that step then runs again after it starts)",
+            _SWITCH,
             off="--no-critical-interrupts",
         ),
     )
@@ -173,6 +175,7 @@ class EngineConfig:
         True,
         Flag(
             "do not reuse KV blocks of shared prompt prefixes (reuse is keyed by adapter version)",
+            _SWITCH,
             off="--no-prefix-cache",
         ),
     )
@@ -224,6 +227,7 @@ class EngineConfig:
         Flag(
             "listen as soon as the model is loaded (default: first run the shapes serving meets, a few seconds: "
             "LLMEngine.warm_up)",
+            _SWITCH,
             off="--no-warmup",
         ),
     )
@@ -232,6 +236,7 @@ class EngineConfig:
         Flag(
             "CUDA: launch every decode step's kernels one by one instead of replaying captured CUDA graphs "
             "(engine/worker/cuda_graphs.py)",
+            _SWITCH,
             off="--no-cuda-graphs",
         ),
     )
@@ -250,7 +255,7 @@ class EngineConfig:
         """ValueError naming the first setting whose value breaks its rule, or two settings that do not go together."""
         for f, flag in settings():
             value = getattr(self, f.name)
-            if value is None and "None" in str(f.type) or isinstance(value, bool) and flag.off is not None:
+            if value is None and "None" in str(f.type):
                 continue
             problem = flag.rule.check(value)
             if problem is not None:
