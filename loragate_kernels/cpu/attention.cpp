@@ -10,6 +10,11 @@
 // its last block and the pages its table's padding names may hold another request's NaN/inf); a row with context
 // length 0 gets zeros.
 //
+// A sliding window (`window` > 0, Hugging Face's rule: the query at position n - 1 sees keys p with
+// n - 1 - window < p) limits a row with context n to positions [max(0, n - window), n): pages wholly before that are
+// never read, so a windowed layer reads at most `window` keys a row whatever the context. Inside the loops "no window"
+// is a span longer than any context (`kNoWindow`), so every path computes its first position the same way.
+//
 // In fp32, a prompt's rows (consecutive tokens of one sequence, engine/model/attention.py `_paged_rows`) go in blocks
 // of up to 16, one row a lane (`prompt_block`): a block computes the scores of its rows against keys up to its last
 // row's context, masks each row's later ones to -inf before the softmax, and never multiplies them into a row's output.
@@ -24,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -36,6 +42,11 @@ using loragate_cpu::exp_nonpositive;
 using loragate_cpu::round_to;
 using loragate_cpu::store;
 using loragate_cpu::to_f;
+
+constexpr int64_t kNoWindow = std::numeric_limits<int64_t>::max() / 4;  // a span past any context, with room to add
+
+// The first position a row with context n attends (`span`: its window, or kNoWindow).
+inline int64_t window_start(int64_t n, int64_t span) { return std::max<int64_t>(0, n - span); }
 
 // s[0, n) <- the softmax of s (whose maximum is top), each probability rounded to the cache's dtype T.
 template <typename T>
@@ -53,7 +64,7 @@ inline void softmax_row(float* s, int64_t n, float top) {
 
 template <typename T>
 void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
-                 int64_t table_stride, const int64_t* lens, double scale) {
+                 int64_t table_stride, const int64_t* lens, double scale, int64_t span) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = cache.size(2), num_kv_heads = cache.size(3), group = num_heads / num_kv_heads;
   const int64_t s_page = cache.stride(0), s_kv = cache.stride(1), s_tok = cache.stride(2), s_head = cache.stride(3);
@@ -77,12 +88,14 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, 
         const T* src = qp + d * q_d + h * q_h;
         for (int64_t e = 0; e < head_dim; ++e) qf[h * head_dim + e] = to_f(src[e]) * fscale;
       }
-      scores.resize(num_heads * n);
+      const int64_t first = window_start(n, span), m = n - first;  // positions [first, n), score p - first each
+      scores.resize(num_heads * m);
       const int64_t* table = tables + d * table_stride;
-      for (int64_t p0 = 0; p0 < n; p0 += block_size) {  // page by page: no division per position
+      // page by page from the window's first (no division per position)
+      for (int64_t p0 = first / block_size * block_size; p0 < n; p0 += block_size) {
         const T* page = cp + table[p0 / block_size] * s_page;
         const int64_t count = std::min(block_size, n - p0);
-        for (int64_t o = 0; o < count; ++o) {
+        for (int64_t o = std::max<int64_t>(0, first - p0); o < count; ++o) {
           for (int64_t g = 0; g < num_kv_heads; ++g) {
             const T* k = page + o * s_tok + g * s_head;
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
@@ -90,27 +103,27 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, 
               float s = 0.f;
 #pragma omp simd reduction(+ : s)
               for (int64_t e = 0; e < head_dim; ++e) s += qh[e] * to_f(k[e]);
-              scores[h * n + p0 + o] = s;
+              scores[h * m + p0 + o - first] = s;
             }
           }
         }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
-        float* s = scores.data() + h * n;
+        float* s = scores.data() + h * m;
         float top = s[0];
 #pragma omp simd reduction(max : top)
-        for (int64_t p = 0; p < n; ++p) top = std::max(top, s[p]);
-        softmax_row<T>(s, n, top);
+        for (int64_t p = 0; p < m; ++p) top = std::max(top, s[p]);
+        softmax_row<T>(s, m, top);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p0 = 0; p0 < n; p0 += block_size) {
+      for (int64_t p0 = first / block_size * block_size; p0 < n; p0 += block_size) {
         const T* page = cp + table[p0 / block_size] * s_page + s_kv;
         const int64_t count = std::min(block_size, n - p0);
-        for (int64_t o = 0; o < count; ++o) {
+        for (int64_t o = std::max<int64_t>(0, first - p0); o < count; ++o) {
           for (int64_t g = 0; g < num_kv_heads; ++g) {
             const T* v = page + o * s_tok + g * s_head;
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-              const float w = scores[h * n + p0 + o];
+              const float w = scores[h * m + p0 + o - first];
               float* a = acc.data() + h * head_dim;
 #pragma omp simd
               for (int64_t e = 0; e < head_dim; ++e) a[e] += w * to_f(v[e]);
@@ -230,7 +243,8 @@ inline void values_row_bf16(const float* sums, float* row) {
 // (docs/performance.md, *Attention*, has the figures).
 template <typename T, int NC>
 void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
-                   int64_t table_stride, const int64_t* lens, double scale, const std::vector<int64_t>* only) {
+                   int64_t table_stride, const int64_t* lens, double scale, int64_t span,
+                   const std::vector<int64_t>* only) {
   constexpr int64_t head_dim = NC * 16;
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t block_size = cache.size(2), num_kv_heads = cache.size(3), group = num_heads / num_kv_heads;
@@ -255,15 +269,19 @@ void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache
         for (int64_t h = 0; h < num_heads; ++h) std::fill_n(op + d * o_d + h * o_h, head_dim, static_cast<T>(0.f));
         continue;
       }
-      scores.resize(num_heads * n);
-      const int64_t* table = tables + d * table_stride;
-      const int64_t pages = (n + block_size - 1) / block_size;
+      // positions [first, n), position p's scores at p - first; the pages read are table[0, pages) from the one
+      // holding `first`, whose slots before `skip` are not
+      const int64_t first = window_start(n, span), width = n - first, skip = first % block_size;
+      scores.resize(num_heads * width);
+      const int64_t* table = tables + d * table_stride + first / block_size;
+      const int64_t pages = (skip + width + block_size - 1) / block_size, end = skip + width;  // end: n, page-relative
       // ask(i, kv, steps): page i's K (kv = 0) or V (1) is asked for into L2 over the next `steps` calls of drip(),
       // a share each (one a head while a page AHEAD before it is used). Not where the row before began on the same
       // page (a prompt's rows attending here, engine/model/attention.py `_paged_rows`, or a shared prefix): its pages
       // are in cache already, and asking for them again cost a prompt step's attention 12%.
-      const bool cached = table[0] == last_first_page;
-      last_first_page = table[0];
+      const int64_t first_page = tables[d * table_stride];
+      const bool cached = first_page == last_first_page;
+      last_first_page = first_page;
       const char* next = nullptr;
       int64_t left = 0, per_step = 0;
       const auto ask = [&](int64_t i, int64_t kv, int64_t steps) {
@@ -288,7 +306,7 @@ void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache
         drip();
       }
       for (int64_t i = 0; i < pages; ++i) {
-        const int64_t p0 = i * block_size, count = std::min(block_size, n - p0);
+        const int64_t p0 = i * block_size, count = std::min(block_size, end - p0), from = i == 0 ? skip : 0;
         if (const int64_t t = i + AHEAD; t < pages)  // a later page's K, or near the end the first pages' V
           ask(t, 0, num_heads);
         else if (t - pages < pages)
@@ -305,20 +323,20 @@ void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache
             for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(&qf[h * head_dim + 16 * c]);
           const T* k = cp + table[i] * s_page + (h / group) * s_head;
           __m512 tops = _mm512_set1_ps(top[h]);
-          for (int64_t o = 0; o < count; o += 16) {
+          for (int64_t o = from; o < count; o += 16) {
             const int64_t m = std::min<int64_t>(16, count - o);
             const __mmask16 live = static_cast<__mmask16>((1u << m) - 1);
             const __m512 v = scores16<T, NC>(qv, qb, vscale, k + o * s_tok, s_tok, m);
-            _mm512_mask_storeu_ps(&scores[h * n + p0 + o], live, v);
+            _mm512_mask_storeu_ps(&scores[h * width + p0 + o - skip], live, v);
             tops = _mm512_mask_max_ps(tops, live, tops, v);
           }
           top[h] = _mm512_reduce_max_ps(tops);
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) softmax_row<T>(&scores[h * n], n, top[h]);
+      for (int64_t h = 0; h < num_heads; ++h) softmax_row<T>(&scores[h * width], width, top[h]);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t i = 0; i < pages; ++i) {
-        const int64_t p0 = i * block_size, count = std::min(block_size, n - p0);
+        const int64_t p0 = i * block_size, from = i == 0 ? skip : 0, count = std::min(block_size, end - p0) - from;
         if (i + AHEAD < pages)
           ask(i + AHEAD, 1, num_heads);
         else
@@ -326,8 +344,8 @@ void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache
         for (int64_t h = 0; h < num_heads; ++h) {
           drip();
           float* a = &acc[h * head_dim];
-          const T* v = cp + table[i] * s_page + s_kv + (h / group) * s_head;
-          const float* w = &scores[h * n + p0];
+          const T* v = cp + table[i] * s_page + s_kv + (h / group) * s_head + from * s_tok;  // `count` slots from here
+          const float* w = &scores[h * width + p0 + from - skip];
 #if defined(__AVX512BF16__)
           if constexpr (kBf16Dots<T>) {
             values_page_bf16<NC>(w, count, v, s_tok, a);
@@ -362,8 +380,9 @@ void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache
 // n0 + r over the same pages (engine/model/attention.py `_paged_rows`). `decode_avx512` reads a row's keys one row at a
 // time and sums each score across lanes; here the block's rows are the lanes. Per query head: q^T [head_dim][16] once,
 // then each key's 16 scores are head_dim FMAs of the key's elements, broadcast, against q^T's columns (no sums across
-// lanes); the causal mask, max, exp and sum run down the lanes; and each key's value row is read once per 4 rows.
-// Fp32 only (bf16 keeps the bf16 dot instruction's row loop).
+// lanes); the causal mask (and the window's, which keeps row r to keys from n0 + r - span), max, exp and sum run down
+// the lanes; and each key's value row is read once per 4 rows. The block reads keys [lo, n): from row 0's window to the
+// last row's context. Fp32 only (bf16 keeps the bf16 dot instruction's row loop).
 constexpr int64_t BLOCK_ROWS = 16;     // rows a block holds, one a lane
 constexpr int64_t MIN_BLOCK_ROWS = 4;  // fewer consecutive rows than this go through decode_avx512
 constexpr int KEYS = 16;               // keys whose scores a pass of the scores loop sums in registers
@@ -371,10 +390,11 @@ constexpr int KEYS = 16;               // keys whose scores a pass of the scores
 template <int NC>
 void prompt_block(float* op, int64_t o_d, int64_t o_h, const float* qp, int64_t q_d, int64_t q_h, const float* cp,
                   const int64_t* offsets, int64_t s_kv, int64_t s_head, int64_t group, int64_t num_heads, int64_t n0,
-                  int64_t rows, float scale, std::vector<float>& scores) {
+                  int64_t rows, int64_t span, float scale, std::vector<float>& scores) {
   constexpr int64_t head_dim = NC * 16;
-  const int64_t n = n0 + rows - 1;  // the last row's context: keys [0, n)
-  scores.resize(n * BLOCK_ROWS);
+  // keys [lo, n): row 0's first to the last row's context; key j's row is offsets[j - lo], its scores row j - lo
+  const int64_t n = n0 + rows - 1, lo = window_start(n0, span);
+  scores.resize((n - lo) * BLOCK_ROWS);
   const __mmask16 live_rows = static_cast<__mmask16>((1u << rows) - 1);
   alignas(64) float qt[head_dim * BLOCK_ROWS];
   for (int64_t h = 0; h < num_heads; ++h) {
@@ -382,16 +402,16 @@ void prompt_block(float* op, int64_t o_d, int64_t o_h, const float* qp, int64_t 
     for (int64_t r = 0; r < BLOCK_ROWS; ++r)
       for (int64_t e = 0; e < head_dim; ++e)
         qt[e * BLOCK_ROWS + r] = r < rows ? qp[r * q_d + h * q_h + e] * scale : 0.f;
-    // the lanes key j reaches: rows r with j < n0 + r
+    // the lanes key j reaches: rows r with n0 + r - span <= j < n0 + r (every key in [lo, n) reaches one at least)
     const auto live = [&](int64_t j) {
-      const int64_t first = std::max<int64_t>(0, j - n0 + 1);
-      return static_cast<__mmask16>(live_rows & ~((1u << first) - 1));
+      const int64_t first = std::max<int64_t>(0, j - n0 + 1), past = std::min<int64_t>(BLOCK_ROWS, j - n0 + 1 + span);
+      return static_cast<__mmask16>(live_rows & ((1u << past) - 1) & ~((1u << first) - 1));
     };
     __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
+    for (int64_t j0 = lo; j0 < n; j0 += KEYS) {
       const int64_t m = std::min<int64_t>(KEYS, n - j0);
       const float* k[KEYS];
-      for (int64_t o = 0; o < KEYS; ++o) k[o] = keys + offsets[j0 + std::min(o, m - 1)];
+      for (int64_t o = 0; o < KEYS; ++o) k[o] = keys + offsets[j0 - lo + std::min(o, m - 1)];
       __m512 acc[KEYS];
       for (int o = 0; o < KEYS; ++o) acc[o] = _mm512_setzero_ps();
       for (int64_t e = 0; e < head_dim; ++e) {
@@ -400,14 +420,14 @@ void prompt_block(float* op, int64_t o_d, int64_t o_h, const float* qp, int64_t 
       }
       for (int64_t o = 0; o < m; ++o) {
         const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live(j0 + o), acc[o]);
-        _mm512_storeu_ps(&scores[(j0 + o) * BLOCK_ROWS], v);
+        _mm512_storeu_ps(&scores[(j0 - lo + o) * BLOCK_ROWS], v);
         top = _mm512_max_ps(top, v);
       }
     }
     // unnormalised probabilities; each row's output is divided by its sum as it is stored
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      float* s = &scores[j * BLOCK_ROWS];
+    for (int64_t j = lo; j < n; ++j) {
+      float* s = &scores[(j - lo) * BLOCK_ROWS];
       const __m512 e = loragate_cpu::exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s), top));
       const __m512 p = _mm512_maskz_mov_ps(live(j), e);
       _mm512_storeu_ps(s, p);
@@ -420,16 +440,18 @@ void prompt_block(float* op, int64_t o_d, int64_t o_h, const float* qp, int64_t 
       __m512 acc[4][NC];
       for (int rr = 0; rr < 4; ++rr)
         for (int c = 0; c < NC; ++c) acc[rr][c] = _mm512_setzero_ps();
-      // keys [0, n0 + r0) reach all 4 rows (row r0's context is n0 + r0); each of the next 3 only the rows after it,
-      // so no row multiplies a value past its own context
-      const int64_t all = std::min(n, n0 + r0), last = std::min(n, n0 + r0 + 3);
-      for (int64_t j = 0; j < last; ++j) {
-        const float* v = values + offsets[j];
-        const float* w = &scores[j * BLOCK_ROWS + r0];
+      // row r0 + rr reads keys [n0 + r0 + rr - span, n0 + r0 + rr): keys [n0 + r0 + 3 - span, n0 + r0) reach all 4
+      // rows; the others only some, so no row multiplies a value outside its window or past its own context
+      const int64_t begin = std::max(lo, n0 + r0 - span), last = std::min(n, n0 + r0 + 3);
+      const int64_t all_from = n0 + r0 + 3 - span, all_to = std::min(n, n0 + r0);
+      for (int64_t j = begin; j < last; ++j) {
+        const float* v = values + offsets[j - lo];
+        const float* w = &scores[(j - lo) * BLOCK_ROWS + r0];
+        const bool all = j >= all_from && j < all_to;
         __m512 vv[NC];
         for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
         for (int rr = 0; rr < 4; ++rr) {
-          if (j >= all && j >= n0 + r0 + rr) continue;
+          if (!all && (j >= n0 + r0 + rr || j < n0 + r0 + rr - span)) continue;
           const __m512 wv = _mm512_set1_ps(w[rr]);
           for (int c = 0; c < NC; ++c) acc[rr][c] = _mm512_fmadd_ps(wv, vv[c], acc[rr][c]);
         }
@@ -447,18 +469,19 @@ void prompt_block(float* op, int64_t o_d, int64_t o_h, const float* qp, int64_t 
 // BLOCK_ROWS a block) and single rows; the blocks go through `prompt_block`, the rest through `decode_avx512`.
 template <int NC>
 void attend_f32(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
-                int64_t table_stride, const int64_t* lens, double scale) {
+                int64_t table_stride, const int64_t* lens, double scale, int64_t span) {
   const int64_t num_seqs = q.size(0), block_size = cache.size(2);
-  const auto same_pages = [&](int64_t a, int64_t b, int64_t len) {  // rows a and b read the same pages for len keys
-    return std::equal(tables + a * table_stride, tables + a * table_stride + (len + block_size - 1) / block_size,
-                      tables + b * table_stride);
+  // rows a and b name the same pages for keys [from, len) (the pages a block reads: from row a's window on)
+  const auto same_pages = [&](int64_t a, int64_t b, int64_t from, int64_t len) {
+    const int64_t p = from / block_size, end = (len + block_size - 1) / block_size;
+    return std::equal(tables + a * table_stride + p, tables + a * table_stride + end, tables + b * table_stride + p);
   };
   std::vector<int64_t> singles;
   std::vector<std::pair<int64_t, int64_t>> blocks;  // (first row, rows)
   for (int64_t d = 0; d < num_seqs;) {
     int64_t r = 1;
     while (r < BLOCK_ROWS && d + r < num_seqs && lens[d] > 0 && lens[d + r] == lens[d] + r &&
-           same_pages(d, d + r, lens[d + r]))
+           same_pages(d, d + r, window_start(lens[d], span), lens[d + r]))
       ++r;
     if (r >= MIN_BLOCK_ROWS)
       blocks.emplace_back(d, r);
@@ -466,8 +489,8 @@ void attend_f32(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, c
       for (int64_t i = d; i < d + r; ++i) singles.push_back(i);
     d += r;
   }
-  if (blocks.empty()) return decode_avx512<float, NC>(out, q, cache, tables, table_stride, lens, scale, nullptr);
-  if (!singles.empty()) decode_avx512<float, NC>(out, q, cache, tables, table_stride, lens, scale, &singles);
+  if (blocks.empty()) return decode_avx512<float, NC>(out, q, cache, tables, table_stride, lens, scale, span, nullptr);
+  if (!singles.empty()) decode_avx512<float, NC>(out, q, cache, tables, table_stride, lens, scale, span, &singles);
   const int64_t num_heads = q.size(1), group = num_heads / cache.size(3);
   const int64_t s_page = cache.stride(0), s_tok = cache.stride(2);
   const float* qp = q.data_ptr<float>();
@@ -475,16 +498,17 @@ void attend_f32(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, c
   float* op = out.data_ptr<float>();
   at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scores;
-    std::vector<int64_t> offsets;  // key j's row: offsets[j] elements into the cache
+    std::vector<int64_t> offsets;  // key j's row: offsets[j - first] elements into the cache
     for (int64_t b = lo; b < hi; ++b) {
       const auto [d0, rows] = blocks[b];
-      const int64_t n = lens[d0] + rows - 1;
-      offsets.resize(n);
+      const int64_t n = lens[d0] + rows - 1, first = window_start(lens[d0], span);
+      offsets.resize(n - first);
       const int64_t* table = tables + d0 * table_stride;
-      for (int64_t j = 0; j < n; ++j) offsets[j] = table[j / block_size] * s_page + (j % block_size) * s_tok;
+      for (int64_t j = first; j < n; ++j)
+        offsets[j - first] = table[j / block_size] * s_page + (j % block_size) * s_tok;
       prompt_block<NC>(op + d0 * out.stride(0), out.stride(0), out.stride(1), qp + d0 * q.stride(0), q.stride(0),
                        q.stride(1), cp, offsets.data(), cache.stride(1), cache.stride(3), group, num_heads, lens[d0],
-                       rows, static_cast<float>(scale), scores);
+                       rows, span, static_cast<float>(scale), scores);
     }
   });
 }
@@ -492,35 +516,35 @@ void attend_f32(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, c
 // fp32: prompt blocks and single rows (`attend_f32`); other dtypes: every row through `decode_avx512`.
 template <typename T, int NC>
 void attend_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
-                   int64_t table_stride, const int64_t* lens, double scale) {
+                   int64_t table_stride, const int64_t* lens, double scale, int64_t span) {
   if constexpr (std::is_same_v<T, float>)
-    attend_f32<NC>(out, q, cache, tables, table_stride, lens, scale);
+    attend_f32<NC>(out, q, cache, tables, table_stride, lens, scale, span);
   else
-    decode_avx512<T, NC>(out, q, cache, tables, table_stride, lens, scale, nullptr);
+    decode_avx512<T, NC>(out, q, cache, tables, table_stride, lens, scale, span, nullptr);
 }
 #endif
 
 // The AVX-512 loop where the CPU has it and the head dim is one of its sizes; the portable loop elsewhere.
 template <typename T>
 void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, const int64_t* tables,
-            int64_t table_stride, const int64_t* lens, double scale) {
+            int64_t table_stride, const int64_t* lens, double scale, int64_t span) {
 #if defined(__AVX512F__)
   switch (q.size(2)) {
     case 32:
-      return attend_avx512<T, 2>(out, q, cache, tables, table_stride, lens, scale);
+      return attend_avx512<T, 2>(out, q, cache, tables, table_stride, lens, scale, span);
     case 64:
-      return attend_avx512<T, 4>(out, q, cache, tables, table_stride, lens, scale);
+      return attend_avx512<T, 4>(out, q, cache, tables, table_stride, lens, scale, span);
     case 128:
-      return attend_avx512<T, 8>(out, q, cache, tables, table_stride, lens, scale);
+      return attend_avx512<T, 8>(out, q, cache, tables, table_stride, lens, scale, span);
     default:
       break;
   }
 #endif
-  decode_impl<T>(out, q, cache, tables, table_stride, lens, scale);
+  decode_impl<T>(out, q, cache, tables, table_stride, lens, scale, span);
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && layer_cache.dim() == 5 && layer_cache.size(1) == 2,
               "q must be [D, heads, head_dim] and layer_cache [pages, 2, block_size, kv_heads, head_dim]");
   TORCH_CHECK(q.device().is_cpu() && layer_cache.device().is_cpu(), "CPU tensors only");
@@ -530,6 +554,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_c
   const int64_t num_pages = layer_cache.size(0), block_size = layer_cache.size(2), num_kv_heads = layer_cache.size(3);
   TORCH_CHECK(layer_cache.size(4) == head_dim, "q's head_dim differs from the cache's");
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), not ", window);
+  const int64_t span = window > 0 ? window : kNoWindow;
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && block_tables.stride(1) == 1,
@@ -542,7 +568,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_c
   for (int64_t d = 0; d < num_seqs; ++d) {  // every page a row will read, checked before any is read
     TORCH_CHECK(lens[d] >= 0 && lens[d] <= width * block_size, "context_lens[", d, "] = ", lens[d],
                 " does not fit its block table of ", width, " entries");
-    for (int64_t b = 0; b * block_size < lens[d]; ++b) {
+    for (int64_t b = window_start(lens[d], span) / block_size; b * block_size < lens[d]; ++b) {
       const int64_t page = tables[d * table_stride + b];
       TORCH_CHECK(page >= 0 && page < num_pages, "block_tables[", d, ", ", b, "] = ", page, " is not a page of ",
                   num_pages);
@@ -551,13 +577,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_c
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   switch (q.scalar_type()) {
     case at::kFloat:
-      decode<float>(out, q, layer_cache, tables, table_stride, lens, scale);
+      decode<float>(out, q, layer_cache, tables, table_stride, lens, scale, span);
       break;
     case at::kBFloat16:
-      decode<c10::BFloat16>(out, q, layer_cache, tables, table_stride, lens, scale);
+      decode<c10::BFloat16>(out, q, layer_cache, tables, table_stride, lens, scale, span);
       break;
     case at::kHalf:
-      decode<c10::Half>(out, q, layer_cache, tables, table_stride, lens, scale);
+      decode<c10::Half>(out, q, layer_cache, tables, table_stride, lens, scale, span);
       break;
     default:
       TORCH_CHECK(false, "float32, bfloat16 or float16 only, not ", q.scalar_type());
@@ -568,8 +594,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_c
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(loragate_cpu, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor layer_cache, Tensor block_tables, Tensor context_lens, float scale) "
-        "-> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor layer_cache, Tensor block_tables, Tensor context_lens, float scale, "
+        "int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loragate_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

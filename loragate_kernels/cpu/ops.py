@@ -64,22 +64,32 @@ def pack_tables(tables: GroupTables, modules: int | None = None) -> torch.Tensor
 
 
 def paged_decode_attention_cpu(
-    q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """One-token attention of every decode sequence over its context in one layer's paged KV cache: the semantics
     of loragate_kernels/triton/paged_attention.py `paged_decode_attention` (the Triton kernel; the new token's K/V
-    must already be in the cache), on CPU tensors.
+    must already be in the cache), on CPU tensors. `scale` multiplies the scores (None: hd**-0.5); `window` > 0
+    keeps a row with context n to positions [max(0, n - window), n) (Hugging Face's sliding window), and the pages
+    wholly before that are never read; 0 attends the whole context.
 
     Shapes:
         q:             [D, num_heads, hd]                             head dim contiguous
         layer_cache:   [num_pages, 2, block_size, num_kv_heads, hd]   q's dtype (fp32, bf16 or fp16)
-        block_tables:  [D, W] int64, W >= ceil(max(context_lens) / block_size); entries past a row's length unread
+        block_tables:  [D, W] int64, W >= ceil(max(context_lens) / block_size); entries outside a row's window unread
         context_lens:  [D] int64 (a row with 0 gets zeros)
         returns        [D, num_heads, hd], a new tensor
-    Raises RuntimeError on a table entry that is not a page, or a length past its table.
+    Raises RuntimeError on a table entry (that a row reads) that is not a page, a length past its table, or a
+    negative window.
     """
-    scale = q.shape[-1] ** -0.5
-    return torch.ops.loragate_cpu.paged_decode_attention(q, layer_cache, block_tables, context_lens, scale)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return torch.ops.loragate_cpu.paged_decode_attention(q, layer_cache, block_tables, context_lens, scale, window)
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

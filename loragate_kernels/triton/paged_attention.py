@@ -4,7 +4,9 @@ paged KV cache (the layout of engine/model/attention.py), for the GPU decode pat
 One program per (sequence, kv head) serves all `group = num_heads // num_kv_heads` query heads that share
 the kv head (GQA), so each K/V row is read from memory once per step. The program walks the context in tiles
 of BLOCK_N positions (a tile may span several pages, or part of one: each position finds its page through the
-block table), with an online softmax in fp32 (FlashAttention's running max and sum).
+block table), with an online softmax in fp32 (FlashAttention's running max and sum). A sliding window (Hugging Face's
+rule: the query at position n - 1 sees keys p with n - 1 - window < p) starts the walk at the window's first position,
+so the positions before it, and their pages, are never read.
 
 Made for CUDA-graph capture: the grid depends only on shapes and the kernel reads `context_lens` itself, so
 nothing is read back to the host. Positions at or past a sequence's context length are never loaded (the
@@ -45,6 +47,7 @@ def _paged_decode_kernel(
     context_lens_ptr,
     out_ptr,
     qk_scale,
+    window,
     group,
     stride_qd,
     stride_qh,
@@ -78,8 +81,10 @@ def _paged_decode_kernel(
     acc = tl.zeros((GROUP_ROWS, HEAD_DIM), dtype=tl.float32)
     table_row = block_tables_ptr + seq * stride_bt_row
     head_offset = kv_head * stride_head
-    # Every tile holds at least one position < ctx_len, so m_i is finite after the first one.
-    for start in range(0, ctx_len, BLOCK_N):
+    # The window's first position (0 without one): tiles run from it, so every position a tile holds is >= it, and
+    # every tile holds at least one position < ctx_len, so m_i is finite after the first one.
+    first = tl.where(window > 0, tl.maximum(ctx_len - window, 0), 0)
+    for start in range(first, ctx_len, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < ctx_len
         # Table entries past ceil(ctx_len / BLOCK_SIZE) are padding: never read.
@@ -125,19 +130,25 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     out: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """One-token attention of every decode sequence over its context in one layer's paged KV cache: the
     same result as engine/model/attention.py `_decode_attention`, with no host synchronisation (CUDA-graph
-    safe). The new token's K/V must already be in the cache.
+    safe: `scale` and `window` are plain numbers, baked into a captured launch). The new token's K/V must already
+    be in the cache.
 
     Semantics:
         G = num_heads // num_kv_heads; bs = block_size
+        scale = hd**-0.5 if scale is None else scale
         for d in range(D):
             n = context_lens[d]                                   # >= 1, includes the new token
-            pages = block_tables[d, p // bs] for p in [0, n)      # entries past ceil(n / bs) are never read
-            K = layer_cache[pages, 0, p % bs]; V = layer_cache[pages, 1, p % bs]   # [n, kvh, hd]
+            first = max(0, n - window) if window > 0 else 0       # the window (Hugging Face's): keys p > n - 1 - window
+            pages = block_tables[d, p // bs] for p in [first, n)  # other entries are never read
+            K = layer_cache[pages, 0, p % bs]; V = layer_cache[pages, 1, p % bs]   # [n - first, kvh, hd]
             for h in range(num_heads):
-                s = q[d, h].float() @ K[:, h // G].float().T * hd**-0.5
+                s = q[d, h].float() @ K[:, h // G].float().T * scale
                 out[d, h] = (softmax(s) @ V[:, h // G].float()).to(q.dtype)
         (a row with context_lens[d] == 0 gets zeros)
 
@@ -149,6 +160,7 @@ def paged_decode_attention(
         out:           [D, num_heads, hd] or None                     same dtype as q, head dim contiguous
         returns out (a new tensor when None)
     """
+    assert window >= 0, f"window {window}: >= 0 (0: none)"
     assert q.dim() == 3 and layer_cache.dim() == 5 and layer_cache.shape[1] == 2, (
         f"q {tuple(q.shape)} must be [D, H, hd], layer_cache {tuple(layer_cache.shape)} [pages, 2, bs, kvh, hd]"
     )
@@ -182,7 +194,8 @@ def paged_decode_attention(
             block_tables,
             context_lens,
             out,
-            head_dim**-0.5 * _LOG2E,
+            (head_dim**-0.5 if scale is None else scale) * _LOG2E,
+            window,
             group,
             q.stride(0),
             q.stride(1),

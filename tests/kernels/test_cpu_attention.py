@@ -2,7 +2,9 @@
 torch decode path, on tests/kernels/test_paged_attention.py's cases: ragged contexts (1, bs-1, bs, bs+1, several
 blocks), permuted non-contiguous pages, and NaN/+inf/-inf in every cache slot no sequence owns (a read at or past a
 context length turns a row into NaN). Also: the engine sends its decodes to the op by default on a CPU, rows of length 0
-give zeros, and tables naming pages outside the cache are refused before anything is read.
+give zeros, and tables naming pages outside the cache are refused before anything is read. Sliding windows and scales
+(decode rows and prompt rows, every loop of the op) against SDPA with transformers' mask, with everything before each
+window NaN (test_paged_attention.py `outside_window_poisoned`).
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from test_paged_attention import (
     DTYPES,
     HEAD_IDS,
     HEADS,
+    WINDOW_SCALES,
     DecodeCase,
     assert_close,
+    dense_reference,
     make_case,
     oracle,
+    outside_window_poisoned,
     ragged_lens,
     run_engine,
 )
@@ -63,6 +68,34 @@ def test_the_op_matches_the_oracle_and_the_torch_path(
     torch.testing.assert_close(cpp_cache, case.cache_after_write(), rtol=0, atol=0, equal_nan=True)
     assert_close(cpp_out, torch_out, dtype)
     assert_close(cpp_out, oracle(case), dtype)
+
+
+@pytest.mark.parametrize("head_dim", [24, 32, 64, 128])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_window_and_scale_match_the_masked_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, block_size: int, head_dim: int
+) -> None:
+    """Every (window, scale) of WINDOW_SCALES over the ragged contexts, everything before each window poisoned; the
+    C++ route through plan_attention and paged_attention too."""
+    seed = 5000 + 1000 * DTYPES.index(dtype) + 100 * HEADS.index((num_heads, num_kv_heads)) + block_size + head_dim
+    case = make_case(
+        ragged_lens(block_size),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        dtype=dtype,
+        seed=seed,
+        head_dim=head_dim,
+    )
+    for window, scale in WINDOW_SCALES:
+        expected = dense_reference(case, window, scale)
+        poisoned = outside_window_poisoned(case, window)
+        cache, tables, lens = poisoned.cache_after_write(), poisoned.block_tables, poisoned.context_lens
+        out = paged_decode_attention_cpu(poisoned.q, cache, tables, lens, scale=scale, window=window)
+        assert_close(out, expected, dtype)
+        assert_close(run_engine(poisoned, Kernel.CPP, window or None, scale)[0], expected, dtype)
 
 
 def prompt_rows(case: DecodeCase, chunks: list[tuple[int, int, int]]) -> DecodeCase:
@@ -120,6 +153,41 @@ def test_prompt_rows_match_the_oracle(
     assert_close(out, one_by_one, dtype)
 
 
+@pytest.mark.parametrize("head_dim", [24, 32, 64, 128])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prompt_rows_with_a_window_match_the_masked_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, block_size: int, head_dim: int
+) -> None:
+    """CHUNKS' rows (fp32: blocks of up to 16 rows, one a lane) under windows shorter than a block's rows (1, 3, 5),
+    around it (16, 17) and longer (37, 200), before which every sequence's cache is NaN; each row alone (never part of
+    a block) agrees."""
+    seed = 9 + 1000 * DTYPES.index(dtype) + 100 * HEADS.index((num_heads, num_kv_heads)) + block_size + head_dim
+    seqs = make_case(
+        [121, 33, 37, 8, 6, 12],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        dtype=dtype,
+        seed=seed,
+        head_dim=head_dim,
+    )
+    case = prompt_rows(seqs, CHUNKS)
+    for window, scale in [(1, None), (3, 0.2), (5, None), (16, 0.3), (17, None), (37, 0.1), (200, None)]:
+        expected = dense_reference(case, window, scale)
+        poisoned = outside_window_poisoned(case, window)
+        cache, tables, lens = poisoned.cache_after_write(), poisoned.block_tables, poisoned.context_lens
+        out = paged_decode_attention_cpu(poisoned.q, cache, tables, lens, scale=scale, window=window)
+        assert_close(out, expected, dtype)
+        rows = [slice(i, i + 1) for i in range(len(lens))]
+        alone = [
+            paged_decode_attention_cpu(poisoned.q[r], cache, tables[r], lens[r], scale=scale, window=window)
+            for r in rows
+        ]
+        assert_close(torch.cat(alone), expected, dtype)
+
+
 def test_prompt_rows_deep_in_a_long_context() -> None:
     """50 rows at positions 650-699 of a 700-token sequence (engine/model/attention.py PAGED_PREFILL_MAX_CONTEXT lets
     contexts this long through), beside a decode row."""
@@ -170,3 +238,12 @@ def test_tables_outside_the_cache_are_refused() -> None:
     padded = tables.clone()
     padded[0, 2:] = 10**9
     assert_close(paged_decode_attention_cpu(case.q, cache, padded, lens), oracle(case), torch.float32)
+    # nor are those of pages wholly before a row's window (row 1: context 12 over pages of 4)
+    before = tables.clone()
+    before[1, 0] = 10**9
+    with pytest.raises(RuntimeError, match="is not a page"):
+        paged_decode_attention_cpu(case.q, cache, before, lens, window=9)  # positions 3-11: from page 0
+    expected = dense_reference(case, 8, None)
+    assert_close(paged_decode_attention_cpu(case.q, cache, before, lens, window=8), expected, torch.float32)  # 4-11
+    with pytest.raises(RuntimeError, match="window"):
+        paged_decode_attention_cpu(case.q, cache, tables, lens, window=-1)

@@ -8,14 +8,20 @@ blocks, across BLOCK_N tiles, the longest not a multiple of bs), permuted non-co
 in every cache slot no sequence owns: the tail of each last block, and the pages its table's padding names
 (unowned pages, page 0, other sequences' pages). A kernel that reads a position at or past a context length, or
 lets one into the softmax, turns a row into NaN or moves it away from the oracle.
+
+Sliding windows and softmax scales are checked against a third reference: SDPA over each row's whole context with a
+boolean mask from transformers' own mask functions (`transformers.masking_utils`), on a cache where everything before
+each window is NaN (`outside_window_poisoned`): a kernel that reads a position before a row's window, rather than
+skipping it, turns the row into NaN.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.model.attention import AttentionMetadata, paged_attention, plan_attention
 from loragate_kernels.backends import Kernel
@@ -122,10 +128,66 @@ def oracle(case: DecodeCase) -> torch.Tensor:
     return out
 
 
-def run_engine(case: DecodeCase, kernel: Kernel = Kernel.TORCH) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[Q, K] bool, True where the query at query_pos[i] attends the key at key_pos[j]: transformers' causal mask
+    function, and its sliding-window one where window > 0 (key > query - window)."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    mask_fn = sliding_window_causal_mask_function(window) if window else causal_mask_function
+    return mask_fn(0, 0, query_pos[:, None], key_pos[None, :])
+
+
+def dense_reference(case: DecodeCase, window: int, scale: float | None) -> torch.Tensor:
+    """[D, H, hd] float64: each row's query (position context_len - 1) against its whole context, by SDPA with
+    `hf_mask` (scale None: SDPA's default, hd**-0.5), from the cache with the step's K/V written."""
+    cache = case.cache_after_write().cpu().double()
+    tables, lens = case.block_tables.cpu(), case.context_lens.cpu()
+    out = torch.empty(case.q.shape, dtype=torch.float64)
+    for d in range(case.q.shape[0]):
+        n = int(lens[d])
+        pos = torch.arange(n)
+        pages = tables[d, pos // case.block_size]
+        keys, values = (
+            cache[pages, kv, pos % case.block_size].transpose(0, 1)[None] for kv in (0, 1)
+        )  # [1, kvh, n, hd]
+        query = case.q[d].cpu().double()[None, :, None]  # [1, H, 1, hd]
+        mask = hf_mask(torch.tensor([n - 1]), pos, window)  # [1, n]
+        out[d] = F.scaled_dot_product_attention(query, keys, values, mask, scale=scale, enable_gqa=True)[0, :, 0]
+    return out
+
+
+def outside_window_poisoned(case: DecodeCase, window: int) -> DecodeCase:
+    """The case with what no row's window reaches made NaN: per sequence (its rows share their first page), the
+    positions before the earliest window start of its rows; the table entries of the pages wholly before it name an
+    extra page of NaN instead. A kernel that reads before a row's window gets NaN."""
+    bs = case.block_size
+    cache = torch.cat([case.cache, torch.full_like(case.cache[:1], float("nan"))])
+    tables = case.block_tables.clone()
+    starts: dict[int, int] = {}
+    for d, n in enumerate(case.context_lens.tolist()):
+        first_page = int(case.block_tables[d, 0])
+        starts[first_page] = min(starts.get(first_page, n), max(0, n - window) if window else 0)
+    for d in range(tables.shape[0]):
+        first = starts[int(case.block_tables[d, 0])]
+        tables[d, : first // bs] = cache.shape[0] - 1
+        for p in range(first // bs * bs, first):
+            cache[case.block_tables[d, p // bs], :, p % bs] = float("nan")
+    return replace(case, cache=cache, block_tables=tables)
+
+
+# (window, scale) pairs: a window of one position, windows shorter than, equal to (bs, 2 bs + 3 at bs 4, BLOCK_N + 1,
+# the longest ragged context 3 BLOCK_N + 5) and longer than the contexts, most not a multiple of bs; no window with a
+# scale of its own.
+WINDOW_SCALES = [(1, None), (5, 0.3), (16, None), (11, 0.11), (BLOCK_N + 1, 0.3), (3 * BLOCK_N + 5, None)]
+WINDOW_SCALES += [(1000, 0.2), (0, 0.3)]
+
+
+def run_engine(
+    case: DecodeCase, kernel: Kernel = Kernel.TORCH, window: int | None = None, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, cache after the step) of the engine's path: a decode-only step through plan_attention, on the
     CPU, on the attention route `kernel` (by default the torch decode path, the engine's reference whatever the
-    device: its "triton" route is this kernel)."""
+    device: its "triton" route is this kernel), with the plan's `window` and `scale`."""
     attn = AttentionMetadata(
         slot_mapping=case.new_slots(),
         num_decode_tokens=case.q.shape[0],
@@ -134,16 +196,17 @@ def run_engine(case: DecodeCase, kernel: Kernel = Kernel.TORCH) -> tuple[torch.T
         prefills=(),
         max_decode_context_len=int(case.context_lens.max()),
     )
-    plan = plan_attention(attn, case.block_size, case.cache.shape[3], case.q.dtype, kernel)
+    plan = plan_attention(attn, case.block_size, case.cache.shape[3], case.q.dtype, kernel, window, scale)
     cache = case.cache.clone()
     return paged_attention(case.q, case.k_new, case.v_new, cache, plan), cache
 
 
-def run_kernel(case: DecodeCase, out: torch.Tensor | None = None) -> torch.Tensor:
+def run_kernel(
+    case: DecodeCase, out: torch.Tensor | None = None, scale: float | None = None, window: int = 0
+) -> torch.Tensor:
     on_device = case.to(DEVICE)
-    result = paged_decode_attention(
-        on_device.q, on_device.cache_after_write(), on_device.block_tables, on_device.context_lens, out=out
-    )
+    cache, tables, lens = on_device.cache_after_write(), on_device.block_tables, on_device.context_lens
+    result = paged_decode_attention(on_device.q, cache, tables, lens, out=out, scale=scale, window=window)
     assert result.dtype == case.q.dtype and result.shape == case.q.shape
     return result
 
@@ -189,6 +252,54 @@ def test_the_engine_triton_route_runs_this_kernel():
     torch.testing.assert_close(triton_cache, case.cache_after_write(), rtol=0, atol=0, equal_nan=True)
     assert_close(triton_out, torch_out, torch.float32)
     assert_close(triton_out, oracle(case), torch.float32)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_window_and_scale_match_the_masked_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, block_size: int
+):
+    """Every (window, scale) of WINDOW_SCALES over the ragged contexts, with everything before each window poisoned;
+    the engine's torch decode path (which gathers the window alone) under the same plan agrees."""
+    seed = 300 + 100 * DTYPES.index(dtype) + 10 * HEADS.index((num_heads, num_kv_heads)) + block_size
+    case = make_case(
+        ragged_lens(block_size),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        dtype=dtype,
+        seed=seed,
+    )
+    for window, scale in WINDOW_SCALES:
+        expected = dense_reference(case, window, scale)
+        poisoned = outside_window_poisoned(case, window)
+        assert_close(run_kernel(poisoned, scale=scale, window=window), expected, dtype)
+        assert_close(run_engine(poisoned, Kernel.TORCH, window or None, scale)[0], expected, dtype)
+
+
+def test_a_window_moves_the_output():
+    """The reference itself tells windows apart: a window shorter than a context changes that row, and a scale
+    changes every row (so the cases above could fail)."""
+    case = make_case([3, 40], num_heads=4, num_kv_heads=2, block_size=8, dtype=torch.float32, seed=2)
+    full, windowed, scaled = (dense_reference(case, w, s) for w, s in [(0, None), (7, None), (0, 0.5)])
+    torch.testing.assert_close(windowed[0], full[0])
+    assert (windowed[1] - full[1]).abs().max() > 1e-2
+    assert ((scaled - full).abs().amax(dim=(1, 2)) > 1e-2).all()
+    assert_close(full, oracle(case), torch.float32)
+
+
+def test_the_engine_triton_route_passes_the_window_and_scale():
+    case = make_case([2, 13, 31], num_heads=8, num_kv_heads=2, block_size=8, dtype=torch.float32, seed=4)
+    poisoned = outside_window_poisoned(case, 6)
+    out, _ = run_engine(poisoned, Kernel.TRITON, 6, 0.2)
+    assert_close(out, dense_reference(case, 6, 0.2), torch.float32)
+
+
+def test_rejects_a_negative_window():
+    case = make_case([3], num_heads=4, num_kv_heads=2, block_size=4, dtype=torch.float32, seed=0)
+    with pytest.raises(AssertionError, match="window"):
+        paged_decode_attention(case.q, case.cache, case.block_tables, case.context_lens, window=-1)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 2, 5, 9])
@@ -310,13 +421,13 @@ def test_host_side_never_reads_device_values(monkeypatch: pytest.MonkeyPatch):
             return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(module._paged_decode_kernel, "on", lambda device: FakeKernel())
-    for lens in ([1, 2, 3], [40, 7, 200]):
+    for lens, window in (([1, 2, 3], 0), ([40, 7, 200], 0), ([40, 7, 200], 16)):
         case = make_case(lens, num_heads=8, num_kv_heads=2, block_size=8, dtype=torch.float32, seed=1)
         with RecordOps() as recorder:
-            paged_decode_attention(case.q, case.cache, case.block_tables, case.context_lens)
+            paged_decode_attention(case.q, case.cache, case.block_tables, case.context_lens, scale=0.1, window=window)
         assert recorder.ops, "the mode saw no op at all"  # (torch.empty_like for the output, at least)
         assert not [op for op in recorder.ops if "local_scalar_dense" in op or "item" in op], recorder.ops
-    assert launches == [(3, 2), (3, 2)]
+    assert launches == [(3, 2), (3, 2), (3, 2)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
