@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+_GENERATION_CONFIG_WORDS = ("auto", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,15 @@ def _threads_check(value: Any) -> str | None:
     return _POSITIVE.check(value) if value != "auto" else None
 
 
+def _generation_config(text: str) -> str:
+    return text if text in _GENERATION_CONFIG_WORDS else existing_directory(text)
+
+
+def _generation_config_check(value: Any) -> str | None:
+    ok = value in _GENERATION_CONFIG_WORDS or (isinstance(value, str) and Path(value).is_dir())
+    return None if ok else "must be auto, none or an existing directory"
+
+
 def existing_directory(text: str) -> str:
     path = Path(text).expanduser()
     if not path.is_dir():
@@ -65,6 +75,7 @@ _TEXT = Rule(str, lambda value: None if isinstance(value, str) and value else "m
 _THREADS = Rule(lambda text: text if text == "auto" else int(text), _threads_check)
 _DIRECTORY = Rule(existing_directory, lambda value: None if isinstance(value, str) else "must be a directory path")
 _SWITCH = Rule(bool, lambda value: None if isinstance(value, bool) else "must be true or false")  # flags: `off`
+_GENERATION_CONFIG = Rule(_generation_config, _generation_config_check)
 _PREFIXES = Rule(str, lambda value: None if isinstance(value, tuple) else "must be a tuple of source prefixes")
 
 
@@ -134,6 +145,17 @@ class EngineConfig:
         None, Flag("context length (default: the model's max_position_embeddings)", _POSITIVE)
     )
     served_model_name: str | None = _setting(None, Flag("the name /v1/models reports (default: derived from --model)"))
+    generation_config: str = _setting(
+        "auto",
+        Flag(
+            "sampling defaults for requests that leave temperature, top_p, top_k, repetition_penalty or max_tokens "
+            "unset: auto: from the model directory's generation_config.json (if any), as vLLM does; none: the "
+            "built-in ones (temperature 1); or a directory holding a generation_config.json "
+            "(engine/model/generation.py)",
+            _GENERATION_CONFIG,
+            metavar="auto|none|DIR",
+        ),
+    )
     num_threads: int | str | None = _setting(
         None,
         Flag(

@@ -39,6 +39,7 @@ from engine.lora.registry import AdapterRegistry, HostAdapterCache
 from engine.lora.routes import ROUTES
 from engine.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
 from engine.model.cpu_gemm import step_rounding, warm_up_gemms
+from engine.model.generation import load_sampling_defaults
 from engine.model.llama import StepInterrupted
 from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
@@ -71,6 +72,9 @@ class LLMEngine:
         self.config = config
         resolved = resolve_model(config.model)
         self.model_name = config.served_model_name or resolved.name
+        # read before the weights, so a bad file is refused at once; requests take them at the edge (protocol.py)
+        self.sampling_defaults = load_sampling_defaults(config.generation_config, resolved.path)
+        logger.info("%s", self.sampling_defaults.summary())
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(resolved.path)
         device = torch.device(config.device)
         make_current(device)

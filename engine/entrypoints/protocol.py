@@ -8,6 +8,9 @@ since OpenAI clients send extras. Fields we cannot honour without changing the a
 other than `n`, the legacy `functions`) are rejected with an error that names them. `response_format`,
 `tools` and `tool_choice` are checked by engine/entrypoints/guided.py, which also compiles them into a
 grammar. `describe()` turns a pydantic ValidationError into one "field: problem" line for the 400 body.
+
+Sampling fields a request leaves unset (absent or null) take the model's defaults from its generation_config.json
+(engine/model/generation.py, `--generation-config`), then the built-in ones; a value the request sets always wins.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from engine.entrypoints.guided import (
 )
 from engine.lora.files import resolve_inside
 from engine.lora.peft_config import AdapterError, validate_adapter_id
+from engine.model.generation import NO_DEFAULTS, SamplingDefaults
 from loragate_common.errors import bad_request, shown
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -90,7 +94,7 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: int | None = None  # -1 or 0: no top-k filter, whatever the model's default
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
@@ -121,10 +125,10 @@ class _GenerationRequest(BaseModel):
 
     @field_validator("top_k")
     @classmethod
-    def _top_k_off(cls, v: int | None) -> int | None:
+    def _top_k_range(cls, v: int | None) -> int | None:
         if v is not None and v < -1:
             raise PydanticCustomError("value_error", "must be -1 or 0 (off) or >= 1")
-        return None if v in (-1, 0) else v
+        return v
 
     @property
     def include_usage(self) -> bool:
@@ -142,16 +146,19 @@ class _GenerationRequest(BaseModel):
         max_tokens: int,
         logprobs: int | None,
         constraint: ConstraintFactory | None,
+        defaults: SamplingDefaults,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
+        """A field the request leaves unset (absent or null) takes the model's default, else the built-in one."""
         self._check_best_of()
-        temperature = 1.0 if self.temperature is None else self.temperature
+        temperature = _given(self.temperature, defaults.temperature, 1.0)
+        top_k = defaults.top_k if self.top_k is None else self.top_k
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0 if temperature < _TEMPERATURE_EPS else temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k,
+            top_p=_given(self.top_p, defaults.top_p, 1.0),
+            top_k=None if top_k in (-1, 0) else top_k,
             seed=self.seed,
             stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -159,7 +166,7 @@ class _GenerationRequest(BaseModel):
             min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=_given(self.repetition_penalty, defaults.repetition_penalty, 1.0),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             # token ids below the vocabulary's size are checked by the engine (LLMEngine.check_request)
@@ -169,6 +176,10 @@ class _GenerationRequest(BaseModel):
         )
         params.validate()  # ValueError naming the field (e.g. min_tokens > max_tokens)
         return params
+
+
+def _given(value: float | None, default: float | None, builtin: float) -> float:
+    return value if value is not None else default if default is not None else builtin
 
 
 def _is_token_id(value: object) -> bool:
@@ -218,15 +229,22 @@ class CompletionRequest(_GenerationRequest):
         """echo with logprobs: each prompt token's logprob is part of the answer."""
         return bool(self.echo) and self.logprobs is not None
 
-    def to_sampling_params(self, context_left: int, constraint: ConstraintFactory | None = None) -> SamplingParams:
-        """max_tokens defaults to 16 (OpenAI); 0 scores the prompt (echo + logprobs) without generating.
-        `context_left` is unused here (see the chat request)."""
+    def to_sampling_params(
+        self,
+        context_left: int,
+        constraint: ConstraintFactory | None = None,
+        defaults: SamplingDefaults = NO_DEFAULTS,
+    ) -> SamplingParams:
+        """max_tokens defaults to 16 (OpenAI; lowered to the model's max_new_tokens); 0 scores the prompt (echo +
+        logprobs) without generating. `context_left` is unused here (see the chat request)."""
         del context_left
-        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        max_tokens = self.max_tokens
+        if max_tokens is None:
+            max_tokens = defaults.max_tokens_within(COMPLETION_DEFAULT_MAX_TOKENS)
         if max_tokens == 0 and not self.scores_prompt:
             raise ValueError("max_tokens: 0 is only allowed with echo and logprobs (to score the prompt)")
         prompt_logprobs = self.logprobs if self.scores_prompt else None
-        return self._sampling_params(max_tokens, self.logprobs, constraint, prompt_logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, constraint, defaults, prompt_logprobs)
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -264,15 +282,21 @@ class ChatCompletionRequest(_GenerationRequest):
         parallel = self.parallel_tool_calls is not False
         return plan_tools(self.tools, self.tool_choice, parallel, self.response_format)
 
-    def to_sampling_params(self, context_left: int, constraint: ConstraintFactory | None = None) -> SamplingParams:
-        """max_tokens defaults to what is left of the context after the prompt (at least 1)."""
+    def to_sampling_params(
+        self,
+        context_left: int,
+        constraint: ConstraintFactory | None = None,
+        defaults: SamplingDefaults = NO_DEFAULTS,
+    ) -> SamplingParams:
+        """max_tokens defaults to what is left of the context after the prompt (at least 1; lowered to the model's
+        max_new_tokens)."""
         if self.max_tokens == 0:
             raise ValueError("max_tokens: must be at least 1")
-        max_tokens = self.max_completion_tokens or self.max_tokens or max(1, context_left)
+        max_tokens = self.max_completion_tokens or self.max_tokens or defaults.max_tokens_within(max(1, context_left))
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, constraint)
+        return self._sampling_params(max_tokens, logprobs, constraint, defaults)
 
 
 class LoadAdapterRequest(BaseModel):

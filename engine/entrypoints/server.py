@@ -2,11 +2,12 @@
 
 One request's path: read and validate the JSON body (400 naming the field) -> adapter and priority from
 the headers / `model` -> tokenize (a chat through its template, with the tools when the template renders them)
--> sampling parameters, with the grammar of a `response_format` or a constrained tool call compiled off the
-event loop (engine/entrypoints/guided.py) -> its `n` choices as engine requests (engine/entrypoints/choices.py,
-`AsyncEngine.generate`) -> one JSON response, or Server-Sent Events that carry each engine step's text as soon
-as it exists (engine/entrypoints/responses.py). A client that goes away aborts its request, every choice of
-it, which frees their KV blocks. Every error is JSON: {"error": {"type": ..., "message": ...}}.
+-> sampling parameters (unset fields take the model's generation_config.json defaults), with the grammar of a
+`response_format` or a constrained tool call compiled off the event loop (engine/entrypoints/guided.py) -> its `n`
+choices as engine requests (engine/entrypoints/choices.py, `AsyncEngine.generate`) -> one JSON response, or
+Server-Sent Events that carry each engine step's text as soon as it exists (engine/entrypoints/responses.py). A
+client that goes away aborts its request, every choice of it, which frees their KV blocks. Every error is JSON:
+{"error": {"type": ..., "message": ...}}.
 
 Adapters: a request names one with `X-Adapter-ID` or `model`; any id that is not registered (hostile
 ones included: they can never be registered) is a 404, never the base model. The /v1/adapters admin
@@ -147,6 +148,7 @@ class EngineRoutes:
         self.tokenizer = engine.engine.tokenizer
         self.base_model = engine.engine.model_name
         self.max_model_len = engine.engine.max_model_len
+        self.sampling_defaults = engine.engine.sampling_defaults  # the model's, read once at start
         self.vocab_size = engine.engine.vocab_size
         self.template_tools = template_supports_tools(self.tokenizer)  # `auto` tool choice works with this model
         self.max_num_seqs = engine.engine.config.max_num_seqs
@@ -254,7 +256,7 @@ class EngineRoutes:
         """The request's sampling parameters, its grammar (if any) compiled off the event loop; 400s name the
         field."""
         try:
-            params = req.to_sampling_params(self.max_model_len - len(prompt_ids))
+            params = req.to_sampling_params(self.max_model_len - len(prompt_ids), defaults=self.sampling_defaults)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
         constraint = await compile_constraint(self.tokenizer, req.response_format, tools)
@@ -397,6 +399,7 @@ class EngineRoutes:
                 "max_num_seqs": self.max_num_seqs,
                 "max_device_adapters": self.max_device_adapters,
                 "backends": self.backends,
+                "sampling_defaults": self.sampling_defaults.values(),
             }
         )
 

