@@ -1,5 +1,6 @@
 """Throughput on workload W1 (docs/benchmarks.md): SmolLM2-135M fp32, 32 requests of ~30 prompt tokens, 64 new
-tokens each, greedy, all submitted at once, 2 threads.
+tokens each, greedy, all submitted at once, 2 threads. `--model` takes another model: "tiny-random", a directory,
+or a random-weight model with a real model's shape (bench/shaped_models.py, e.g. "gemma3-270m-shape").
 
 - base: our engine vs HF transformers' batched `generate` on the same prompts, in the same run;
 - mixed LoRA: 8 PEFT adapters (r = 4/8/16, alpha = 2r, all 7 modules, lora_B ~ N(0, 0.02^2) seeded by
@@ -7,7 +8,7 @@ tokens each, greedy, all submitted at once, 2 threads.
 - scale: 512 registered adapters (ids over the 8 weight sets), a device tier of 64, Zipf popularity; with
   `--scale-counts 8,64,512,2048` the same pass for each count, one after another (the adapter-scale curve).
 
-    python bench/throughput.py [--requests 32] [--new-tokens 64] [--threads 2] [--dtype float32]
+    python bench/throughput.py [--model smollm2] [--requests 32] [--new-tokens 64] [--threads 2] [--dtype float32]
                                [--skip-hf] [--skip-lora]
                                [--scale-counts 512] [--json PATH]
 
@@ -33,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.shaped_models import model_spec  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.core.request import SamplingParams  # noqa: E402
@@ -105,8 +107,16 @@ def bench_hf(model_dir: Path, texts: list[str], new_tokens: int) -> tuple[float,
     return elapsed, generated / elapsed
 
 
+def w1_adapter_root(model: str, model_dir: Path) -> Path:
+    """Where the W1 adapters of a base model are cached: one folder per base, since an adapter fits only the
+    shapes of the model it was made on (SmolLM2's keeps the folder it always had)."""
+    root = cache_root() / "bench-adapters"
+    return root / "w1" if model == "smollm2" else root / f"w1-{model_dir.name}"
+
+
 def make_w1_adapters(base_dir: Path, root: Path) -> list[Path]:
-    """The 8 W1 adapters, built once with PEFT into `root` (cached between runs)."""
+    """The 8 W1 adapters of the model in `base_dir` (any PEFT-supported causal LM: "all-linear" is q, k, v, o,
+    gate, up and down), built once with PEFT into `root` (cached between runs)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -187,11 +197,12 @@ def bench_lora(
 ) -> dict[str, Any]:
     """Mixed LoRA, the scale passes and HF + PEFT; returns their figures (`mixed` and `scale`)."""
     root = cache_root() / "bench-adapters"
-    weight_dirs = make_w1_adapters(resolved.path, root / "w1")
+    weight_dirs = make_w1_adapters(resolved.path, w1_adapter_root(args.model, resolved.path))
+    scale_root = root if args.model == "smollm2" else root / resolved.path.name  # hard links to this base's adapters
     names = [d.name for d in weight_dirs]
     mixed = [names[i % 8] for i in range(len(prompts))]
     [(secs, lora)] = bench_engine(
-        args.model, prompts, args.new_tokens, mixed, adapter_dir=str(weight_dirs[0].parent), dtype=args.dtype
+        args.engine_model, prompts, args.new_tokens, mixed, adapter_dir=str(weight_dirs[0].parent), dtype=args.dtype
     )
     print(
         f"loragate mixed LoRA    {lora:7.1f} tok/s  ({secs:.2f} s)  LoRA/base {lora / base_tps:.2f}"
@@ -202,10 +213,10 @@ def bench_lora(
         "scale": [],
     }
     for count in args.scale_counts:
-        scale_dir = scale_adapter_dir(weight_dirs, root, count)
+        scale_dir = scale_adapter_dir(weight_dirs, scale_root, count)
         ids = [f"a{k:04d}" for k in zipf_choices(count, len(prompts))]
         cold, warm = bench_engine(
-            args.model,
+            args.engine_model,
             prompts,
             args.new_tokens,
             ids,
@@ -259,7 +270,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    resolved = resolve_model(args.model)
+    args.engine_model = model_spec(args.model)  # what the engine loads: a shaped model's directory, else the name
+    resolved = resolve_model(args.engine_model)
     tok = load_tokenizer(resolved.path)
     texts = w1_prompts(args.requests)
     prompts = [tok(t)["input_ids"] for t in texts]
@@ -278,7 +290,7 @@ def main() -> None:
         f"W1 base: {args.requests} requests, {mean_len:.1f} prompt tokens on average, "
         f"{args.new_tokens} new tokens each, {args.dtype}, {args.threads} threads"
     )
-    [(secs, ours)] = bench_engine(args.model, prompts, args.new_tokens, dtype=args.dtype)
+    [(secs, ours)] = bench_engine(args.engine_model, prompts, args.new_tokens, dtype=args.dtype)
     print(f"loragate engine        {ours:7.1f} tok/s  ({secs:.2f} s)")
     figures["base"] = {"loragate_tok_s": ours, "loragate_s": secs}
     if not args.skip_hf:

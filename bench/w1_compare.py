@@ -7,7 +7,13 @@ the machine spreads over all columns. Each loragate row warms its engine up firs
 vLLM's base row is served as its users serve a base model (without `enable_lora`), its mixed row with it
 (bench/vllm_w1.py); both systems compute on `--threads` threads.
 
-    python bench/w1_compare.py --vllm-python VENV/bin/python [--before-root DIR] [--rounds 3] [--json PATH]
+`--model` picks the base: SmolLM2-135M (the default, W1 itself) or a random-weight model with a real model's
+published shape (bench/shaped_models.py: "gemma3-270m-shape"), built locally on first use with its own W1
+adapters. Both systems get the same token ids and adapter directories from one spec (bench/vllm_w1.py
+`--prepare`), so a "before" checkout needs only an engine that serves the model.
+
+    python bench/w1_compare.py --vllm-python VENV/bin/python [--model smollm2|gemma3-270m-shape]
+                               [--before-root DIR] [--rounds 3] [--dtypes float32,bfloat16] [--json PATH]
 """
 
 from __future__ import annotations
@@ -22,59 +28,74 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.shaped_models import shaped_model_names  # noqa: E402
+
 OURS = """
 import json, sys, time, torch
+from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 torch.set_num_threads(int(sys.argv[3]))
-from bench.throughput import make_w1_adapters, w1_prompts
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import SamplingParams
-from engine.model.sources import cache_root, load_tokenizer, resolve_model
-resolved = resolve_model("smollm2")
-tok = load_tokenizer(resolved.path)
-prompts = [tok(t)["input_ids"] for t in w1_prompts(32)]
-dirs = make_w1_adapters(resolved.path, cache_root() / "bench-adapters" / "w1")
-params = SamplingParams(max_tokens=64, min_tokens=64, temperature=0.0, ignore_eos=True)
+spec = json.loads(Path(sys.argv[4]).read_text())  # bench/vllm_w1.py --prepare: what vLLM gets too
+prompts = spec["prompt_token_ids"]
+dirs = [Path(d) for d in spec["adapter_dirs"]]
+params = SamplingParams(max_tokens=spec["new_tokens"], min_tokens=spec["new_tokens"], temperature=0.0, ignore_eos=True)
 def w1(adapters):
     # warmed up as `loragate engine` is before it listens (vLLM's LLM warms up in its constructor too)
-    engine = LLMEngine(EngineConfig(model="smollm2", dtype=sys.argv[2], pool_mb=256, adapter_dir=str(dirs[0].parent)))
+    engine = LLMEngine(
+        EngineConfig(model=spec["model"], dtype=sys.argv[2], pool_mb=256, adapter_dir=str(dirs[0].parent))
+    )
     engine.warm_up()
     start = time.perf_counter()
     for i, (p, a) in enumerate(zip(prompts, adapters)):
         engine.add_request(f"r{i}", p, params, adapter_id=a)
     generated = 0
     while engine.has_unfinished_requests():
-        generated += sum(len(o.new_token_ids) for o in engine.step())
-    return generated / (time.perf_counter() - start)
-base = w1([None] * 32)
-mixed = w1([dirs[i % 8].name for i in range(32)])
+        for o in engine.step():
+            generated += len(o.new_token_ids)
+            # a failed request finishes early: its figure would count the tokens never computed as fast
+            assert o.finish_reason != "error", f"request {o.request_id}: {getattr(o, 'error', None)}"
+    elapsed = time.perf_counter() - start
+    assert generated == len(prompts) * spec["new_tokens"], generated
+    return generated / elapsed
+base = w1([None] * len(prompts))
+mixed = w1([dirs[k].name for k in spec["mixed_adapters"]])
 print(json.dumps({"base": base, "mixed": mixed}))
 """
 
 
-def ours(root: Path, dtype: str, threads: int) -> dict[str, float]:
+def ours(root: Path, spec: Path, dtype: str, threads: int) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, "-c", OURS, str(root), dtype, str(threads)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", OURS, str(root), dtype, str(threads), str(spec)], capture_output=True, text=True
     )
+    if out.returncode:  # the engine's own words (e.g. an architecture it does not serve), not just an exit status
+        raise SystemExit(f"loragate W1 at {root} failed:\n{out.stderr.strip()[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def vllm(python: str, spec: Path, dtype: str, row: str, threads: int, work: Path) -> float:
     out = work / f"vllm-{row}-{dtype}.json"
-    subprocess.run(
+    done = subprocess.run(
         [python, str(ROOT / "bench" / "vllm_w1.py"), "--spec", str(spec), "--row", row, "--dtype", dtype]
         + ["--threads", str(threads), "--json", str(out)],
         capture_output=True,
         text=True,
-        check=True,
     )
+    if done.returncode:
+        raise SystemExit(f"vLLM W1 {row} {dtype} failed:\n{done.stderr.strip()[-3000:]}")
     return float(json.loads(out.read_text())["tok_s"])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", required=True)
+    ap.add_argument(
+        "--model", default="smollm2", choices=("smollm2", *shaped_model_names()), help="the base model (default: W1's)"
+    )
     ap.add_argument("--before-root", type=Path, help="another checkout of loragate: the 'before' column")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -83,7 +104,8 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="w1-compare-"))
     spec = work / "spec.json"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_w1.py"), "--prepare", str(spec)], check=True)
+    prepare = [sys.executable, str(ROOT / "bench" / "vllm_w1.py"), "--prepare", str(spec), "--model", args.model]
+    subprocess.run(prepare, check=True)
     systems = ["loragate"] + (["before"] if args.before_root else []) + ["vllm"]
     runs: dict[str, list[float]] = {}
     for r in range(args.rounds):
@@ -96,14 +118,14 @@ def main() -> None:
                         row: vllm(args.vllm_python, spec, dtype, row, args.threads, work) for row in ("base", "mixed")
                     }
                 else:
-                    got = ours(ROOT if system == "loragate" else args.before_root, dtype, args.threads)
+                    got = ours(ROOT if system == "loragate" else args.before_root, spec, dtype, args.threads)
                 for row, tok_s in got.items():
                     runs.setdefault(f"{system} {dtype} {row}", []).append(tok_s)
                 print(
                     f"round {r + 1} {dtype} {system}: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items()), flush=True
                 )
     med = {key: statistics.median(values) for key, values in runs.items()}
-    print(f"\nW1, medians of {args.rounds} interleaved rounds, {args.threads} threads (tok/s):")
+    print(f"\nW1 on {args.model}, medians of {args.rounds} interleaved rounds, {args.threads} threads (tok/s):")
     for dtype in args.dtypes.split(","):
         for row in ("base", "mixed"):
             line = "  ".join(f"{s} {med[f'{s} {dtype} {row}']:.1f}" for s in systems)
@@ -112,7 +134,7 @@ def main() -> None:
         lb = med[f"loragate {dtype} mixed"] / med[f"loragate {dtype} base"]
         print(f"{dtype:8s} loragate LoRA/base {lb:.2f}")
     if args.json:
-        result: dict[str, Any] = {"rounds": runs, "medians": med, "threads": args.threads}
+        result: dict[str, Any] = {"model": args.model, "rounds": runs, "medians": med, "threads": args.threads}
         args.json.write_text(json.dumps(result, indent=2))
 
 
