@@ -94,19 +94,26 @@ def paged_decode_attention_cpu(
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, n] (columns contiguous) -> x * rsqrt(mean(x^2) + eps) * weight, a new [T, n]; fp32 inside, rounded
-    once to x's dtype."""
+    once to x's dtype. The weight may have another dtype than x (Gemma's (1 + w) norms are kept in fp32)."""
     return torch.ops.loragate_cpu.rms_norm(x, weight, eps)
 
 
 def add_rms_norm_cpu(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """residual += x in place (rounded to its dtype), then `rms_norm_cpu(residual, ...)`: the residual stream's
-    add fused with the next norm. Both [T, n] of one dtype."""
+    """residual += x in place, then `rms_norm_cpu(residual, ...)` in x's dtype: the residual stream's add fused with
+    the next norm. `residual` is fp32 (the stream the model keeps: engine/model/layer_ops.py) or x's dtype; both
+    [T, n]."""
     return torch.ops.loragate_cpu.add_rms_norm(residual, x, weight, eps)
 
 
 def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] (gate | up) -> silu(gate) * up, a new [T, I]; fp32 inside, rounded once."""
     return torch.ops.loragate_cpu.silu_mul(gate_up)
+
+
+def gelu_tanh_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate | up) -> gelu_tanh(gate) * up (GeGLU, Gemma's MLP), a new [T, I]; fp32 inside, rounded
+    once."""
+    return torch.ops.loragate_cpu.gelu_tanh_mul(gate_up)
 
 
 def rope_write_kv_cpu(
@@ -117,18 +124,24 @@ def rope_write_kv_cpu(
     k_rows: torch.Tensor,
     v_rows: torch.Tensor,
     num_heads: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> None:
-    """Rotate qkv's q and k heads in place (x * cos + roll(x, hd/2) * sin, engine/model/llama.py `apply_rope`; fp32
-    inside, rounded once), then write each token's k and v into the cache rows k_rows / v_rows.
+    """Norm (when q_norm and k_norm are given: an RMSNorm over head_dim of each head, Qwen3's and Gemma 3's) and
+    rotate qkv's q and k heads in place (on each head's first rot dims: x * cos + roll(x, rot/2) * sin,
+    engine/model/llama.py `RotaryEmbedding`; fp32 inside, rounded once), then write each token's k and v into the
+    cache rows k_rows / v_rows.
 
     Shapes:
         qkv:          [T, (num_heads + 2 * kvh) * hd]  q | k | v, columns contiguous
-        cos, sin:     [T, 1, hd] or [T, hd] float32, contiguous (engine/model/llama.py `RotaryEmbedding`)
+        cos, sin:     [T, 1, rot] or [T, rot] float32, contiguous, rot even and <= hd (partial rotary: rot < hd)
         layer_cache:  [num_pages, 2, block_size, kvh, hd] contiguous, qkv's dtype
         k_rows, v_rows: [T] int64 rows of the cache viewed as [rows, kvh, hd] (engine/model/attention.py `key_rows`)
+        q_norm, k_norm: [hd], any float dtype
     Raises RuntimeError on a row outside the cache (checked before anything is written).
     """
-    torch.ops.loragate_cpu.rope_write_kv(qkv, cos, sin, layer_cache, k_rows, v_rows, num_heads)
+    torch.ops.loragate_cpu.rope_write_kv(qkv, cos, sin, layer_cache, k_rows, v_rows, num_heads, q_norm, k_norm, eps)
 
 
 def greedy_rows_cpu(logits: torch.Tensor, banned: torch.Tensor, non_finite: int, no_token: int) -> list[int]:
