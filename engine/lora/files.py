@@ -24,6 +24,8 @@ from engine.lora.peft_config import (
     AdapterError,
     AdapterSpec,
     LoraTarget,
+    checkpoint_module,
+    checkpoint_modules,
     module_features,
     module_name,
     parse_config,
@@ -52,8 +54,9 @@ class LoraWeights:
     nbytes: int
 
 
-def _tensor_key(layer: int, module: str, part: str) -> str:
-    return f"base_model.model.{module_name(layer, module)}.lora_{part}.weight"
+def _tensor_key(layer: int, name: str, part: str) -> str:
+    """The PEFT key of lora_A or lora_B of the checkpoint projection `name` (`checkpoint_modules`)."""
+    return f"base_model.model.{module_name(layer, name)}.lora_{part}.weight"
 
 
 # ---- the adapter directory -------------------------------------------------------------------------
@@ -158,11 +161,12 @@ def _check_tensors(
     """The file holds exactly an A and a B of the right shape and a float dtype for every planned pair."""
     found: set[tuple[int, str]] = set()
     unknown = []
+    covered = checkpoint_modules(model)
     for key, (_, dtype) in header.items():
         m = _KEY_RE.fullmatch(key)
         if (
             m is None
-            or m[3] not in MODULES
+            or m[3] not in covered
             or (m[2] == "self_attn") != (m[3] in ATTENTION_MODULES)
             or int(m[1]) >= model.num_layers
         ):
@@ -176,26 +180,32 @@ def _check_tensors(
             f"adapter {adapter_id!r}: {WEIGHTS_FILE} holds {len(unknown)} tensor(s) for modules loragate "
             f"does not adapt on this base model, e.g. {', '.join(sorted(unknown)[:3])}"
         )
-    for layer, module in sorted(found):
-        if module not in layers[layer]:
+    for layer, name in sorted(found):
+        if covered[name][0] not in layers[layer]:
             raise AdapterError(
-                f"adapter {adapter_id!r} has weights for {module_name(layer, module)}, "
+                f"adapter {adapter_id!r} has weights for {module_name(layer, name)}, "
                 "which its adapter_config.json does not target"
             )
     for layer, by_module in enumerate(layers):
-        for module, target in by_module.items():
-            for part, expected in _expected_shapes(model, module, target.rank):
-                key = _tensor_key(layer, module, part)
+        for name, modules in covered.items():
+            if modules[0] not in by_module:
+                continue
+            rank = by_module[modules[0]].rank
+            for part, expected in _expected_shapes(model, name, rank):
+                key = _tensor_key(layer, name, part)
                 if key not in header:
                     raise AdapterError(
                         f"adapter {adapter_id!r}: {WEIGHTS_FILE} lacks {key}, "
-                        f"but adapter_config.json targets {module_name(layer, module)}"
+                        f"but adapter_config.json targets {module_name(layer, name)}"
                     )
-                _check_shape(adapter_id, key, header[key][0], expected, target.rank)
+                _check_shape(adapter_id, key, header[key][0], expected, rank)
 
 
-def _expected_shapes(model: ModelConfig, module: str, rank: int) -> tuple[tuple[str, tuple[int, int]], ...]:
-    in_features, out_features = module_features(model, module)
+def _expected_shapes(model: ModelConfig, name: str, rank: int) -> tuple[tuple[str, tuple[int, int]], ...]:
+    """The shapes of lora_A and lora_B of the checkpoint projection `name`: B spans the modules it covers."""
+    modules = checkpoint_modules(model)[name]
+    in_features = module_features(model, modules[0])[0]
+    out_features = sum(module_features(model, module)[1] for module in modules)
     return ("A", (rank, in_features)), ("B", (out_features, rank))
 
 
@@ -256,10 +266,20 @@ def load_weights(spec: AdapterSpec, model: ModelConfig, dtype: torch.dtype) -> L
     try:
         with safe_open(weights_file, framework="pt", device="cpu") as f:
             read = []
+            tensors: dict[str, torch.Tensor] = {}  # a fused projection's A and B serve each module it covers
+
+            def tensor(layer: int, name: str, part: str, shape: tuple[int, int], rank: int) -> torch.Tensor:
+                key = _tensor_key(layer, name, part)
+                if key not in tensors:
+                    tensors[key] = _read_tensor(spec.adapter_id, f, key, shape, rank)
+                return tensors[key]
+
             for layer, module, target in spec.targets():
-                (_, a_shape), (_, b_shape) = _expected_shapes(model, module, target.rank)
-                a = _read_tensor(spec.adapter_id, f, _tensor_key(layer, module, "A"), a_shape, target.rank)
-                b = _read_tensor(spec.adapter_id, f, _tensor_key(layer, module, "B"), b_shape, target.rank)
+                name, first_row = checkpoint_module(model, module)
+                (_, a_shape), (_, b_shape) = _expected_shapes(model, name, target.rank)
+                a = tensor(layer, name, "A", a_shape, target.rank)
+                b = tensor(layer, name, "B", b_shape, target.rank)
+                b = b[first_row : first_row + module_features(model, module)[1]]  # the module's rows of B
                 read.append((layer, module, target.scale, a, b))
             flat = torch.empty(sum(a.numel() + b.numel() for *_, a, b in read), dtype=dtype)
             offset = 0

@@ -4,11 +4,11 @@ Parsing is pure: engine/lora/files.py reads the files and hands the JSON object 
 rank and a scale for every (layer, module) pair the adapter adapts on the base model (`AdapterSpec`).
 
 Which (layer, module) pairs an adapter adapts, and each pair's rank and scale, follow PEFT's rules
-(checked against PEFT 0.21 in tests/engine/test_adapters.py) applied to LlamaForCausalLM module names
-("model.layers.{i}.self_attn.q_proj", "model.layers.{i}.mlp.down_proj"):
+(checked against PEFT 0.21 in tests/engine/test_adapters.py) applied to the HF module names of the base's projections
+("model.layers.{i}.self_attn.q_proj", "model.layers.{i}.mlp.down_proj"; Phi-3's fused "qkv_proj" and "gate_up_proj"):
 - target_modules: a list matches a name equal to an entry or ending in "." + entry, optionally limited to
   layers_to_transform (layer index found via layers_pattern); a string is a regex that must match the
-  whole name (layers_to_transform is then ignored, as in PEFT); "all-linear" means all seven projections.
+  whole name (layers_to_transform is then ignored, as in PEFT); "all-linear" means every projection.
   exclude_modules removes names by the same rules.
 - rank_pattern / alpha_pattern: the first key, in file order, such that the name matches `(.*\\.)?(key)$`
   overrides r / lora_alpha. scale = lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora.
@@ -29,7 +29,17 @@ from loragate_common.adapter_ids import ref_problem
 from loragate_common.errors import shown
 
 MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ATTENTION_MODULES = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))  # under self_attn, the rest under mlp
+# under self_attn, the rest under mlp (qkv_proj: a checkpoint's fused q|k|v, below)
+ATTENTION_MODULES = frozenset(("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"))
+# A checkpoint with fused projections (Phi-3: engine/model/config.py `fused_checkpoint`) names them, and so do the
+# adapters trained on it: a LoRA on a fused module is one A shared by the modules it covers and a B whose rows split
+# between them, so it is served as a LoRA on each covered module with that A and its rows of B (exact).
+_FUSED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
 # Modules the model computes as one fused projection (same input, outputs side by side): the device tier
 # stacks a group's A matrices so one shrink serves the whole group.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -39,7 +49,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 _MAX_PATTERN_LEN = 1000
-_LLAMA_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default when target_modules is null
+# PEFT's default when target_modules is null, for every family it has one for (for Phi-3 it has none and refuses)
+_DEFAULT_TARGETS = ("q_proj", "v_proj")
 # LoraConfig options that change the forward pass or add weights we do not apply: any truthy value is refused.
 _UNSUPPORTED = {
     "use_dora": "DoRA",
@@ -134,8 +145,21 @@ def module_features(model: ModelConfig, module: str) -> tuple[int, int]:
 
 
 def module_name(layer: int, module: str) -> str:
-    """The LlamaForCausalLM name of a projection, e.g. "model.layers.3.mlp.down_proj"."""
+    """The HF name of a projection, e.g. "model.layers.3.mlp.down_proj"."""
     return f"model.layers.{layer}.{'self_attn' if module in ATTENTION_MODULES else 'mlp'}.{module}"
+
+
+def checkpoint_modules(model: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The base's adaptable projections as its checkpoint (and so PEFT) names them -> the MODULES each covers."""
+    return _FUSED_MODULES if model.fused_checkpoint else {module: (module,) for module in MODULES}
+
+
+def checkpoint_module(model: ModelConfig, module: str) -> tuple[str, int]:
+    """(the checkpoint's projection holding `module`, the first of its output rows that are `module`'s)."""
+    for name, covered in checkpoint_modules(model).items():
+        if module in covered:
+            return name, sum(module_features(model, m)[1] for m in covered[: covered.index(module)])
+    raise KeyError(module)
 
 
 # ---- adapter_config.json -> which (layer, module) pairs, with which rank and scale ------------------
@@ -154,6 +178,7 @@ class AdapterConfig:
     layers_pattern: tuple[str, ...]
     rank_pattern: tuple[tuple[str, int], ...]  # in file order: the first matching key wins
     alpha_pattern: tuple[tuple[str, float], ...]
+    all_linear: bool = False  # "all-linear": every projection of the base (`targets` is then empty)
 
 
 def parse_config(adapter_id: str, raw: dict[str, Any]) -> AdapterConfig:
@@ -174,14 +199,14 @@ def parse_config(adapter_id: str, raw: dict[str, Any]) -> AdapterConfig:
             "LoRA (save_pretrained(path_initial_model_for_weight_conversion=...)) first"
         )
     targets = raw.get("target_modules")
-    if isinstance(targets, str) and targets.lower() == "all-linear":
-        targets = list(MODULES)
+    all_linear = isinstance(targets, str) and targets.lower() == "all-linear"
     indices = raw.get("layers_to_transform")
     return AdapterConfig(
         r=_rank(fail, "r", raw.get("r", 8)),
         alpha=_number(fail, "lora_alpha", raw.get("lora_alpha", 8)),
         use_rslora=bool(raw.get("use_rslora", False)),
-        targets=_names(fail, "target_modules", targets, _LLAMA_DEFAULT_TARGETS),
+        targets=() if all_linear else _names(fail, "target_modules", targets, _DEFAULT_TARGETS),
+        all_linear=all_linear,
         exclude=_names(fail, "exclude_modules", raw.get("exclude_modules"), ()),
         layers=None if indices in (None, []) else _int_list(fail, "layers_to_transform", indices),
         layers_pattern=_str_list(fail, "layers_pattern", raw.get("layers_pattern")),
@@ -276,16 +301,20 @@ def _override(pattern: tuple[tuple[str, Any], ...], name: str, default: Any) -> 
 
 
 def plan_targets(adapter_id: str, cfg: AdapterConfig, model: ModelConfig) -> tuple[dict[str, LoraTarget], ...]:
-    """[num_layers] of {module: LoraTarget} for the pairs the config targets on this base model."""
+    """[num_layers] of {module: LoraTarget} for the pairs the config targets on this base model. The rules match the
+    checkpoint's names (`checkpoint_modules`); a target on a fused projection adapts every module it covers."""
     layers: tuple[dict[str, LoraTarget], ...] = tuple({} for _ in range(model.num_layers))
-    names = [(layer, module, module_name(layer, module)) for layer in range(model.num_layers) for module in MODULES]
+    covered = checkpoint_modules(model)
+    names = [(layer, name, module_name(layer, name)) for layer in range(model.num_layers) for name in covered]
     try:
-        for layer, module, name in names:
-            if not _matches(cfg.targets, name) or not _in_layers(cfg, name) or _matches(cfg.exclude, name):
+        for layer, checkpoint_name, name in names:
+            targeted = (cfg.all_linear or _matches(cfg.targets, name)) and _in_layers(cfg, name)
+            if not targeted or _matches(cfg.exclude, name):
                 continue
             r = _override(cfg.rank_pattern, name, cfg.r)
             alpha = _override(cfg.alpha_pattern, name, cfg.alpha)
-            layers[layer][module] = LoraTarget(r, alpha / math.sqrt(r) if cfg.use_rslora else alpha / r)
+            for module in covered[checkpoint_name]:
+                layers[layer][module] = LoraTarget(r, alpha / math.sqrt(r) if cfg.use_rslora else alpha / r)
     except re.error as exc:
         raise AdapterError(f"adapter {adapter_id!r}: invalid layers_pattern ({exc})") from None
     if not isinstance(cfg.targets, str):
@@ -293,7 +322,7 @@ def plan_targets(adapter_id: str, cfg: AdapterConfig, model: ModelConfig) -> tup
         if unknown:
             raise AdapterError(
                 f"adapter {adapter_id!r} targets {', '.join(map(repr, unknown[:5]))}: loragate applies "
-                f"LoRA only to {', '.join(MODULES)} of the {model.num_layers} decoder layers"
+                f"LoRA only to {', '.join(covered)} of the {model.num_layers} decoder layers"
             )
     if not any(layers):
         raise AdapterError(f"adapter {adapter_id!r}: adapter_config.json targets no module of the base model")

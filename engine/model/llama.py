@@ -1,4 +1,5 @@
-"""Our own Llama-family forward pass over a flat token batch and a paged KV cache.
+"""Our own decoder forward pass (every family engine/model/config.py serves) over a flat token batch and a paged KV
+cache.
 
 No padding: a step is one flat batch of T tokens from many sequences, `[T, hidden]` through every
 linear layer. Each layer runs four projections as separate, named steps (qkv_proj, o_proj,
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -58,19 +59,42 @@ class RMSNorm(nn.Module):
         return TorchLayerOps.norm(x, self.weight, self.eps)
 
 
-def rope_inv_freq(config: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
-    """[head_dim // 2] fp32 inverse frequencies, with linear or llama3 scaling applied."""
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    scaling = config.rope_scaling
-    if scaling is None:
+def rope_inv_freq(config: ModelConfig, rope: dict[str, Any], long: bool = False) -> torch.Tensor:
+    """[rotary_dim // 2] fp32 inverse frequencies of one kind of layer (`rope`: one of config.rope_parameters), with
+    its scaling applied; `long` picks longrope's long factors (positions past the original context)."""
+    dim = rotary_dim(config, rope)
+    # on the CPU explicitly: the model is built under torch.device("meta") (engine/model/loader.py)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (float(rope["rope_theta"]) ** exponents)
+    kind = rope["rope_type"]
+    if kind == "default":
         return inv_freq
-    if scaling["rope_type"] == "linear":
-        return inv_freq / scaling["factor"]
-    if scaling["rope_type"] == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling, config.max_position_embeddings)
-    raise ValueError(f"unsupported rope_type {scaling['rope_type']!r}")
+    if kind == "linear":
+        return inv_freq / rope["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, rope, config.max_position_embeddings)
+    if kind == "longrope":
+        factors = torch.tensor(rope["long_factor" if long else "short_factor"], dtype=torch.float32, device="cpu")
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"longrope factors have {factors.numel()} entries, {inv_freq.numel()} rotary pairs need")
+        return inv_freq / factors
+    raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+def rotary_dim(config: ModelConfig, rope: dict[str, Any]) -> int:
+    """How many of a head's dims rotate (the first ones; Phi-4-mini rotates 3/4 of them)."""
+    return int(config.head_dim * rope.get("partial_rotary_factor", 1.0))
+
+
+def _longrope_scaling(config: ModelConfig, rope: dict[str, Any]) -> tuple[int, float]:
+    """(the original context length, the factor cos and sin are multiplied by) of a longrope config, as
+    transformers computes them."""
+    original = int(rope.get("original_max_position_embeddings") or config.max_position_embeddings)
+    factor = rope.get("factor") or config.max_position_embeddings / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return original, float(attention)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict, max_positions: int) -> torch.Tensor:
@@ -87,28 +111,39 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict, max_positions: int) 
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_position_embeddings, indexed per token.
+    """cos/sin tables of one kind of layer for every position up to max_position_embeddings, indexed per token.
 
-    HF's convention: the rotation pairs dim i with dim i + head_dim/2 (rotate_half). We fold the sign
-    of rotate_half into `sin` so applying it is x * cos + roll(x, head_dim/2) * sin.
+    HF's convention: the rotation pairs dim i with dim i + rotary_dim/2 (rotate_half) over the head's first rotary_dim
+    dims; the rest pass through. We fold the sign of rotate_half into `sin` so applying it is
+    x * cos + roll(x, rotary_dim/2) * sin on those dims.
+
+    longrope: positions before the original context use the short factors and later ones the long factors, each
+    position its own (transformers switches a whole forward pass to the long factors once its longest sequence passes
+    the original context, so a cached prefix keeps the factors it was computed with there as here; only a prompt that
+    is longer than the original context from its first step differs: its early positions keep the short factors).
     """
 
     cos: torch.Tensor  # buffers (register_buffer below)
     sin: torch.Tensor
 
-    def __init__(self, config: ModelConfig, device: torch.device | None = None) -> None:
+    def __init__(self, config: ModelConfig, rope: dict[str, Any], device: torch.device | None = None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(config, device)  # [hd/2]
-        positions = torch.arange(config.max_position_embeddings, device=device).float()
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, hd]
-        sin = emb.sin()
-        sin[:, : config.head_dim // 2] *= -1
-        self.register_buffer("cos", emb.cos(), persistent=False)  # fp32, [max_pos, hd]
-        self.register_buffer("sin", sin, persistent=False)
+        half = rotary_dim(config, rope) // 2
+        positions = torch.arange(config.max_position_embeddings, device="cpu").float()
+        freqs = positions[:, None] * rope_inv_freq(config, rope)[None, :]  # [max_pos, rot/2]
+        scale = 1.0
+        if rope["rope_type"] == "longrope":
+            original, scale = _longrope_scaling(config, rope)
+            long = positions[original:, None] * rope_inv_freq(config, rope, long=True)[None, :]
+            freqs[original:] = long
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, rot]
+        sin = emb.sin() * scale
+        sin[:, :half] *= -1
+        self.register_buffer("cos", (emb.cos() * scale).to(device), persistent=False)  # fp32, [max_pos, rot]
+        self.register_buffer("sin", sin.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, 1, hd] in `dtype` (broadcast over heads)."""
+        """positions [T] -> cos, sin [T, 1, rot] in `dtype` (broadcast over heads)."""
         return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
 
 
@@ -119,9 +154,11 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        bias = config.attention_bias
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        # Qwen3 and Gemma 3 norm each q and k head over head_dim before RoPE
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -137,7 +174,20 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         # [T, q_size + 2 * kv_size]: q | k | v, with the q, k and v deltas in their columns (one shrink for the three)
         qkv = self.qkv_proj(x) if lora is None else lora.linear("qkv", self.qkv_proj, x)
-        q, k, v = ops.rope_write_kv(qkv, cos, sin, layer_cache, plan, self.num_heads)
+        if self.q_norm is None or self.k_norm is None:
+            q, k, v = ops.rope_write_kv(qkv, cos, sin, layer_cache, plan, self.num_heads)
+        else:
+            q, k, v = ops.rope_write_kv(
+                qkv,
+                cos,
+                sin,
+                layer_cache,
+                plan,
+                self.num_heads,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.q_norm.eps,
+            )
         out = paged_attention(q, k, v, layer_cache, plan, kv_written=True).reshape(num_tokens, self.q_size)
         return self.o_proj(out) if lora is None else lora.linear("o", self.o_proj, out)  # [T, hidden]
 
@@ -146,28 +196,37 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.activation = config.activation  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
         bias = config.mlp_bias
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, lora: LayerLoraDelta | None, ops: LayerOps) -> torch.Tensor:
         act = None  # [T, intermediate]
-        if lora is None and ops.fused_activation and isinstance(self.gate_up_proj, PackedLinear):
+        silu = self.activation == "silu"
+        if silu and lora is None and ops.fused_activation and isinstance(self.gate_up_proj, PackedLinear):
             act = self.gate_up_proj.silu_mul(x)  # the GEMM and the activation in one op, where its route has one
         if act is None:
             # [T, 2 * intermediate]: gate | up
             gate_up = self.gate_up_proj(x) if lora is None else lora.linear("gate_up", self.gate_up_proj, x)
-            act = ops.silu_mul(gate_up)
+            act = ops.silu_mul(gate_up) if silu else ops.gelu_tanh_mul(gate_up)
         return self.down_proj(act) if lora is None else lora.linear("down", self.down_proj, act)
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Norm, attention, norm, MLP, each block's output added to the residual stream. Gemma 3 also norms each block's
+    output before adding it (`attn_out_norm`, `mlp_out_norm`: its checkpoint's post_attention_layernorm and
+    post_feedforward_layernorm; its pre_feedforward_layernorm is our post_attention_layernorm, Llama's name for the
+    norm before the MLP)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.gemma_norms else None
+        self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.gemma_norms else None
 
     def forward(
         self,
@@ -188,16 +247,24 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = ops.add_norm(residual, h, norm1.weight, norm1.eps)
         attended = self.self_attn(x, cos, sin, layer_cache, plan, lora, ops)
+        if self.attn_out_norm is not None:
+            attended = ops.norm(attended, self.attn_out_norm.weight, self.attn_out_norm.eps)
         x, residual = ops.add_norm(residual, attended, norm2.weight, norm2.eps)
-        return self.mlp(x, lora, ops), residual
+        out = self.mlp(x, lora, ops)
+        if self.mlp_out_norm is not None:
+            out = ops.norm(out, self.mlp_out_norm.weight, self.mlp_out_norm.eps)
+        return out, residual
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama-family decoder. Parameters are named after HF's, minus the `model.` prefix, with
-    q/k/v fused into `qkv_proj` and gate/up into `gate_up_proj`. `lm_head` is None when tied.
+    """The decoder of every family engine/model/config.py serves. Parameters are named after HF's Llama, minus the
+    `model.` prefix, with q/k/v fused into `qkv_proj` and gate/up into `gate_up_proj` (engine/model/loader.py maps each
+    family's checkpoint onto them). `lm_head` is None when tied.
 
     `backends` (loragate_kernels/backends.py) names the routes its steps take: the layer ops, the attention kernel
     and, once `prepack` has run, the GEMMs; the runner reads its LoRA route from it."""
+
+    embed_scale: torch.Tensor  # a buffer (register_buffer below)
 
     def __init__(self, config: ModelConfig, backends: Backends) -> None:
         super().__init__()
@@ -210,7 +277,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Module | None = None  # nn.Linear, or engine/model/cpu_gemm.py's PackedLinear
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config, backends.device)
+        # one table per kind of layer (Gemma 3's local and global layers have their own RoPE bases)
+        self.rotary = nn.ModuleDict(
+            {kind: RotaryEmbedding(config, rope, backends.device) for kind, rope in config.rope_parameters.items()}
+        )
+        # Gemma multiplies the embeddings by sqrt(hidden) rounded to the model's dtype, as HF does
+        scale = torch.tensor(config.embed_scale, dtype=backends.dtype, device=backends.device)
+        self.register_buffer("embed_scale", scale, persistent=False)
+        self.windows = sorted({config.window(i) for i in range(config.num_layers)})
 
     def forward(
         self,
@@ -229,15 +303,27 @@ class LlamaForCausalLM(nn.Module):
         lora: the step's adapter segments (weights read from the same pool), or None when no row has one.
         interrupt: when given and set, the pass stops before its next layer with StepInterrupted.
         """
+        config, ops = self.config, self.ops
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        ops = self.ops
-        cos, sin = self.rotary(positions, ops.rope_dtype or h.dtype)
-        # Gather indices and masks once per step, shared by all layers.
-        plan = plan_attention(attn, kv_cache.shape[3], self.config.num_kv_heads, h.dtype, self.backends.attention)
+        if config.embed_scale != 1.0:
+            h = h * self.embed_scale
+        rope_dtype = ops.rope_dtype or h.dtype
+        tables = {kind: rotary(positions, rope_dtype) for kind, rotary in self.rotary.items()}
+        # Gather indices and masks once per step per attention window, shared by the layers that have it (the
+        # window-independent parts once for all of them)
+        block_size, kernel = kv_cache.shape[3], self.backends.attention
+        plans: dict[int, AttentionPlan] = {}
+        for w in self.windows:
+            shared = next(iter(plans.values()), None)
+            plans[w] = plan_attention(
+                attn, block_size, config.num_kv_heads, h.dtype, kernel, w or None, config.attn_scale, shared
+            )
         residual = None
         for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache, strict=True)):
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted
+            cos, sin = tables[config.layer_types[i]]
+            plan = plans[config.window(i)]
             h, residual = layer(h, residual, cos, sin, layer_cache, plan, None if lora is None else lora.layer(i), ops)
         if residual is None:  # no layers
             return ops.norm(h, self.norm.weight, self.norm.eps)

@@ -1,4 +1,5 @@
-"""Read an HF Llama-family directory's weights (*.safetensors) into our own model.
+"""Read an HF model directory's weights (*.safetensors) into our own model (every family engine/model/config.py
+serves).
 
 Only the safetensors library touches the weights (never pickle). HF key names are mapped onto our
 modules at load time; q/k/v and gate/up are fused here into one projection each. The model's shape comes
@@ -20,13 +21,25 @@ from loragate_kernels.backends import Backends
 
 logger = logging.getLogger(__name__)
 
-# Our projection -> the HF projections concatenated (along the output dim) into it, in order.
+# Our projection -> the HF projections concatenated (along the output dim) into it, in order; a checkpoint with
+# `fused_checkpoint` (Phi-3) stores our fused projections as they are.
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "self_attn.o_proj": ("self_attn.o_proj",),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj": ("mlp.down_proj",),
 }
+# Our norm -> the checkpoint's, per layer (engine/model/llama.py LlamaDecoderLayer): Llama's names, and Gemma 3's, whose
+# post_attention_layernorm norms the attention's output and whose pre_feedforward_layernorm is Llama's
+# post_attention_layernorm.
+_NORMS = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm"}
+_GEMMA_NORMS = {
+    "input_layernorm": "input_layernorm",
+    "post_attention_layernorm": "pre_feedforward_layernorm",
+    "attn_out_norm": "post_attention_layernorm",
+    "mlp_out_norm": "post_feedforward_layernorm",
+}
+_QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 
 def load_model(model_dir: Path, backends: Backends, prepack: bool = True) -> LlamaForCausalLM:
@@ -37,7 +50,7 @@ def load_model(model_dir: Path, backends: Backends, prepack: bool = True) -> Lla
     config = load_model_config(model_dir)
     tensors = _read_safetensors(model_dir)
     _check_hf_tensors(config, tensors)
-    state = {name: t.to(device=backends.device, dtype=backends.dtype) for name, t in _fuse(config, tensors).items()}
+    state = {name: _cast(config, name, t, backends) for name, t in _fuse(config, tensors).items()}
     with torch.device("meta"):  # no random init of parameters that are overwritten anyway
         model = LlamaForCausalLM(config, backends)
     model.load_state_dict(state, strict=True, assign=True)
@@ -89,23 +102,47 @@ def _expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
-        shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
-        for proj, out_dim, in_dim, bias in (
-            ("self_attn.q_proj", q_size, c.hidden_size, c.attention_bias),
-            ("self_attn.k_proj", kv_size, c.hidden_size, c.attention_bias),
-            ("self_attn.v_proj", kv_size, c.hidden_size, c.attention_bias),
-            ("self_attn.o_proj", c.hidden_size, q_size, c.attention_bias),
+    if c.fused_checkpoint:
+        projections = [
+            ("self_attn.qkv_proj", q_size + 2 * kv_size, c.hidden_size, c.qkv_bias),
+            ("mlp.gate_up_proj", 2 * c.intermediate_size, c.hidden_size, c.mlp_bias),
+        ]
+    else:
+        projections = [
+            ("self_attn.q_proj", q_size, c.hidden_size, c.qkv_bias),
+            ("self_attn.k_proj", kv_size, c.hidden_size, c.qkv_bias),
+            ("self_attn.v_proj", kv_size, c.hidden_size, c.qkv_bias),
             ("mlp.gate_proj", c.intermediate_size, c.hidden_size, c.mlp_bias),
             ("mlp.up_proj", c.intermediate_size, c.hidden_size, c.mlp_bias),
-            ("mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias),
-        ):
+        ]
+    projections += [
+        ("self_attn.o_proj", c.hidden_size, q_size, c.o_bias),
+        ("mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias),
+    ]
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        for norm in _layer_norms(c).values():
+            shapes[p + norm + ".weight"] = (c.hidden_size,)
+        if c.qk_norm:
+            for norm in _QK_NORMS:
+                shapes[p + norm + ".weight"] = (c.head_dim,)
+        for proj, out_dim, in_dim, bias in projections:
             shapes[p + proj + ".weight"] = (out_dim, in_dim)
             if bias:
                 shapes[p + proj + ".bias"] = (out_dim,)
     return shapes
+
+
+def _layer_norms(config: ModelConfig) -> dict[str, str]:
+    return _GEMMA_NORMS if config.gemma_norms else _NORMS
+
+
+def _cast(config: ModelConfig, name: str, tensor: torch.Tensor, backends: Backends) -> torch.Tensor:
+    """A state tensor on the device in the model's dtype; Gemma's norm weights as (1 + w) in fp32, the values HF's
+    Gemma3RMSNorm multiplies by (rounding 1 + w to bf16 would lose most of w)."""
+    if config.gemma_norms and name.rsplit(".", 2)[-2].endswith("norm"):
+        return (1.0 + tensor.to(device=backends.device, dtype=torch.float32)).contiguous()
+    return tensor.to(device=backends.device, dtype=backends.dtype)
 
 
 def _check_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
@@ -139,11 +176,15 @@ def _fuse(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, to
     }
     if not config.tie_word_embeddings:
         state["lm_head.weight"] = tensors["lm_head.weight"]
+    fused = {target: (target,) for target in _FUSED} if config.fused_checkpoint else _FUSED
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            state[f"{ours}{norm}.weight"] = tensors[f"{hf}{norm}.weight"]
-        for (target, sources), suffix in itertools.product(_FUSED.items(), ("weight", "bias")):
+        for norm, hf_norm in _layer_norms(config).items():
+            state[f"{ours}{norm}.weight"] = tensors[f"{hf}{hf_norm}.weight"]
+        if config.qk_norm:
+            for norm in _QK_NORMS:
+                state[f"{ours}{norm}.weight"] = tensors[f"{hf}{norm}.weight"]
+        for (target, sources), suffix in itertools.product(fused.items(), ("weight", "bias")):
             names = [f"{hf}{source}.{suffix}" for source in sources]
             if all(name in tensors for name in names):  # biases exist only if the config says so
                 parts = [tensors[name] for name in names]

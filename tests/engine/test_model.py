@@ -59,7 +59,7 @@ class PagedRunner:
 
     def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int = 256) -> None:
         self.model, self.block_size = model, block_size
-        dtype = model.norm.weight.dtype
+        dtype = model.backends.dtype
         self.cache = allocate_kv_cache(model.config, num_blocks, block_size, dtype, CPU)
         # Block 0 is never handed out, so padded block-table entries point at a block nobody owns.
         shuffled = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0)) + 1
@@ -488,8 +488,9 @@ def test_rope_config_formats_agree_with_hf() -> None:
     assert "rope_parameters" in new and "rope_scaling" not in new
     parsed_old = parse_model_config(old, {"eos_token_id": 6})
     parsed_new = parse_model_config(new, {})
-    assert parsed_old == parsed_new
-    assert parsed_old.rope_theta == 500000.0 and parsed_old.rope_scaling == LLAMA3_ROPE
+    assert parsed_old == parsed_new and parsed_old.rope_parameters == parsed_new.rope_parameters
+    rope = {**LLAMA3_ROPE, "rope_theta": 500000.0, "partial_rotary_factor": 1.0}
+    assert parsed_old.rope_parameters == {"full_attention": rope}
     assert parsed_old.eos_token_ids == (5, 6) and parsed_old.num_kv_heads == 4
 
 
@@ -555,7 +556,7 @@ def test_rejects_other_architectures_and_bad_shapes(tmp_path: Path, tiny_model_d
         parse_model_config({**raw, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, {})
     with pytest.raises(ValueError, match="config.json lacks hidden_size, intermediate_size"):
         parse_model_config({**raw, "hidden_size": None, "intermediate_size": None}, {})
-    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
         parse_model_config({**raw, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, {})
     bad = tmp_path / "bad"
     bad.mkdir()
