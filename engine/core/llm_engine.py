@@ -39,8 +39,8 @@ from engine.lora.registry import AdapterRegistry, HostAdapterCache
 from engine.lora.routes import ROUTES
 from engine.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
 from engine.model.cpu_gemm import step_rounding, warm_up_gemms
+from engine.model.decoder import StepInterrupted
 from engine.model.generation import load_sampling_defaults
-from engine.model.llama import StepInterrupted
 from engine.model.loader import load_model
 from engine.model.sources import load_tokenizer, resolve_model
 from engine.structured import prepare_tokenizer

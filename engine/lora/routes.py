@@ -3,7 +3,7 @@
 
 The runner groups a step's rows into segments by adapter slot and asks the engine's route to `plan` them, once per
 step; the model then asks for each layer's deltas, one call per fused projection (`LoraBatch.layer(i).linear(group,
-proj, x)`, engine/model/llama.py's `LoraDelta` protocol), and the route adds them with `apply`, reading A and
+proj, x)`, engine/model/decoder.py's `LoraDelta` protocol), and the route adds them with `apply`, reading A and
 scale-folded B straight from the unified page pool through the slot tables the device tier keeps
 (engine/lora/tables.py):
 
@@ -69,7 +69,7 @@ class LoraRoute(ABC, Generic[PlanT]):
 
 @dataclass(slots=True)  # not frozen: one is made per step, and frozen makes __init__ several times slower
 class LoraBatch:
-    """One step's LoRA as the model sees it (engine/model/llama.py `LoraDelta`): a route and its plan of the step."""
+    """One step's LoRA as the model sees it (engine/model/decoder.py `LoraDelta`): a route and its plan of the step."""
 
     route: LoraRoute[Any]
     plan: Any

@@ -1,6 +1,6 @@
 """The base model's shape, parsed from an HF directory's config.json (no weights read).
 
-One decoder serves several families (engine/model/llama.py); what differs between them is data here, decided once at
+One decoder serves several families (engine/model/decoder.py); what differs between them is data here, decided once at
 start. transformers' own config class of the family reads config.json first, so every format it accepts (older rope
 fields, `sliding_window_pattern`, Qwen2's `use_sliding_window`) arrives here in one form; then every field that would
 change the forward pass is either understood or refused, naming the field. Nothing is served half-right.
@@ -38,7 +38,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 }
 # transformers' hidden_act names -> the activation of the gated MLP (engine/model/layer_ops.py)
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-# RoPE scalings computed (engine/model/llama.py rope_inv_freq): "dynamic" rescales with the sequence length and "yarn"
+# RoPE scalings computed (engine/model/decoder.py rope_inv_freq): "dynamic" rescales with the sequence length and "yarn"
 # is not implemented; both are refused.
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 FULL, SLIDING = "full_attention", "sliding_attention"

@@ -171,7 +171,7 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, backends: Bac
 
 def prepack_linears(model: nn.Module, backends: Backends) -> int:
     """Replace `model`'s nn.Linear projections with PackedLinear (`packed_linear`; a tied LM head is
-    LlamaForCausalLM.prepack's). Returns how many GEMMs were laid out."""
+    CausalLM.prepack's). Returns how many GEMMs were laid out."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

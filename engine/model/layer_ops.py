@@ -105,7 +105,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, hd], cos/sin [T, 1, rot] with rot <= hd, even -> rotated x (a new tensor): HF's rotate_half over
     the first rot dims of each head (pairs i and i + rot/2), the rest passed through (partial rotary). The sign of
-    rotate_half is folded into `sin` (engine/model/llama.py `RotaryEmbedding`)."""
+    rotate_half is folded into `sin` (engine/model/decoder.py `RotaryEmbedding`)."""
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
         return x * cos + torch.roll(x, shifts=rot // 2, dims=-1) * sin

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model.config import ModelConfig, load_model_config, read_json_object
-from engine.model.llama import LlamaForCausalLM
+from engine.model.decoder import CausalLM
 from loragate_kernels.backends import Backends
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ _FUSED = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj": ("mlp.down_proj",),
 }
-# Our norm -> the checkpoint's, per layer (engine/model/llama.py LlamaDecoderLayer): Llama's names, and Gemma 3's, whose
+# Our norm -> the checkpoint's, per layer (engine/model/decoder.py DecoderLayer): Llama's names, and Gemma 3's, whose
 # post_attention_layernorm norms the attention's output and whose pre_feedforward_layernorm is Llama's
 # post_attention_layernorm.
 _NORMS = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm"}
@@ -42,17 +42,17 @@ _GEMMA_NORMS = {
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 
-def load_model(model_dir: Path, backends: Backends, prepack: bool = True) -> LlamaForCausalLM:
-    """Our LlamaForCausalLM with the directory's safetensors weights on `backends.device` in `backends.dtype`, in eval
+def load_model(model_dir: Path, backends: Backends, prepack: bool = True) -> CausalLM:
+    """Our CausalLM with the directory's safetensors weights on `backends.device` in `backends.dtype`, in eval
     mode; its GEMMs' weights laid out for the GEMM route of `backends` unless `prepack` is False
-    (LlamaForCausalLM.prepack)."""
+    (CausalLM.prepack)."""
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     tensors = _read_safetensors(model_dir)
     _check_hf_tensors(config, tensors)
     state = {name: _cast(config, name, t, backends) for name, t in _fuse(config, tensors).items()}
     with torch.device("meta"):  # no random init of parameters that are overwritten anyway
-        model = LlamaForCausalLM(config, backends)
+        model = CausalLM(config, backends)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)  # serving only: no autograd graph even outside inference_mode
     parameters = sum(p.numel() for p in model.parameters())

@@ -42,7 +42,7 @@ from engine.lora.device_tier import DeviceAdapterTier
 from engine.lora.peft_config import GROUPS
 from engine.lora.routes import LoraBatch, TritonLora, TritonPlan
 from engine.model.attention import AttentionMetadata
-from engine.model.llama import LlamaForCausalLM
+from engine.model.decoder import CausalLM
 from loragate_kernels.backends import Kernel
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class _Captured:
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: torch.Tensor,
         block_size: int,
         block_table: np.ndarray,

@@ -25,7 +25,7 @@ from engine.core.scheduler import SchedulerOutput
 from engine.lora.device_tier import DeviceAdapterTier
 from engine.lora.routes import ROUTES, LoraBatch, LoraRoute
 from engine.model.attention import AttentionMetadata, PrefillSeq
-from engine.model.llama import LlamaForCausalLM
+from engine.model.decoder import CausalLM
 from engine.worker.cuda_graphs import DecodeGraphs, Graph, GraphStep
 from engine.worker.input_batch import InputBatch
 from engine.worker.prompt_logprobs import PromptChunk, plan_chunk, score_prompt_chunks
@@ -53,7 +53,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: torch.Tensor,
         block_size: int,
         sampler: Sampler,
@@ -103,7 +103,7 @@ class ModelRunner:
         Runs in inference mode. The engine thread stays in it for its whole loop (engine/core/async_engine.py):
         entering it costs about as much as building the step's inputs at one running request.
 
-        `interrupt`, when set during the forward pass, ends it between two layers (engine/model/llama.py's
+        `interrupt`, when set during the forward pass, ends it between two layers (engine/model/decoder.py's
         StepInterrupted propagates; nothing is sampled, so the step can be run again as it was). A step replayed
         from a CUDA graph (decodes alone, engine/worker/cuda_graphs.py) runs whole.
         """

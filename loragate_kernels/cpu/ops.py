@@ -130,7 +130,7 @@ def rope_write_kv_cpu(
 ) -> None:
     """Norm (when q_norm and k_norm are given: an RMSNorm over head_dim of each head, Qwen3's and Gemma 3's) and
     rotate qkv's q and k heads in place (on each head's first rot dims: x * cos + roll(x, rot/2) * sin,
-    engine/model/llama.py `RotaryEmbedding`; fp32 inside, rounded once), then write each token's k and v into the
+    engine/model/decoder.py `RotaryEmbedding`; fp32 inside, rounded once), then write each token's k and v into the
     cache rows k_rows / v_rows.
 
     Shapes:

@@ -47,6 +47,7 @@ LOAD_FIELDS = {
     "max_num_seqs",
     "max_device_adapters",
     "backends",
+    "sampling_defaults",
 }
 
 Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -1,4 +1,4 @@
-"""Our Llama forward over a paged KV cache against HF transformers' LlamaForCausalLM (the reference)."""
+"""Our decoder over a paged KV cache against HF transformers' LlamaForCausalLM (the reference)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 from engine.model import attention, sources
-from engine.model import llama as llama_module
+from engine.model import decoder as decoder_module
 from engine.model.attention import (
     AttentionMetadata,
     PrefillSeq,
@@ -31,8 +31,8 @@ from engine.model.cpu_gemm import (
     gemm_rows,
     warm_up_gemms,
 )
+from engine.model.decoder import CausalLM
 from engine.model.layer_ops import CppLayerOps, TorchLayerOps
-from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.model.sources import build_tiny_random, load_tokenizer, resolve_model
 from loragate_kernels.backends import Backends, Gemm, Machine, onednn_available
@@ -40,7 +40,7 @@ from loragate_kernels.backends import Backends, Gemm, Machine, onednn_available
 CPU = torch.device("cpu")
 
 
-def cpu_model(model_dir: Path, dtype: torch.dtype = torch.float32, prepack: bool = True) -> LlamaForCausalLM:
+def cpu_model(model_dir: Path, dtype: torch.dtype = torch.float32, prepack: bool = True) -> CausalLM:
     """Our model on the CPU, on the routes this machine and the environment give (the fixtures below force them)."""
     return load_model(model_dir, Backends.resolve(CPU, dtype), prepack)
 
@@ -57,7 +57,7 @@ class Seq:
 class PagedRunner:
     """Drives our model like an engine would: shuffled, non-contiguous blocks and flat mixed batches."""
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int = 256) -> None:
+    def __init__(self, model: CausalLM, block_size: int, num_blocks: int = 256) -> None:
         self.model, self.block_size = model, block_size
         dtype = model.backends.dtype
         self.cache = allocate_kv_cache(model.config, num_blocks, block_size, dtype, CPU)
@@ -112,7 +112,7 @@ def hf_logits(hf: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0]  # [L, vocab]
 
 
-def load_pair(model_dir: Path) -> tuple[LlamaForCausalLM, PreTrainedModel]:
+def load_pair(model_dir: Path) -> tuple[CausalLM, PreTrainedModel]:
     ours = cpu_model(model_dir, torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return ours, hf
@@ -122,7 +122,7 @@ def random_tokens(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def check_prefill_decode_mixed(ours: LlamaForCausalLM, hf: PreTrainedModel, block_size: int, atol: float) -> None:
+def check_prefill_decode_mixed(ours: CausalLM, hf: PreTrainedModel, block_size: int, atol: float) -> None:
     """Prefill a flat batch, decode in batched steps, then a mixed step with a prompt's second chunk."""
     vocab = ours.config.vocab_size
     runner = PagedRunner(ours, block_size)
@@ -146,7 +146,7 @@ def check_prefill_decode_mixed(ours: LlamaForCausalLM, hf: PreTrainedModel, bloc
 
 
 @pytest.fixture(scope="module")
-def tiny_pair(tiny_model_dir: Path) -> tuple[LlamaForCausalLM, PreTrainedModel]:
+def tiny_pair(tiny_model_dir: Path) -> tuple[CausalLM, PreTrainedModel]:
     return load_pair(tiny_model_dir)
 
 
@@ -191,7 +191,7 @@ def test_tiny_matches_hf(tiny_model_dir: Path, block_size: int, layer_backend: s
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_fresh_prompts_attended_as_one_batch_match_hf(
     tiny_model_dir: Path,
-    tiny_pair: tuple[LlamaForCausalLM, PreTrainedModel],
+    tiny_pair: tuple[CausalLM, PreTrainedModel],
     block_size: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -235,7 +235,7 @@ def test_fresh_prompts_attended_as_one_batch_match_hf(
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_prompt_rows_attended_by_the_paged_kernel_match_hf(
-    tiny_pair: tuple[LlamaForCausalLM, PreTrainedModel], block_size: int, monkeypatch: pytest.MonkeyPatch
+    tiny_pair: tuple[CausalLM, PreTrainedModel], block_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On the C++ path a step whose prompt chunks have short contexts attends every row in one call of the paged
     decode kernel (engine/model/attention.py PAGED_PREFILL_MAX_CONTEXT): fresh prompts, a chunk after cached context,
@@ -252,7 +252,7 @@ def test_prompt_rows_attended_by_the_paged_kernel_match_hf(
         plans.append(plan(*args))
         return plans[-1]
 
-    monkeypatch.setattr(llama_module, "plan_attention", spy)
+    monkeypatch.setattr(decoder_module, "plan_attention", spy)
     vocab, runner = ours.config.vocab_size, PagedRunner(ours, block_size)
     atol = hf_atol("cpp", "cpp")
     same = [Seq(random_tokens(10, vocab, seed=i)) for i in range(3)]
@@ -430,9 +430,7 @@ def test_gemm_row_counts_are_bounded_and_warmed(tmp_path: Path, monkeypatch: pyt
         assert (*head, gemm_rows(rows)) in seen or rows > 40
 
 
-def test_bfloat16_tracks_fp32_reference(
-    tiny_model_dir: Path, tiny_pair: tuple[LlamaForCausalLM, PreTrainedModel]
-) -> None:
+def test_bfloat16_tracks_fp32_reference(tiny_model_dir: Path, tiny_pair: tuple[CausalLM, PreTrainedModel]) -> None:
     """bf16 cannot match to 1e-4; a wrong low-precision path (norm, RoPE cast) is off by whole logits."""
     ours = cpu_model(tiny_model_dir, torch.bfloat16)
     runner = PagedRunner(ours, block_size=4)
@@ -596,12 +594,12 @@ def test_smollm2_without_its_wheel_says_how_to_install(tmp_path: Path, monkeypat
 
 
 @pytest.fixture(scope="module")
-def smollm2_pair(smollm2_dir: Path) -> tuple[LlamaForCausalLM, PreTrainedModel]:
+def smollm2_pair(smollm2_dir: Path) -> tuple[CausalLM, PreTrainedModel]:
     return load_pair(smollm2_dir)
 
 
 @pytest.mark.smollm2
-def test_smollm2_matches_hf(smollm2_pair: tuple[LlamaForCausalLM, PreTrainedModel], smollm2_dir: Path) -> None:
+def test_smollm2_matches_hf(smollm2_pair: tuple[CausalLM, PreTrainedModel], smollm2_dir: Path) -> None:
     ours, hf = smollm2_pair
     assert resolve_model("smollm2") == sources.ResolvedModel(smollm2_dir, "SmolLM2-135M-Instruct")
     tok = load_tokenizer(smollm2_dir)
@@ -618,7 +616,7 @@ def test_smollm2_matches_hf(smollm2_pair: tuple[LlamaForCausalLM, PreTrainedMode
 
 
 @pytest.mark.smollm2
-def test_smollm2_greedy_answer(smollm2_pair: tuple[LlamaForCausalLM, PreTrainedModel], smollm2_dir: Path) -> None:
+def test_smollm2_greedy_answer(smollm2_pair: tuple[CausalLM, PreTrainedModel], smollm2_dir: Path) -> None:
     ours = smollm2_pair[0]
     tok = load_tokenizer(smollm2_dir)
     prompt = tok.apply_chat_template(

@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import SamplingParams
 from engine.model.config import load_model_config, parse_model_config
-from engine.model.llama import RotaryEmbedding
+from engine.model.decoder import RotaryEmbedding
 from loragate_kernels.backends import Machine
 
 from lora_fixtures import make_peft_adapter, peft_greedy

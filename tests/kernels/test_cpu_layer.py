@@ -170,7 +170,7 @@ def test_gated_activations_match_the_oracle_and_torch(dtype: torch.dtype, activa
 
 
 def rope_tables(positions: torch.Tensor, rot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [T, 1, rot] fp32, the sign of rotate_half folded into sin (engine/model/llama.py)."""
+    """cos and sin [T, 1, rot] fp32, the sign of rotate_half folded into sin (engine/model/decoder.py)."""
     cos, sin = hf_rope_tables(positions, rot)
     sin[:, : rot // 2] *= -1
     return cos[:, None], sin[:, None]

@@ -147,7 +147,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
 
 
-class LlamaAttention(nn.Module):
+class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -192,7 +192,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out) if lora is None else lora.linear("o", self.o_proj, out)  # [T, hidden]
 
 
-class LlamaMLP(nn.Module):
+class GatedMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
@@ -213,7 +213,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(act) if lora is None else lora.linear("down", self.down_proj, act)
 
 
-class LlamaDecoderLayer(nn.Module):
+class DecoderLayer(nn.Module):
     """Norm, attention, norm, MLP, each block's output added to the residual stream. Gemma 3 also norms each block's
     output before adding it (`attn_out_norm`, `mlp_out_norm`: its checkpoint's post_attention_layernorm and
     post_feedforward_layernorm; its pre_feedforward_layernorm is our post_attention_layernorm, Llama's name for the
@@ -222,9 +222,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = GatedMLP(config)
         self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.gemma_norms else None
         self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.gemma_norms else None
 
@@ -256,7 +256,7 @@ class LlamaDecoderLayer(nn.Module):
         return out, residual
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     """The decoder of every family engine/model/config.py serves. Parameters are named after HF's Llama, minus the
     `model.` prefix, with q/k/v fused into `qkv_proj` and gate/up into `gate_up_proj` (engine/model/loader.py maps each
     family's checkpoint onto them). `lm_head` is None when tied.
@@ -272,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
         self.backends = backends
         self.ops: LayerOps = LAYER_OPS[backends.layer]
         self.embed_tokens: nn.Embedding | PanelEmbedding = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Module | None = None  # nn.Linear, or engine/model/cpu_gemm.py's PackedLinear
         if not config.tie_word_embeddings:
