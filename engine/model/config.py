@@ -202,8 +202,15 @@ def _layer_types(model_type: str, hf: Any) -> tuple[tuple[str, ...], int]:
     types = getattr(hf, "layer_types", None)
     if model_type in ("mistral", "phi3"):  # HF slides every layer when the field is set
         types = [SLIDING if window is not None else FULL] * hf.num_hidden_layers
-    elif not types:
-        types = [FULL] * hf.num_hidden_layers
+    elif not types:  # transformers before `layer_types` read the families' older fields
+        n, pattern = hf.num_hidden_layers, getattr(hf, "sliding_window_pattern", None)
+        if model_type == "gemma3_text" and pattern:  # every pattern-th layer global
+            types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n)]
+        elif getattr(hf, "use_sliding_window", False):  # Qwen2/3: the layers from max_window_layers on slide
+            first = getattr(hf, "max_window_layers", n)
+            types = [SLIDING if i >= first else FULL for i in range(n)]
+        else:
+            types = [FULL] * n
     unknown = sorted(set(types) - {FULL, SLIDING})
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported: {FULL}, {SLIDING}")
@@ -218,7 +225,11 @@ def _layer_types(model_type: str, hf: Any) -> tuple[tuple[str, ...], int]:
 
 def _rope_parameters(hf: Any, layer_types: tuple[str, ...], head_dim: int) -> dict[str, dict[str, Any]]:
     """Layer type -> transformers' standardized rope parameters (one set for every type when the config has one)."""
-    params = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    params = getattr(hf, "rope_parameters", None)
+    if not params:  # transformers before 5: rope_theta and rope_scaling, and Gemma 3's base for its local layers
+        full = {"rope_theta": getattr(hf, "rope_theta", 10000.0), **(getattr(hf, "rope_scaling", None) or {})}
+        local = getattr(hf, "rope_local_base_freq", None)
+        params = {FULL: full, SLIDING: {"rope_type": "default", "rope_theta": local}} if local else full
     per_type = params if set(params) <= {FULL, SLIDING} and params else dict.fromkeys(set(layer_types), params)
     out: dict[str, dict[str, Any]] = {}
     for kind in set(layer_types):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -171,6 +172,30 @@ BASE = dict(
 def test_configs_it_cannot_serve_are_refused_naming_the_field(overrides: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         parse_model_config({**BASE, **overrides}, {})
+
+
+def test_older_transformers_fields_read_as_transformers_5_normalizes_them() -> None:
+    """transformers before 5 gave configs without `layer_types` and `rope_parameters`: the families' older fields
+    (Gemma 3's sliding_window_pattern and rope_local_base_freq, Qwen2's use_sliding_window and max_window_layers,
+    rope_theta and rope_scaling) give what transformers 5 makes of the same config.json."""
+    import transformers
+
+    from engine.model.config import _layer_types, _rope_parameters
+
+    gemma = {"num_hidden_layers": 7, "sliding_window": 4, "sliding_window_pattern": 3, "rope_theta": 1e6}
+    gemma |= {"rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "head_dim": 16}
+    qwen = {"num_hidden_layers": 5, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}
+    qwen |= {"rope_theta": 5e5, "rope_scaling": None}
+    for model_type, fields, config_class in [
+        ("gemma3_text", gemma, transformers.Gemma3TextConfig),
+        ("qwen2", qwen, transformers.Qwen2Config),
+    ]:
+        new = config_class(**fields, max_position_embeddings=64)
+        old = SimpleNamespace(**fields, max_position_embeddings=64, num_attention_heads=4, hidden_size=64)
+        assert _layer_types(model_type, old) == _layer_types(model_type, new)
+        types = _layer_types(model_type, new)[0]
+        assert _rope_parameters(old, types, 16) == _rope_parameters(new, types, 16)
+        assert len(set(types)) == 2  # both kinds of layer, so the comparison says something
 
 
 def test_a_window_longer_than_the_context_is_plain_attention() -> None:
