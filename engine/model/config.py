@@ -66,13 +66,14 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # from config.json and generation_config.json, in that order
-    model_type: str = "llama"  # a FAMILIES key
+    model_type: str  # a FAMILIES key
     # [num_layers] of FULL or SLIDING; a SLIDING layer attends the last `sliding_window` positions only
-    layer_types: tuple[str, ...] = ()
-    sliding_window: int = 0  # 0 when no layer slides
+    layer_types: tuple[str, ...]
+    sliding_window: int  # 0 when no layer slides
     # layer type -> transformers' standardized rope parameters of that kind of layer (rope_type, rope_theta,
     # partial_rotary_factor, the scaling's own keys)
-    rope_parameters: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False, compare=False)
+    rope_parameters: dict[str, dict[str, Any]] = field(hash=False, compare=False)
+    attn_scale: float  # the softmax scale of attention scores
     qkv_bias: bool = False  # biases on q, k and v
     o_bias: bool = False
     mlp_bias: bool = False  # biases on gate, up and down
@@ -81,24 +82,11 @@ class ModelConfig:
     # Gemma's norms: weights stored as w, applied as (1 + w) in fp32; also a norm after attention and after the MLP
     gemma_norms: bool = False
     embed_scale: float = 1.0  # the embeddings are multiplied by it (rounded to the model's dtype, as HF does)
-    attn_scale: float = 0.0  # the softmax scale of attention scores (set from head_dim when 0)
     fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj (Phi-3)
-
-    def __post_init__(self) -> None:
-        if not self.layer_types:
-            object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
-        if not self.attn_scale:
-            object.__setattr__(self, "attn_scale", self.head_dim**-0.5)
-        if not self.rope_parameters:
-            object.__setattr__(self, "rope_parameters", {FULL: {"rope_type": "default", "rope_theta": 10000.0}})
 
     def window(self, layer: int) -> int:
         """The attention window of a layer: the positions a query reads back, itself included (0 = all of them)."""
         return self.sliding_window if self.layer_types[layer] == SLIDING else 0
-
-    @property
-    def rope_theta(self) -> float:
-        return float(self.rope_parameters[self.layer_types[0]]["rope_theta"])
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:
