@@ -49,6 +49,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from gateway.breaker import CircuitBreaker
+from gateway.prefix_index import NO_HINTS, Hints
 from loragate_common.priority import Priority
 
 BAND_NAMES = ("critical", "standard", "sheddable")  # indexed by Priority
@@ -176,6 +177,7 @@ class _Waiter:
     tenant: str
     exclude: frozenset[str]
     affinity: str | None
+    hints: Hints
     seq: int
     enqueued_at: float
     future: asyncio.Future[Slot]
@@ -314,8 +316,10 @@ class AdmissionController:
         tenant: str,
         exclude: frozenset[str] = frozenset(),
         affinity: str | None = None,
+        hints: Hints = NO_HINTS,
     ) -> Slot:
-        """A slot for one request; `affinity` (an adapter id, None for the base model) steers the choice."""
+        """A slot for one request; `affinity` (an adapter id, None for the base model) and `hints` (the
+        engines holding its prompt's prefix and its session, gateway/prefix_index.py) steer the choice."""
         if self._draining:
             raise Shed("draining")
         candidates = [u for u in self.upstreams if u.url not in exclude and not u.drained]
@@ -324,12 +328,12 @@ class AdmissionController:
         if not any(u.breaker.can_allow() for u in candidates):
             raise Shed("circuit_open", min(u.breaker.retry_after_s() for u in candidates))
         if not any(self._depths[: priority + 1]):  # nobody at this priority or above is waiting
-            upstream = self._pick(exclude, affinity)
+            upstream = self._pick(exclude, affinity, hints)
             if upstream is not None:
                 return self._grant(upstream, 0.0, affinity)
         self._make_room(priority)
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(priority, tenant, exclude, affinity, next(self._seq), self._clock(), future)
+        waiter = _Waiter(priority, tenant, exclude, affinity, hints, next(self._seq), self._clock(), future)
         self._bands[priority].add(waiter)
         self._depths[priority] += 1
         self._dispatch()
@@ -383,34 +387,56 @@ class AdmissionController:
         finally:
             timer.cancel()
 
-    def _pick(self, exclude: frozenset[str], affinity: str | None = None) -> Upstream | None:
+    def _pick(self, exclude: frozenset[str], affinity: str | None = None, hints: Hints = NO_HINTS) -> Upstream | None:
         """An upstream with room whose breaker allows a request (taking a probe place, if half-open).
 
-        Whether one is found depends only on `exclude`, never on `affinity`: spill lets an affinity
-        request use any upstream with room, just as a base-model request can.
+        Whether one is found depends only on `exclude`, never on `affinity` or `hints`: spill lets an
+        affinity request use any upstream with room, just as a base-model request can, and hints only
+        reorder the upstreams with room.
         """
         if affinity is None:
-            return self._pick_least_loaded(exclude)
-        return self._pick_affine(exclude, affinity)
+            return self._pick_least_loaded(exclude, hints)
+        return self._pick_affine(exclude, affinity, hints)
 
     def _load(self, upstream: Upstream) -> int:
         return upstream.load(self._clock()) if self.load_source == "engine" else upstream.inflight
 
-    def _pick_least_loaded(self, exclude: frozenset[str]) -> Upstream | None:
-        """The least loaded upstream with room whose breaker allows a request."""
+    def _pick_least_loaded(self, exclude: frozenset[str], hints: Hints = NO_HINTS) -> Upstream | None:
+        """The least loaded upstream with room whose breaker allows a request (after those within the load
+        bound that hold the request's prefix or session)."""
         n = len(self.upstreams)
         loads = [self._load(u) for u in self.upstreams]
         order = sorted(range(n), key=lambda i: (loads[i], (i - self._rotation) % n))
-        for i in order:
-            upstream = self.upstreams[i]
-            if upstream.url in exclude or upstream.drained or upstream.inflight >= self.max_inflight_per_upstream:
-                continue
+        candidates = [
+            self.upstreams[i]
+            for i in order
+            if self.upstreams[i].url not in exclude
+            and not self.upstreams[i].drained
+            and self.upstreams[i].inflight < self.max_inflight_per_upstream
+        ]
+        if hints is not NO_HINTS and candidates:
+            by_id = {id(u): load for u, load in zip(self.upstreams, loads, strict=True)}
+            bound = self._bound(sum(by_id[id(u)] for u in candidates), len(candidates))
+            candidates, _ = _held_first(candidates, hints, lambda u: self._within(u, by_id[id(u)], bound))
+        for upstream in candidates:
             if upstream.breaker.allow():
                 self._rotation += 1
                 return upstream
         return None
 
-    def _pick_affine(self, exclude: frozenset[str], affinity: str) -> Upstream | None:
+    def _bound(self, total_load: int, upstreams: int) -> int:
+        """The bounded-load rule's bound: with this request, no upstream above balance_factor x the mean
+        (never below MIN_BOUND, so light traffic keeps every request where it prefers)."""
+        return max(MIN_BOUND, math.ceil(self.balance_factor * (total_load + 1) / max(1, upstreams)))
+
+    def _within(self, upstream: Upstream, load: int, bound: int) -> bool:
+        """Whether one more request keeps `upstream` within the load bound (with local loads: below
+        `spill_inflight` of this replica's requests)."""
+        if self.load_source == "engine":
+            return upstream.inflight < self.spill_inflight and load + 1 <= bound
+        return upstream.inflight < self.spill_inflight
+
+    def _pick_affine(self, exclude: frozenset[str], affinity: str, hints: Hints = NO_HINTS) -> Upstream | None:
         """The first calm upstream (below `spill_inflight`) in `affinity`'s rendezvous order, else the
         least loaded one with room.
 
@@ -426,8 +452,7 @@ class AdmissionController:
             # to an upstream without the adapter on its device costs a load there and may evict another
             # adapter: worth it for a hot adapter (`_is_hot`: it will stay resident there and take its share),
             # not for a cold one, which moves only to an upstream that has it, or past COLD_SPILL x the bound.
-            mean = (sum(loads.values()) + 1) / max(1, len(roomy))
-            bound = max(MIN_BOUND, math.ceil(self.balance_factor * mean))
+            bound = self._bound(sum(loads.values()), len(roomy))
             cold_bound = max(bound, math.ceil(COLD_SPILL * bound))
 
             def fits(u: Upstream, limit: int) -> bool:  # spill_inflight stays a bound on this replica's requests
@@ -443,9 +468,12 @@ class AdmissionController:
         else:
             calm = [u for u in roomy if u.inflight < self.spill_inflight]
             busy = sorted((u for u in roomy if u.inflight >= self.spill_inflight), key=lambda u: u.inflight)
-        for upstream in calm + busy:  # sorted() is stable: equally loaded busy ones stay in rendezvous order
+        # sorted() is stable: equally loaded busy ones stay in rendezvous order
+        bound = self._bound(sum(self._load(u) for u in roomy), len(roomy))
+        order, held = _held_first(calm + busy, hints, lambda u: self._within(u, self._load(u), bound))
+        for upstream in order:
             if upstream.breaker.allow():
-                if upstream is not healthy[0]:
+                if upstream is not healthy[0] and upstream not in held:
                     self.spills += 1  # the first healthy choice was at or above spill_inflight
                 return upstream
         return None
@@ -536,7 +564,7 @@ class AdmissionController:
             for waiter in band.in_turn_order():
                 if waiter.exclude in refused:
                     continue
-                upstream = self._pick(waiter.exclude, waiter.affinity)
+                upstream = self._pick(waiter.exclude, waiter.affinity, waiter.hints)
                 if upstream is None:
                     refused.add(waiter.exclude)
                     continue
@@ -562,3 +590,16 @@ class AdmissionController:
     def _on_wakeup(self) -> None:
         self._wakeup = None
         self._dispatch()
+
+
+def _held_first(
+    order: list[Upstream], hints: Hints, within: Callable[[Upstream], bool]
+) -> tuple[list[Upstream], list[Upstream]]:
+    """`order` with the upstreams within the load bound that hold the request's prefix or its session moved
+    ahead: the longest prefix match first, then the session's upstream; `order` breaks ties (adapter affinity,
+    load). Returns the new order and the upstreams moved ahead."""
+    if not hints.matches and hints.session is None:
+        return order, []
+    held = [u for u in order if (hints.match(u.url) or u.url == hints.session) and within(u)]
+    held.sort(key=lambda u: (-hints.match(u.url), u.url != hints.session))
+    return held + [u for u in order if u not in held], held

@@ -47,6 +47,7 @@ from gateway.fleet_store import FleetStore, LocalFleetStore
 from gateway.generate import GenerateRoutes
 from gateway.overrides import Overrides
 from gateway.policy import Policy, PolicyError
+from gateway.prefix_index import PrefixIndex, RedisPrefixStore
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
 from gateway.redis_client import breakers_of, stop_probes
@@ -138,6 +139,7 @@ def build_app(
     discovery: DnsUpstreams | None = None,
     clear_overrides: bool = False,
     catalog_store: CatalogStore | None = None,
+    prefix_store: RedisPrefixStore | None = None,
 ) -> Starlette:
     """The gateway app in front of `upstream_urls` (and of the engines `discovery` finds in DNS).
 
@@ -146,7 +148,7 @@ def build_app(
     operator overrides with other replicas; `ledger` and `budgets` (gateway/usage.py, gateway/budgets.py)
     default to this process's memory; `clear_overrides` lifts the overrides at start (--clear-overrides);
     `catalog_store` (gateway/catalog_store.py's RedisCatalogStore) shares the adapter catalog, else it is
-    this process's.
+    this process's; `prefix_store` shares which engine holds which prompt prefix (gateway/prefix_index.py).
     """
     metrics = metrics if metrics is not None else GatewayMetrics()
     shared = fleet_store if fleet_store is not None else LocalFleetStore()
@@ -168,7 +170,8 @@ def build_app(
         on_step=lambda name, control: metrics.count_rollout_step(name, control.status),
     )
     overrides = Overrides(shared)
-    fleet = Fleet(store, admission, UpstreamCatalog(lambda: admission.upstreams, http), overrides, discovery)
+    prefix = PrefixIndex(a.prefix, a.session_key, prefix_store)
+    fleet = Fleet(store, admission, UpstreamCatalog(lambda: admission.upstreams, http), overrides, prefix, discovery)
     budgets = budgets if budgets is not None else MemoryBudgets()
     budgets.on_alert = metrics.count_budget_alert
     ledger = ledger if ledger is not None else MemoryUsageLedger()
@@ -187,9 +190,10 @@ def build_app(
         spills=lambda: admission.spills,
         rollout_weights=lambda: store.active.rollouts.weights(),
         overrides=overrides.describe,
-        redis_breakers=lambda: breakers_of(limiter, shared, adapters.store),
+        redis_breakers=lambda: breakers_of(limiter, shared, adapters.store, prefix_store),
         ledger=lambda: {"pending": len(ledger.pending), "dropped": ledger.dropped},
         catalog=adapters.counts,
+        prefix=prefix.describe,
     )
 
     @contextlib.asynccontextmanager
@@ -226,8 +230,9 @@ def build_app(
             await limiter.aclose()
             await shared.aclose()
             await adapters.aclose()
+            await prefix.aclose()
             # An open Redis breaker probes Redis from a task of its own (gateway/redis_client.py).
-            await stop_probes(breakers_of(limiter, shared, adapters.store))
+            await stop_probes(breakers_of(limiter, shared, adapters.store, prefix_store))
 
     proxy = Proxy(http, admission, metrics)
     admin = AdminRoutes(store, fleet, metrics, shared, ledger, adapters)

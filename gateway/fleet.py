@@ -1,9 +1,10 @@
 """The engines a gateway serves from, and the operators' hold on them: `Fleet`.
 
 It owns the upstream set (the static `--upstream` URLs plus those `--upstream-dns` finds, gateway/discovery.py),
-admission over them (gateway/admission.py: per-engine slots, priority queues, adapter affinity), what the
-engines serve (gateway/upstream.py's catalog of base models and adapters), and operator overrides that act
-on engines (drains and breaker resets, gateway/overrides.py). Generation, the admin routes and the
+admission over them (gateway/admission.py: per-engine slots, priority queues, adapter affinity), which engine
+holds which prompt prefix and session (gateway/prefix_index.py), what the engines serve (gateway/upstream.py's
+catalog of base models and adapters), and operator overrides that act on engines (drains and breaker resets,
+gateway/overrides.py). Generation, the admin routes and the
 housekeeping loop all reach the engines through it.
 """
 
@@ -21,6 +22,7 @@ from gateway.breaker import CircuitBreaker
 from gateway.discovery import DnsUpstreams
 from gateway.overrides import Overrides
 from gateway.policy import Breaker, Policy
+from gateway.prefix_index import PrefixIndex
 from gateway.reload import PolicyStore
 from gateway.upstream import UpstreamCatalog
 
@@ -43,10 +45,12 @@ class Fleet:
         admission: AdmissionController,
         catalog: UpstreamCatalog,
         overrides: Overrides,
+        prefix: PrefixIndex,
         discovery: DnsUpstreams | None = None,
     ) -> None:
         self.store = store
         self.admission = admission
+        self.prefix = prefix
         self.catalog = catalog
         self.overrides = overrides
         self.discovery = discovery
@@ -68,6 +72,7 @@ class Fleet:
             "upstreams: %d (joined %s; left %s)", len(urls), ", ".join(joined) or "none", ", ".join(left) or "none"
         )
         self.admission.set_upstreams(upstreams)
+        self.prefix.forget(left)
         self.apply_overrides()
         self.catalog.invalidate()
 
@@ -90,8 +95,9 @@ class Fleet:
                 logger.exception("engine discovery failed")
 
     async def poll_loads(self) -> None:
-        """Read every engine's load report once (GET /load): its running and waiting requests and the
-        adapters on its device. An engine without the route, or that does not answer, keeps its last."""
+        """Read every engine's load report once (GET /load): its running and waiting requests, the adapters
+        on its device and the prompt prefixes its cache holds. An engine without the route, or that does not
+        answer, keeps its last."""
         client = self.catalog.client
 
         async def one(upstream: Upstream) -> None:
@@ -103,6 +109,9 @@ class Fleet:
                 upstream.on_device = frozenset(str(a) for a in data.get("device_adapters", ()))
                 slots = data.get("max_device_adapters")
                 upstream.device_slots = slots if isinstance(slots, int) and slots > 0 else None
+                prefixes = data.get("prefixes")
+                if isinstance(prefixes, list) and all(isinstance(h, str) for h in prefixes):
+                    self.prefix.report(upstream.url, prefixes)
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 pass  # the breaker and the catalog notice engines that are down; this is only a hint
 
@@ -128,6 +137,7 @@ class Fleet:
         )
         for upstream in self.admission.upstreams:
             upstream.breaker.reconfigure(b.failure_threshold, b.open_seconds, b.half_open_probes)
+        self.prefix.configure(a.prefix, a.session_key)
 
     # ---- operator overrides ----
 
@@ -199,4 +209,5 @@ class Fleet:
             "affinity": affinity,
             "spill_inflight": self.admission.spill_inflight,
             "spills": self.admission.spills,
+            "prefix": self.prefix.describe(),
         }

@@ -45,6 +45,8 @@ from loragate_common.http_io import ClientGone, read_json, unless_disconnected
 
 logger = logging.getLogger(__name__)
 
+CHAT_PATH = "/v1/chat/completions"
+
 # The X-Loragate-Reason values; the metrics' reason label takes only these.
 REASONS = frozenset(
     {
@@ -90,7 +92,7 @@ class GenerateRoutes:
     def routes(self) -> list[Route]:
         return [
             Route("/v1/completions", Generate(self, "/v1/completions", chat=False), methods=["POST"]),
-            Route("/v1/chat/completions", Generate(self, "/v1/chat/completions", chat=True), methods=["POST"]),
+            Route("/v1/chat/completions", Generate(self, CHAT_PATH, chat=True), methods=["POST"]),
         ]
 
     async def resolve_adapter(
@@ -196,11 +198,19 @@ class GenerateRoutes:
                 tenant, body.reserve_tokens, active
             )
         headers = dict(exchange.limit_headers)
+        index = self.fleet.prefix
+        chunks = index.chunks(call.body, call.path == CHAT_PATH, call.adapter)
+        session = index.session(call.tenant, request.headers, call.body)
+        call = dataclasses.replace(call, prefix=chunks, hints=await index.lookup(chunks, session))
         try:
             exchange.slot = await unless_disconnected(
-                request.receive, self.fleet.admission.acquire(call.priority, call.tenant, affinity=call.affinity)
+                request.receive,
+                self.fleet.admission.acquire(call.priority, call.tenant, affinity=call.affinity, hints=call.hints),
             )
+            index.count(call.hints, exchange.slot.upstream.url, chunks, session)
             response = await unless_disconnected(request.receive, self.proxy.forward(call, exchange))
+            if response.status_code < 400 and exchange.slot is not None:  # where its prefix is now computed
+                await index.record(exchange.slot.upstream.url, chunks, session)
         except Shed as shed:
             exchange.status, exchange.outcome = 503, shed.reason
             return unavailable(shed.message, shed.reason, shed.retry_after_s, headers).response()

@@ -36,6 +36,7 @@ __all__ = [
     "Defaults",
     "Limits",
     "Policy",
+    "PrefixRouting",
     "PublishQuota",
     "PolicyError",
     "RateLimitPolicy",
@@ -67,6 +68,12 @@ def _key_ref(value: str) -> str:
 def _sticky_key(value: str) -> str:
     if value != "tenant" and not (value.startswith("header:") and _HEADER_RE.fullmatch(value[7:])):
         raise ValueError("must be 'tenant' or 'header:<Header-Name>'")
+    return value
+
+
+def _session_key(value: str) -> str:
+    if value not in ("none", "body:user") and not (value.startswith("header:") and _HEADER_RE.fullmatch(value[7:])):
+        raise ValueError("must be 'header:<Header-Name>', 'body:user' or 'none'")
     return value
 
 
@@ -218,6 +225,17 @@ class Rollout(_Model):
         return self.steps is not None
 
 
+class PrefixRouting(_Model):
+    """Prefix-aware routing (gateway/prefix_index.py): a request goes to the engine that holds the longest
+    run of its prompt's leading chunks, within the bounded-load rule."""
+
+    enabled: StrictBool = True
+    chunk_chars: Annotated[int, Field(strict=True, ge=16, le=65536)] = 256  # text per chunk hash
+    max_chunks: Annotated[int, Field(strict=True, ge=1, le=512)] = 128  # a prompt's leading chunks hashed
+    index_entries: Annotated[int, Field(strict=True, ge=1, le=10_000_000)] = 65536  # this replica's LRU bound
+    ttl_s: Annotated[int, Field(strict=True, ge=1, le=86400)] = 600  # how long a shared entry lives in Redis
+
+
 class Admission(_Model):
     max_inflight_per_upstream: PosInt = 32
     max_queue: NonNegInt = 256  # 0: no queue, shed when every upstream is full
@@ -230,6 +248,10 @@ class Admission(_Model):
     # replica's requests in flight only. With "engine", affinity also yields past balance_factor x the mean.
     load_source: Literal["engine", "local"] = "engine"
     balance_factor: Annotated[float, Field(strict=False, ge=1.0, le=10.0, allow_inf_nan=False)] = 1.2
+    prefix: PrefixRouting = PrefixRouting()
+    # A session's requests go where its last one went (bounded by load like everything else): the value of
+    # this header, or of the body's `user` field; "none": no session affinity.
+    session_key: Annotated[str, AfterValidator(_session_key)] = "header:X-Session-ID"
 
     @property
     def spill_at(self) -> int:

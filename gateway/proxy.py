@@ -36,10 +36,13 @@ from starlette.responses import Response, StreamingResponse
 
 from gateway.admission import AdmissionController, EngineLoad, Shed, Slot
 from gateway.budgets import Hold
+from gateway.prefix_index import NO_HINTS, Hints
 from gateway.ratelimit import Reservation
 from gateway.telemetry import GatewayMetrics, inject_headers
 from loragate_common.errors import error_body, error_response
 from loragate_common.http_io import SSE_DONE, sse
+from loragate_common.prefix import HEADER as PREFIX_HEADER
+from loragate_common.prefix import PromptChunks
 from loragate_common.priority import Priority
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,8 @@ class Call:
     affinity: str | None = None  # the key admission places it by (the adapter, unless affinity is off)
     request_id: str = ""  # the usage ledger's key for it (gateway/usage.py)
     estimated_prompt_tokens: int = 0  # the gateway's estimate, for a stream cut before the engine's usage
+    prefix: PromptChunks | None = None  # its prompt's chunk hashes (prefix routing), sent to the engine
+    hints: Hints = NO_HINTS  # where its prefix and session are held (gateway/prefix_index.py)
 
 
 @dataclass(slots=True)
@@ -224,7 +229,7 @@ class Proxy:
         exchange.slot.release()
         try:
             exchange.slot = await self.admission.acquire(
-                call.priority, call.tenant, exclude=frozenset(exchange.tried), affinity=call.affinity
+                call.priority, call.tenant, exclude=frozenset(exchange.tried), affinity=call.affinity, hints=call.hints
             )
         except Shed:
             exchange.slot = None
@@ -242,6 +247,8 @@ class Proxy:
         if call.adapter is not None:
             headers["X-Adapter-ID"] = call.adapter
             headers.update(call.adapter_headers)
+        if call.prefix is not None and call.prefix.hashes:  # the engine reports what of it its cache keeps
+            headers[PREFIX_HEADER] = call.prefix.header()
         inject_headers(headers)
         request = self.client.build_request("POST", f"{url}{call.path}", json=body, headers=headers)
         try:

@@ -11,6 +11,7 @@ from gateway.catalog_store import RedisCatalogStore
 from gateway.discovery import DnsUpstreams
 from gateway.fleet_store import RedisFleetStore
 from gateway.policy import Policy, load_policy
+from gateway.prefix_index import RedisPrefixStore
 from gateway.ratelimit import MemoryRateLimiter, RateLimiter
 from gateway.redis_limiter import RedisRateLimiter
 from gateway.usage import RETENTION, RedisUsageLedger
@@ -55,13 +56,15 @@ def serve(
     setup_tracing("loragate-gateway")
     limiter = make_limiter(redis_url, policy)
     # With Redis, everything the replicas must agree on is shared like the limits: rollouts and overrides,
-    # the usage ledger, budgets, the adapter catalog. Without it, each lives in this process (build_app's defaults).
-    shared = ledger = budgets = catalog = None
+    # the usage ledger, budgets, the adapter catalog, which engine holds which prompt prefix. Without it, each
+    # lives in this process (build_app's defaults).
+    shared = ledger = budgets = catalog = prefix = None
     if redis_url is not None:
         shared = RedisFleetStore(redis_url)
         ledger = RedisUsageLedger(redis_url, retention=usage_retention)
         budgets = RedisBudgets(redis_url)
         catalog = RedisCatalogStore(redis_url)
+        prefix = RedisPrefixStore(redis_url)
     app = build_app(
         policy,
         upstreams,
@@ -74,6 +77,7 @@ def serve(
         discovery=discovery,
         clear_overrides=clear_overrides,
         catalog_store=catalog,
+        prefix_store=prefix,
     )
     gateway = app.state.gateway
     engines = list(upstreams) + ([f"dns:{discovery.name}:{discovery.port}"] if discovery is not None else [])

@@ -87,8 +87,10 @@ class _Bound:
         redis_breakers: Callable[[], Sequence[RedisBreakerView]],
         ledger: Callable[[], dict[str, int]],
         catalog: Callable[[], dict[str, int]],
+        prefix: Callable[[], dict[str, Any]],
     ) -> None:
         self.catalog = catalog
+        self.prefix = prefix
         self.ledger = ledger
         self.queue_depths = queue_depths
         self.redis_breakers = redis_breakers
@@ -207,6 +209,39 @@ class _StateCollector:
         for state in CATALOG_STATES:
             catalog.add_metric([state], counts.get(state, 0))
         yield catalog
+        yield from _prefix_metrics(bound.prefix())
+
+
+PREFIX_OUTCOMES = ("hit", "miss", "overridden")
+SESSION_OUTCOMES = ("hit", "new", "overridden")
+
+
+def _prefix_metrics(state: dict[str, Any]) -> Iterator[Metric]:
+    """Prefix-aware routing and session affinity (gateway/prefix_index.py's `describe()`)."""
+    outcomes = state.get("outcomes", {})
+    prefix = CounterMetricFamily(
+        "loragate_gateway_prefix_routing",
+        "Requests routed by prompt prefix: hit (to an engine holding the longest match), miss (no engine held "
+        "any of it), overridden (the longest match was past the load bound).",
+        labels=["outcome"],
+    )
+    for outcome in PREFIX_OUTCOMES:
+        prefix.add_metric([outcome], outcomes.get(f"prefix_{outcome}", 0))
+    yield prefix
+    session = CounterMetricFamily(
+        "loragate_gateway_session_routing",
+        "Requests with a session key: hit (to its session's engine), new (the session's first), overridden "
+        "(its engine was past the load bound or held less of the prompt than another).",
+        labels=["outcome"],
+    )
+    for outcome in SESSION_OUTCOMES:
+        session.add_metric([outcome], outcomes.get(f"session_{outcome}", 0))
+    yield session
+    yield GaugeMetricFamily(
+        "loragate_gateway_prefix_index_entries",
+        "Prompt chunk hashes (and sessions) this replica's prefix index holds.",
+        value=state.get("entries", 0),
+    )
 
 
 class GatewayMetrics:
@@ -370,6 +405,7 @@ class GatewayMetrics:
         redis_breakers: Callable[[], Sequence[RedisBreakerView]] = list,
         ledger: Callable[[], dict[str, int]] = dict,
         catalog: Callable[[], dict[str, int]] = dict,
+        prefix: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         """Read these at each scrape; binding again replaces the callbacks."""
         self._state.bound = _Bound(
@@ -384,6 +420,7 @@ class GatewayMetrics:
             redis_breakers,
             ledger,
             catalog,
+            prefix,
         )
 
     def render(self) -> tuple[bytes, str]:
