@@ -26,6 +26,12 @@ raises `Shed`:
   first healthy choice because it was that busy. An upstream whose breaker is open is skipped, so its
   adapters move to their next choice and come back when it recovers; removing an upstream remaps only the
   adapters it was first choice for (`rendezvous_order` is the pure ranking, shared with admin views).
+- Hints (gateway/prefix_index.py) name the upstreams that hold the request's prompt prefix (how many leading
+  chunks each) and its session's upstream. Those within the load bound (with engine-reported loads: load + 1
+  at most `balance_factor` x the mean, never below MIN_BOUND, and fewer than `spill_inflight` of ours there;
+  with local loads: fewer than `spill_inflight`) go first, the longest match first, then the session's; the
+  order above breaks ties. So a conversation returns to the engine that holds it until that engine is past
+  the bound, and a hot prefix spreads like a hot adapter.
 - Otherwise the request waits in one of three bands (critical, standard, sheddable). Within a band the
   tenants take turns (round-robin over tenants that have someone waiting, FIFO within a tenant), so a
   tenant with 100 queued cannot starve one with 1. Whenever a slot is released or a breaker changes
