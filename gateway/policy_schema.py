@@ -26,6 +26,7 @@ _KEY_REF = r"^(sha256:[0-9a-f]{64}|env:[A-Za-z_][A-Za-z0-9_]*)$"
 _TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"  # an RFC 9110 token: what an HTTP header name may be
 _STICKY_KEY = rf"^(tenant|header:{_TOKEN})$"
 _HEADER_NAME = rf"^{_TOKEN}$"
+_SESSION_KEY = rf"^(none|body:user|header:{_TOKEN})$"
 # One adapter id: one segment or two joined by '/' (a catalog id, `tenant/name`), each without glob characters,
 # not '.' or '..', without leading or trailing whitespace; `@N` (a catalog version) is part of the last.
 _SEGMENT = r"(?!\.\.?(?:/|$))[^\s*?\[\]/](?:[^*?\[\]/]*[^\s*?\[\]/])?"
@@ -44,6 +45,7 @@ def policy_json_schema() -> dict[str, Any]:
     # Weights are each >= 0, so "they sum to more than 0" is "at least one is more than 0".
     rollout["variants"]["contains"] = {"properties": {"weight": {"exclusiveMinimum": 0}}, "required": ["weight"]}
     _string_branch(defs["Variant"]["properties"]["adapter"])["pattern"] = _ADAPTER_ID
+    _string_branch(defs["Admission"]["properties"]["session_key"])["pattern"] = _SESSION_KEY
     schema["title"] = TITLE
     schema["description"] = (
         "Tenants, API keys, limits, rollouts, admission and breaker settings for the "
