@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.core.llm_engine import AdapterUnusable, LLMEngine
+from engine.core.llm_engine import PREFIX_REPORT_S, AdapterUnusable, LLMEngine
 from engine.core.outputs import AdapterStatus, RequestError, RequestOutput
 from engine.core.request import SamplingParams
 from engine.lora.peft_config import AdapterSpec
 from engine.worker.threads import TransientWorker, make_current
+from loragate_common.prefix import PromptChunks
 from loragate_common.priority import Priority
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class _Add:
     priority: Priority
     adapter: AdapterSpec | None  # the version generate() resolved and checked
     arrival_time: float  # time.monotonic() when generate() accepted it: queue time includes the inbox wait
+    prefix_chunks: PromptChunks | None = None  # the gateway's hashes of its prompt (Request.prefix_chunks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +152,12 @@ class AsyncEngine:
         params: SamplingParams,
         priority: Priority = Priority.STANDARD,
         adapter_id: str | None = None,
+        prefix_chunks: PromptChunks | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate now (LLMEngine.validate_request, the request's one check: ValueError, KeyError for an unknown
         adapter, RequestFailed for one whose weights failed to load), then stream the request's outputs; one that
         fails in the engine raises RequestFailed from the iterator. The engine thread queues it as checked here.
+        `prefix_chunks`: the gateway's hashes of its prompt, kept with its cached blocks (Request.prefix_chunks).
 
         Closing the iterator early (client gone, task cancelled) aborts the request and frees its blocks.
         """
@@ -163,7 +167,8 @@ class AsyncEngine:
             raise RequestFailed(RequestError("adapter_error", str(exc))) from None
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        return self._stream(_Add(request_id, list(prompt_token_ids), params, priority, adapter, time.monotonic()))
+        add = _Add(request_id, list(prompt_token_ids), params, priority, adapter, time.monotonic(), prefix_chunks)
+        return self._stream(add)
 
     # ---- adapters -------------------------------------------------------------------------------------
 
@@ -253,18 +258,22 @@ class AsyncEngine:
                 self._event_loop().call_soon_threadsafe(self._dispatch, outputs)
 
     def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued adds/aborts; wait for one if `block`. False when asked to stop.
+        """Apply queued adds/aborts; wait for one if `block` (up to PREFIX_REPORT_S). False when asked to stop.
 
         What it applied is in the load report at once: arrivals count as waiting during the coming step (which may
-        be long), and aborts that leave the engine idle are not reported as running until the next request.
+        be long), and aborts that leave the engine idle are not reported as running until the next request. A wait
+        that ends with nothing to apply brings the report's held prefixes up to date (LLMEngine.publish_stale_prefixes):
+        an idle engine reports what its last steps cached.
         """
         applied = False
         while True:
             try:
-                item = self._inbox.get(block=block)
+                item = self._inbox.get(block=block, timeout=PREFIX_REPORT_S if block else None)
             except queue.Empty:
                 if applied:
                     self.engine.publish_load()
+                elif block:
+                    self.engine.publish_stale_prefixes()
                 return True
             block = False
             applied = True
@@ -278,7 +287,13 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.enqueue(
-                    item.request_id, item.prompt_token_ids, item.params, item.priority, item.adapter, item.arrival_time
+                    item.request_id,
+                    item.prompt_token_ids,
+                    item.params,
+                    item.priority,
+                    item.adapter,
+                    item.arrival_time,
+                    item.prefix_chunks,
                 )
             except ValueError as exc:  # its output constraint could not start
                 self._event_loop().call_soon_threadsafe(self._fail, item.request_id, exc)

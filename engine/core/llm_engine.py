@@ -48,10 +48,15 @@ from engine.worker.cuda_graphs import CudaGraph, DecodeGraphs, Graph
 from engine.worker.runner import ModelRunner
 from engine.worker.sampler import Sampler
 from engine.worker.threads import ThreadTuner, TransientWorker, make_current, usable_cpus
+from loragate_common.prefix import PromptChunks
 from loragate_common.priority import Priority
 from loragate_kernels.backends import Backends
 
 logger = logging.getLogger(__name__)
+
+# The held prefixes in the load report are recomputed at most this often (seconds): a report is made after every
+# step, and the gateway polls it once a second.
+PREFIX_REPORT_S = 1.0
 
 
 class AdapterUnusable(RuntimeError):
@@ -146,6 +151,9 @@ class LLMEngine:
         self.interrupted_steps = 0  # steps a critical arrival ended early (see step())
         self._rerun_due = False  # the next step of lower-class work runs whole
         self._prefetcher = TransientWorker("adapter-prefetch")  # engine/worker/threads.py: why not a pool
+        self._prefixes: tuple[str, ...] = ()  # the last KVCacheManager.held_prefixes()
+        self._prefixes_at = -float("inf")  # when (time.monotonic()) they were computed
+        self.prefixes_stale = False  # a report since then kept them: the cache may have changed
         self.load_report = self._load_report()  # replaced by publish_load()
         logger.info(
             "engine ready: model=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
@@ -239,10 +247,11 @@ class LLMEngine:
         priority: Priority = Priority.STANDARD,
         adapter_id: str | None = None,
         arrival_time: float | None = None,
+        prefix_chunks: PromptChunks | None = None,
     ) -> Request:
         """Check a request (`validate_request`) and queue it (`enqueue`): the synchronous entry point."""
         adapter = self.validate_request(prompt_token_ids, params, adapter_id)
-        return self.enqueue(request_id, prompt_token_ids, params, priority, adapter, arrival_time)
+        return self.enqueue(request_id, prompt_token_ids, params, priority, adapter, arrival_time, prefix_chunks)
 
     def enqueue(
         self,
@@ -252,11 +261,13 @@ class LLMEngine:
         priority: Priority,
         adapter: AdapterSpec | None,
         arrival_time: float | None = None,
+        prefix_chunks: PromptChunks | None = None,
     ) -> Request:
         """Queue a request its entry point checked (`validate_request`: nothing is checked again, and the adapter
         version it resolved is the one the request uses). `arrival_time` (time.monotonic()) when it arrived before
         this call (it waited in the async engine's inbox): queue time, aging and arrival order count from then.
-        ValueError only where the request's output constraint cannot start."""
+        `prefix_chunks`: the gateway's hashes of its prompt (Request.prefix_chunks). ValueError only where the
+        request's output constraint cannot start."""
         try:
             request = Request(
                 request_id,
@@ -265,6 +276,7 @@ class LLMEngine:
                 priority,
                 adapter,
                 time.monotonic() if arrival_time is None else arrival_time,
+                prefix_chunks=prefix_chunks,
             )
         except Exception as exc:  # its constraint could not be made: this request fails, not the engine thread
             raise ValueError(f"constraint: the request's output constraint could not be started: {exc!r}") from exc
@@ -408,9 +420,26 @@ class LLMEngine:
         its end, the async engine after the arrivals and aborts it applies between steps."""
         self.load_report = self._load_report()
 
+    def publish_stale_prefixes(self) -> None:
+        """Publish the load again if its held prefixes were kept since they were last computed: an idle engine
+        makes no report of its own, and the async engine calls this when it has waited PREFIX_REPORT_S."""
+        if self.prefixes_stale:
+            self.publish_load()
+
+    def _held_prefixes(self) -> tuple[str, ...]:
+        """KVCacheManager.held_prefixes(), recomputed at most once per PREFIX_REPORT_S (the rest of a report is
+        O(1) in the cache's size; this is O(recent prompts x their blocks))."""
+        now = time.monotonic()
+        if now - self._prefixes_at >= PREFIX_REPORT_S:
+            self._prefixes, self._prefixes_at = self.scheduler.kv.held_prefixes(), now
+            self.prefixes_stale = False
+        else:
+            self.prefixes_stale = True
+        return self._prefixes
+
     def _load_report(self) -> LoadReport:
         # O(running + adapters waiting + adapters resident): running is at most max_num_seqs, the waiting queue
-        # keeps its per-adapter counts as requests come and go.
+        # keeps its per-adapter counts as requests come and go; the held prefixes are recomputed once a second.
         s = self.scheduler
         adapter_pages = self.pool.num_run_pages
         cached = s.kv.num_evictable_blocks
@@ -424,6 +453,7 @@ class LLMEngine:
             device_adapters=self.device_adapters.current_ids(),
             running_by_adapter=tuple(Counter(r.adapter_id for r in s.running).items()),
             waiting_by_adapter=s.waiting.count_by_adapter(),
+            prefixes=self._held_prefixes(),
         )
 
     def adapter_statuses(self) -> list[AdapterStatus]:

@@ -8,7 +8,8 @@ tensor lives with the runner (`kv_cache[layer, page]`).
 
 KV blocks of full prompt blocks are shared between requests through an exact prefix cache keyed by adapter
 version (KVCacheManager); cached blocks no request holds stay allocated until a KV allocation or an adapter
-run needs their pages.
+run needs their pages. The cache also tells the gateway which prompt prefixes it holds, by the chunk hashes the
+gateway sent with recent prompts (`held_prefixes`, loragate_common/prefix.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from __future__ import annotations
 import heapq
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.core.request import Request
 from engine.lora.peft_config import AdapterKey
+from loragate_common.prefix import PromptChunks
 
 
 class PagePool:
@@ -109,6 +111,29 @@ class _CacheEntry:
     key_id: int  # handed out once per published key, never reused
 
 
+@dataclass(slots=True)
+class _Progress:
+    """How far a request walked its prompt's block chain: the key of the last block looked at, and the key id
+    of every block so far (its first `len(key_ids)` prompt blocks), which `held_prefixes` tests for liveness."""
+
+    parent: BlockKey | None = None
+    key_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _RecentPrompt:
+    """A recent prompt's chunk hashes and the key ids of its leading blocks (the request's own list, so it grows
+    while the request computes and stays after it is freed)."""
+
+    chunks: PromptChunks
+    prompt_tokens: int
+    key_ids: list[int]
+    max_blocks: int  # the blocks that cover every chunk: liveness past them changes nothing
+
+
+RECENT_PROMPTS = 1024  # prompts whose chunk hashes held_prefixes looks at, most recently attached first
+
+
 def _adapter_key(request: Request) -> AdapterKey | None:
     return None if request.adapter is None else request.adapter.key
 
@@ -136,9 +161,10 @@ class KVCacheManager:
         self._cached: dict[BlockKey, _CacheEntry] = {}
         self._key_of: dict[int, BlockKey] = {}  # cached block -> its key
         self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
-        # request id -> (its prompt blocks already looked at, the key of the last of them)
-        self._progress: dict[str, tuple[int, BlockKey | None]] = {}
+        self._progress: dict[str, _Progress] = {}  # request id -> its walk along its prompt's blocks
         self._next_key_id = 0
+        self._live_ids: set[int] = set()  # key ids of the cached entries
+        self._recent: OrderedDict[str, _RecentPrompt] = OrderedDict()  # tip hash -> prompt, least recent first
         self.prefix_queries = 0  # tokens of requests that asked the cache
         self.prefix_hits = 0  # of those, tokens found in it
 
@@ -205,17 +231,17 @@ class KVCacheManager:
         bs = self.block_size
         limit = min(request.num_prompt_tokens // bs, (request.num_tokens - 1) // bs)
         adapter = _adapter_key(request)
-        parent: BlockKey | None = None
+        progress = self._start_progress(request)
         for index in range(limit):
-            key = self._key(parent, adapter, request, index)
+            key = self._key(progress.parent, adapter, request, index)
             entry = self._cached.get(key)
             if entry is None:
                 break
             self._refs[entry.block] += 1
             self._evictable.pop(entry.block, None)
             request.block_ids.append(entry.block)
-            parent = key
-        self._progress[request.request_id] = (len(request.block_ids), parent)
+            progress.parent = key
+            progress.key_ids.append(entry.key_id)
         request.num_computed_tokens = len(request.block_ids) * bs
         self.prefix_queries += request.num_tokens
         self.prefix_hits += request.num_computed_tokens
@@ -226,30 +252,50 @@ class KVCacheManager:
         if not self.enable_prefix_cache:
             return
         full = min(request.num_computed_tokens, request.num_prompt_tokens) // self.block_size
-        done, parent = self._progress.get(request.request_id, (0, None))
+        progress = self._progress.get(request.request_id)
+        if progress is None:
+            progress = self._start_progress(request)
         adapter = _adapter_key(request)
-        while done < full:
-            if parent is not None and parent not in self._cached:
+        while (done := len(progress.key_ids)) < full:
+            if progress.parent is not None and progress.parent not in self._cached:
                 break  # the prefix before this block left the cache: no lookup could reach it now
-            key = self._key(parent, adapter, request, done)
-            if key not in self._cached:  # else another block holds it; ours stays private
-                self._publish(key, request.block_ids[done])
-            done, parent = done + 1, key
-        self._progress[request.request_id] = (done, parent)
+            key = self._key(progress.parent, adapter, request, done)
+            entry = self._cached.get(key)
+            if entry is None:  # else another block holds it; ours stays private
+                entry = self._publish(key, request.block_ids[done])
+            progress.parent = key
+            progress.key_ids.append(entry.key_id)
 
-    def _publish(self, key: BlockKey, block: int) -> None:
+    def _start_progress(self, request: Request) -> _Progress:
+        """A request's walk from its first block (at admission; or at its first computed chunk when it skipped
+        the lookup: swapped in, or computing prompt logprobs); its prompt becomes the most recent one."""
+        progress = self._progress[request.request_id] = _Progress()
+        chunks = request.prefix_chunks
+        if chunks is not None and chunks.hashes:
+            tip = chunks.hashes[-1]
+            tokens = -(-len(chunks.hashes) * chunks.chunk * request.num_prompt_tokens // chunks.total)
+            recent = _RecentPrompt(chunks, request.num_prompt_tokens, progress.key_ids, self.blocks_for(tokens))
+            self._recent.pop(tip, None)
+            self._recent[tip] = recent
+            if len(self._recent) > RECENT_PROMPTS:
+                self._recent.popitem(last=False)
+        return progress
+
+    def _publish(self, key: BlockKey, block: int) -> _CacheEntry:
         assert block not in self._key_of and self._refs[block] > 0
-        self._cached[key] = _CacheEntry(block, self._next_key_id)
+        entry = self._cached[key] = _CacheEntry(block, self._next_key_id)
+        self._live_ids.add(entry.key_id)
         self._next_key_id += 1
         self._key_of[block] = key
         self.pool.set_owner(block, CACHE_OWNER)
+        return entry
 
     def evict_cached(self) -> bool:
         """Give the least recently used idle cached block's page back to the pool; False if none."""
         if not self._evictable:
             return False
         block, _ = self._evictable.popitem(last=False)
-        del self._cached[self._key_of.pop(block)]
+        self._live_ids.discard(self._cached.pop(self._key_of.pop(block)).key_id)
         del self._refs[block]
         self.pool.free([block])
         return True
@@ -261,6 +307,7 @@ class KVCacheManager:
                 continue
             del self._cached[key]
             del self._key_of[entry.block]
+            self._live_ids.discard(entry.key_id)
             if self._refs[entry.block] == 0:  # idle; held ones are freed by their last holder
                 del self._evictable[entry.block]
                 del self._refs[entry.block]
@@ -270,6 +317,29 @@ class KVCacheManager:
         """Drop every idle cached block."""
         while self.evict_cached():
             pass
+
+    def held_prefixes(self, limit: int = 4096) -> tuple[str, ...]:
+        """The chunk hashes of recent prompts (most recent first, each once, at most `limit`) whose text the
+        cache still holds: the chunks within each prompt's leading run of cached blocks.
+
+        Set lookups over the blocks that cover each prompt's chunks, up to RECENT_PROMPTS prompts; a prompt's
+        blocks count while their key is cached (published, not evicted or invalidated), whoever holds them."""
+        held: dict[str, None] = {}  # insertion-ordered set
+        live = self._live_ids
+        if limit <= 0:
+            return ()
+        for recent in reversed(self._recent.values()):
+            n = 0
+            for key_id in recent.key_ids[: recent.max_blocks]:
+                if key_id not in live:
+                    break
+                n += 1
+            k = recent.chunks.covered(n * self.block_size, recent.prompt_tokens)
+            for chunk_hash in recent.chunks.hashes[:k]:
+                held[chunk_hash] = None
+                if len(held) >= limit:
+                    return tuple(held)
+        return tuple(held)
 
     # ---- invariants (tests) -----------------------------------------------------------------------------
 
@@ -303,3 +373,5 @@ class KVCacheManager:
         assert self._evictable.keys() <= self._key_of.keys()
         assert len(self._cached) == len(self._key_of)
         assert all(self._key_of.get(e.block) == key for key, e in self._cached.items())
+        assert self._live_ids == {e.key_id for e in self._cached.values()}
+        assert len(self._recent) <= RECENT_PROMPTS

@@ -106,6 +106,9 @@ class LoadReport:
     # (adapter id or None for the base model, requests): only ids with at least one request
     running_by_adapter: tuple[tuple[str | None, int], ...] = ()
     waiting_by_adapter: tuple[tuple[str | None, int], ...] = ()
+    # Chunk hashes (X-Loragate-Prefix) of recent prompts whose text the prefix cache holds, most recent first
+    # (KVCacheManager.held_prefixes); refreshed at most once per PREFIX_REPORT_S (engine/core/llm_engine.py).
+    prefixes: tuple[str, ...] = ()
 
     @property
     def pool_used(self) -> float:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from loragate_common.prefix import PromptChunks
 from loragate_common.priority import Priority
 
 if TYPE_CHECKING:
@@ -189,6 +190,9 @@ class Request:
     # for requests that did not ask.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     error: str | None = None  # why the scheduler finished it with FINISHED_ERROR (its constraint failed)
+    # The gateway's chunk hashes of its prompt (X-Loragate-Prefix), a routing hint only: the prefix cache reports
+    # which of them it still holds (KVCacheManager.held_prefixes). None: not sent, or malformed.
+    prefix_chunks: PromptChunks | None = None
 
     def __post_init__(self) -> None:
         params = self.sampling_params

@@ -22,6 +22,7 @@ import anyio
 from engine.core.async_engine import AsyncEngine, RequestFailed
 from engine.core.outputs import RequestError, RequestOutput
 from engine.core.request import SamplingParams
+from loragate_common.prefix import PromptChunks
 from loragate_common.priority import Priority
 
 _SEED_SPAN = 2**64  # torch.Generator takes seeds in [-2**63, 2**64): past the top, wrap around
@@ -52,15 +53,18 @@ class Choices:
         n: int,
         priority: Priority,
         adapter_id: str | None,
+        prefix_chunks: PromptChunks | None = None,
     ) -> None:
         """Validate and create the first choice's request (ValueError, KeyError, RequestFailed as
-        AsyncEngine.generate raises them); nothing runs before `first()`."""
+        AsyncEngine.generate raises them); nothing runs before `first()`. Every choice carries `prefix_chunks`
+        (they share the prompt)."""
         self._engine = engine
         self._args = (prompt_ids, priority, adapter_id)
+        self._prefix_chunks = prefix_chunks
         self._params = params
         self.n = n
         self._ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
-        self._its = [engine.generate(self._ids[0], prompt_ids, choice_params(params, 0), priority, adapter_id)]
+        self._its = [self._generate(0)]
         self._pumps: list[asyncio.Task[None]] = []
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
         self._unfinished = n
@@ -70,11 +74,13 @@ class Choices:
         out = await anext(self._its[0])
         if out.finished:
             self._unfinished -= 1
-        prompt_ids, priority, adapter_id = self._args
-        for i in range(1, self.n):
-            params = choice_params(self._params, i)
-            self._its.append(self._engine.generate(self._ids[i], prompt_ids, params, priority, adapter_id))
+        self._its.extend(self._generate(i) for i in range(1, self.n))
         return out
+
+    def _generate(self, index: int) -> AsyncIterator[RequestOutput]:
+        prompt_ids, priority, adapter_id = self._args
+        params = choice_params(self._params, index)
+        return self._engine.generate(self._ids[index], prompt_ids, params, priority, adapter_id, self._prefix_chunks)
 
     async def next(self) -> tuple[int, RequestOutput] | None:
         """The next output after `first()`'s, as (choice index, output), interleaved as the engine produces

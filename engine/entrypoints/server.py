@@ -16,7 +16,9 @@ routes, which load and unload them at run time, are in engine/entrypoints/adapte
 Load: GET /load and the `X-Loragate-Load` header of every generation answer (errors included) report the
 engine's requests running and waiting and its pool use, for the gateway's routing (gateway/admission.py
 EngineLoad). Both read the report the engine thread publishes after each step (`LLMEngine.load_report`):
-one attribute read, no round trip to the engine thread.
+one attribute read, no round trip to the engine thread. GET /load also lists the prompt chunk hashes its prefix
+cache holds: those the gateway sent with recent requests in `X-Loragate-Prefix` (loragate_common/prefix.py), a
+routing hint that is ignored when malformed.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ from engine.structured import template_supports_tools
 from loragate_common.adapter_ids import requested_adapter
 from loragate_common.errors import ApiError, adapter_not_found, bad_request, error_body, error_response, unavailable
 from loragate_common.http_io import SSE_DONE, ClientGone, list_body, read_json, sse, unless_disconnected
+from loragate_common.prefix import HEADER as PREFIX_HEADER
+from loragate_common.prefix import PromptChunks
 from loragate_common.priority import Priority
 
 logger = logging.getLogger(__name__)
@@ -97,6 +101,13 @@ def _priority(request: Request) -> Priority:
         return Priority.parse(request.headers.get("x-priority"))
     except ValueError as exc:
         raise bad_request(str(exc)) from None
+
+
+def _prefix_chunks(request: Request) -> PromptChunks | None:
+    """The gateway's chunk hashes of the prompt (`X-Loragate-Prefix`): only a routing hint, so a malformed or
+    repeated header is ignored (None), never an error."""
+    values = request.headers.getlist(PREFIX_HEADER)
+    return PromptChunks.parse(values[0]) if len(values) == 1 else None
 
 
 async def _first(choices: Choices, adapter_id: str | None) -> RequestOutput:
@@ -285,7 +296,9 @@ class EngineRoutes:
         self.fetched.touch(adapter_id)
         tracker = self.metrics.start_request(priority.name.lower())
         with _engine_errors(adapter_id):
-            choices = Choices(self.engine, fmt.request_id, prompt_ids, params, req.n, priority, adapter_id)
+            choices = Choices(
+                self.engine, fmt.request_id, prompt_ids, params, req.n, priority, adapter_id, _prefix_chunks(request)
+            )
         # Only now, the adapter known to be registered, may its id take a metrics label: ids that 404 take none.
         tracker.adapter = self.metrics.adapters.assign(adapter_id)
         streaming = False  # once True, the SSE generator owns `choices` and closes them
@@ -386,7 +399,7 @@ class EngineRoutes:
 
     async def load(self, request: Request) -> Response:
         """GET /load: the engine's load as last published (cheap enough to poll every second: O(adapters on the
-        device))."""
+        device + held prefixes))."""
         report = self.engine.engine.load_report
         return JSONResponse(
             {
@@ -400,6 +413,7 @@ class EngineRoutes:
                 "max_device_adapters": self.max_device_adapters,
                 "backends": self.backends,
                 "sampling_defaults": self.sampling_defaults.values(),
+                "prefixes": list(report.prefixes),
             }
         )
 

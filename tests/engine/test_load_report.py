@@ -48,6 +48,7 @@ LOAD_FIELDS = {
     "max_device_adapters",
     "backends",
     "sampling_defaults",
+    "prefixes",
 }
 
 Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -158,6 +159,7 @@ def test_load_when_idle_and_with_adapters_on_the_device(server: str) -> None:
     assert {"a1", "a2"} <= set(after["device_adapters"])
     assert after["device_adapters"] == sorted(after["device_adapters"])
     assert after["pool_used"] > 0  # the adapters' pages
+    assert after["prefixes"] == []  # no request sent X-Loragate-Prefix: no hashes to report
     resp, _ = _request(server, "completion", None, 2)
     header = resp.headers.get("x-loragate-load")
     _parsed(header)
