@@ -52,6 +52,7 @@ class Behavior:
     # An engine's load report (running, waiting, adapters on its device): GET /load answers it, and every
     # generation answer carries it as X-Loragate-Load. None: no /load route (404) and no header.
     load: tuple[int, int, tuple[str, ...]] | None = None
+    prefixes: tuple[str, ...] = ()  # the prompt chunk hashes GET /load says its prefix cache holds
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,13 @@ class MockUpstream:
             return JSONResponse({"error": {"type": "not_found", "message": "no /load"}}, status_code=404)
         running, waiting, device = load
         return JSONResponse(
-            {"running": running, "waiting": waiting, "device_adapters": list(device), "max_device_adapters": 8}
+            {
+                "running": running,
+                "waiting": waiting,
+                "device_adapters": list(device),
+                "max_device_adapters": 8,
+                "prefixes": list(self.behavior.prefixes),
+            }
         )
 
     def _load_header(self) -> dict[str, str]:

@@ -319,6 +319,27 @@ def test_two_replicas_share_the_index_through_redis(redis_url: str, mock: MockUp
     assert sent == prompt_chunks({"messages": received.body["messages"]}, True, None, 256, 128)
 
 
+def test_routes_to_what_an_engine_reports_holding(mock: MockUpstream, mock_b: MockUpstream) -> None:
+    messages = conversation(3, 2)
+    held = chunks(messages)
+    for engine in (mock, mock_b):
+        engine.behavior.load = (0, 0, ())
+    mock_b.behavior.prefixes = held.hashes[:4]  # it computed another request with this system prompt
+
+    async def scenario() -> dict[str, Any]:
+        app = build_app(parse_policy(fleet_yaml()), [mock.url, mock_b.url], MemoryRateLimiter())
+        async with asgi(app) as gw:
+            await app.state.gateway.fleet.poll_loads()
+            for _ in range(3):
+                resp = await gw.post("/v1/chat/completions", json={"messages": messages}, headers=bearer(KEY))
+                assert resp.status_code == 200
+            return (await gw.get("/admin/policy", headers=ADMIN)).json()["routing"]["prefix"]
+
+    state = run_get(scenario)
+    assert (mock.count, mock_b.count) == (0, 3)
+    assert state["reported"] == {mock.url: 0, mock_b.url: 4}
+
+
 def test_prefix_routing_off_sends_no_chunks(mock: MockUpstream, mock_b: MockUpstream) -> None:
     async def scenario() -> None:
         app = build_app(parse_policy(fleet_yaml("{enabled: false}")), [mock.url, mock_b.url], MemoryRateLimiter())
