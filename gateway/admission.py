@@ -149,6 +149,19 @@ class Upstream:
             return self.inflight
         return max(self.inflight, report.running + report.waiting)
 
+    def finished(self, since: float) -> None:
+        """One of our requests there, sent at `since` (time.monotonic()), has ended: a report received after
+        that counted it (the engine's answer to it carried one), so it counts one request fewer until the next
+        report. Without this, a conversation's next turn, sent the moment the last one ends, would find its
+        engine one request busier than it is, and the load bound would move it for nothing."""
+        report = self.reported
+        if report is None or report.at < since:
+            return
+        if report.running:
+            self.reported = EngineLoad(report.running - 1, report.waiting, report.at)
+        elif report.waiting:
+            self.reported = EngineLoad(0, report.waiting - 1, report.at)
+
     def has_free_slot(self) -> bool:
         """Whether it can load one more adapter without evicting another, as far as it reported."""
         return self.device_slots is None or len(self.on_device) < self.device_slots
@@ -161,19 +174,21 @@ class Upstream:
 class Slot:
     """The right to send one request to `upstream`. `release()` is idempotent and wakes the next waiter."""
 
-    __slots__ = ("upstream", "wait_s", "_controller", "_released")
+    __slots__ = ("upstream", "wait_s", "_controller", "_released", "_granted_at")
 
     def __init__(self, upstream: Upstream, controller: AdmissionController, wait_s: float) -> None:
         self.upstream = upstream
         self.wait_s = wait_s  # seconds spent queued (0 when admitted at once)
         self._controller = controller
         self._released = False
+        self._granted_at = controller._clock()  # the clock reports are stamped with (EngineLoad.at)
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
         self.upstream.inflight -= 1
+        self.upstream.finished(self._granted_at)
         self._controller._dispatch()
 
 

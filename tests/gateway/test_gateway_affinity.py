@@ -357,6 +357,25 @@ def test_a_replica_sees_what_other_replicas_put_on_an_engine() -> None:
     run(main)
 
 
+def test_a_finished_request_leaves_the_reports_made_while_it_ran() -> None:
+    async def main() -> None:
+        ctl, clock, (a, _) = two_engines()
+        a.reported = EngineLoad(running=2, waiting=1, at=clock())  # made before the next request was sent
+        clock.advance(1)
+        old = await ctl.acquire(STD, "t", exclude=frozenset({"http://b"}))
+        old.release()
+        assert a.reported == EngineLoad(2, 1, clock() - 1)  # it could not have counted that request
+        slots = [await ctl.acquire(STD, "t", exclude=frozenset({"http://b"})) for _ in range(4)]
+        clock.advance(0.5)
+        a.reported = EngineLoad(running=3, waiting=1, at=clock())  # e.g. the X-Loragate-Load of their answers
+        for slot, expected in zip(slots, [(2, 1), (1, 1), (0, 1), (0, 0)], strict=True):
+            slot.release()
+            assert (a.reported.running, a.reported.waiting) == expected
+        assert a.load(clock()) == 0
+
+    run(main)
+
+
 def test_bounded_loads_split_a_skewed_adapter_stream_and_keep_adapters_together() -> None:
     async def main() -> None:
         urls = ("http://a", "http://b")
@@ -403,7 +422,8 @@ def test_the_gateway_reads_engine_loads_from_answers_and_get_load() -> None:
             mock.behavior.load = (7, 3, ("a1",))
             resp = await gw.post("/v1/completions", json={"prompt": "hi"}, headers=bearer("k"))
             assert resp.status_code == 200
-            assert (upstream.reported.running, upstream.reported.waiting) == (7, 3)  # from X-Loragate-Load
+            # From X-Loragate-Load, less the request that answer counted, which has ended since.
+            assert (upstream.reported.running, upstream.reported.waiting) == (6, 3)
             mock.behavior.load = (0, 12, ("a1", "a2"))
             await fleet.poll_loads()  # what the background loop does every second
             assert (upstream.reported.running, upstream.reported.waiting) == (0, 12)
