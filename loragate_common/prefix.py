@@ -75,7 +75,7 @@ class PromptChunks:
 
 def canonical_prompt(body: Mapping[str, Any], chat: bool) -> str | list[int] | None:
     """The text (or token ids) a request's prompt is made of, prefix-stable across turns; None when it has no
-    single prompt (a batch) or is malformed (the engine answers that)."""
+    single prompt (a batch) or is malformed, ids out of range included (the engine answers that)."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -87,7 +87,9 @@ def canonical_prompt(body: Mapping[str, Any], chat: bool) -> str | list[int] | N
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63 for t in prompt
+    ):
         return prompt
     return None
 
@@ -107,7 +109,7 @@ def prompt_chunks(
     hashes = []
     for k in range(min(max_chunks, len(prompt) // chunk)):
         piece = prompt[k * chunk : (k + 1) * chunk]
-        data = b"".join(t.to_bytes(8, "little", signed=True) for t in piece) if ids else piece.encode()  # type: ignore[union-attr]
+        data = b"".join(t.to_bytes(8, "little") for t in piece) if ids else piece.encode()  # type: ignore[union-attr]
         digest = hashlib.blake2b(digest + data, digest_size=HASH_HEX // 2).digest()
         hashes.append(digest.hex())
     return PromptChunks(tuple(hashes), chunk, len(prompt))

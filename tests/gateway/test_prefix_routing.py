@@ -93,6 +93,23 @@ def test_chunks_are_prefix_stable_and_keyed_by_adapter() -> None:
         assert PromptChunks.parse(bad) is None, bad
 
 
+def test_prompts_of_token_ids_are_hashed_by_ids() -> None:
+    ids = list(range(1000, 1400))
+    short, longer = (
+        prompt_chunks({"prompt": ids[:300]}, False, None, 256, 128),
+        prompt_chunks({"prompt": ids}, False, None, 256, 128),
+    )
+    assert short is not None and longer is not None
+    assert (short.chunk, len(short.hashes), longer.total) == (64, 4, 400)  # 256 characters: 64 ids a chunk
+    assert longer.hashes[:4] == short.hashes
+    assert prompt_chunks({"prompt": [ids]}, False, None, 256, 128) == longer  # a batch of one
+    text = prompt_chunks({"prompt": " ".join(map(str, ids))}, False, None, 256, 128)
+    assert text is not None and not set(text.hashes) & set(longer.hashes)
+    for prompt in (["a", "b"], [1, True], [2**70], [[1], [2]], None, 5):
+        assert prompt_chunks({"prompt": prompt}, False, None, 256, 128) is None, prompt
+    assert prompt_chunks({"messages": "x"}, True, None, 256, 128) is None
+
+
 def test_longest_match_wins_over_adapter_affinity_and_load() -> None:
     async def scenario() -> None:
         ctl, index = controller(), PrefixIndex(PrefixRouting(), "none")
