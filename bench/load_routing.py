@@ -100,6 +100,22 @@ def loragate(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Pope
     )
 
 
+def start_gateways(
+    policy: Path, engines: list[str], logs: Path, env: dict[str, str], redis_url: str | None = None, count: int = 2
+) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+    """`count` gateway replicas in front of every engine (sharing `redis_url`'s Redis if given): processes, urls."""
+    procs, urls = [], []
+    for k in range(count):
+        port = free_port()
+        argv = ["gateway", "--policy", str(policy), "--port", str(port), "--log-level", "warning"]
+        argv += ["--redis", redis_url] if redis_url is not None else []
+        for url in engines:
+            argv += ["--upstream", url]
+        procs.append(loragate(argv, logs / f"gateway{k}.log", env))
+        urls.append(f"http://127.0.0.1:{port}")
+    return procs, urls
+
+
 def run_once(
     source: str,
     args: argparse.Namespace,
@@ -112,19 +128,14 @@ def run_once(
     procs: list[subprocess.Popen[bytes]] = []
     logs = Path(tempfile.mkdtemp())
     try:
-        engines, gateways = [], []
+        engines = []
         for k, port in enumerate(engine_ports):
             procs.append(start_engine(adapter_dir, args.tier, port, logs / f"engine{k}.log", env))
             engines.append(f"http://127.0.0.1:{port}")
         policy = logs / "policy.yaml"
         policy.write_text(BENCH_TENANT + ADMISSION.format(source=source))
-        for k in range(2):
-            port = free_port()
-            argv = ["gateway", "--policy", str(policy), "--port", str(port), "--log-level", "warning"]
-            for url in engines:
-                argv += ["--upstream", url]
-            procs.append(loragate(argv, logs / f"gateway{k}.log", env))
-            gateways.append(f"http://127.0.0.1:{port}")
+        gateway_procs, gateways = start_gateways(policy, engines, logs, env)
+        procs += gateway_procs
         for url, proc in zip([*engines, *gateways], procs, strict=True):
             wait_healthy(url, proc, timeout_s=300)
         loads0, evictions0, tokens0 = engine_counts(engines)

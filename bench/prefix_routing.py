@@ -70,7 +70,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.affinity import metric  # noqa: E402
 from bench.gateway_overhead import BENCH_TENANT, KEY, free_port  # noqa: E402
-from bench.load_routing import loragate  # noqa: E402
+from bench.load_routing import loragate, start_gateways  # noqa: E402
 from bench.redis_recovery import RedisServer  # noqa: E402
 from bench.throughput import make_w1_adapters, scale_adapter_dir, zipf_choices  # noqa: E402
 from engine.model.sources import cache_root, load_tokenizer, resolve_model  # noqa: E402
@@ -298,20 +298,14 @@ def run_once(
     redis_server = RedisServer(logs / "redis")
     try:
         redis_server.start()
-        engines, gateways = [], []
+        engines = []
         for k, port in enumerate(engine_ports[:engine_count]):
             procs.append(start_engine(port, args.pool_mb, adapter_dir, logs / f"engine{k}.log", env))
             engines.append(f"http://127.0.0.1:{port}")
         policy = logs / "policy.yaml"
         policy.write_text(BENCH_TENANT + ADMISSION.format(prefix=prefix, session=session))
-        for k in range(2):
-            port = free_port()
-            argv = ["gateway", "--policy", str(policy), "--port", str(port), "--redis", redis_server.url]
-            argv += ["--log-level", "warning"]
-            for url in engines:
-                argv += ["--upstream", url]
-            procs.append(loragate(argv, logs / f"gateway{k}.log", env))
-            gateways.append(f"http://127.0.0.1:{port}")
+        gateway_procs, gateways = start_gateways(policy, engines, logs, env, redis_server.url)
+        procs += gateway_procs
         for url, proc in zip([*engines, *gateways], procs, strict=True):
             wait_healthy(url, proc, timeout_s=300)
         time.sleep(2)  # the gateways poll the engines' GET /load every second: both known before the first turn

@@ -212,31 +212,33 @@ class _StateCollector:
         yield from _prefix_metrics(bound.prefix())
 
 
-PREFIX_OUTCOMES = ("hit", "miss", "overridden")
-SESSION_OUTCOMES = ("hit", "new", "overridden")
+# (metric, help, the prefix of its counts in PrefixIndex.describe()["outcomes"], its outcomes)
+ROUTING_OUTCOMES = (
+    (
+        "loragate_gateway_prefix_routing",
+        "Requests routed by prompt prefix: hit (to an engine holding the longest match), miss (no engine held any "
+        "of it), overridden (the longest match was past the load bound).",
+        "prefix_",
+        ("hit", "miss", "overridden"),
+    ),
+    (
+        "loragate_gateway_session_routing",
+        "Requests with a session key: hit (to its session's engine), new (the session's first), overridden (its "
+        "engine was past the load bound or held less of the prompt than another).",
+        "session_",
+        ("hit", "new", "overridden"),
+    ),
+)
 
 
 def _prefix_metrics(state: dict[str, Any]) -> Iterator[Metric]:
     """Prefix-aware routing and session affinity (gateway/prefix_index.py's `describe()`)."""
-    outcomes = state.get("outcomes", {})
-    prefix = CounterMetricFamily(
-        "loragate_gateway_prefix_routing",
-        "Requests routed by prompt prefix: hit (to an engine holding the longest match), miss (no engine held "
-        "any of it), overridden (the longest match was past the load bound).",
-        labels=["outcome"],
-    )
-    for outcome in PREFIX_OUTCOMES:
-        prefix.add_metric([outcome], outcomes.get(f"prefix_{outcome}", 0))
-    yield prefix
-    session = CounterMetricFamily(
-        "loragate_gateway_session_routing",
-        "Requests with a session key: hit (to its session's engine), new (the session's first), overridden "
-        "(its engine was past the load bound or held less of the prompt than another).",
-        labels=["outcome"],
-    )
-    for outcome in SESSION_OUTCOMES:
-        session.add_metric([outcome], outcomes.get(f"session_{outcome}", 0))
-    yield session
+    counts = state.get("outcomes", {})
+    for name, documentation, prefix, outcomes in ROUTING_OUTCOMES:
+        family = CounterMetricFamily(name, documentation, labels=["outcome"])
+        for outcome in outcomes:
+            family.add_metric([outcome], counts.get(prefix + outcome, 0))
+        yield family
     yield GaugeMetricFamily(
         "loragate_gateway_prefix_index_entries",
         "Prompt chunk hashes (and sessions) this replica's prefix index holds.",
