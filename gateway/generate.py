@@ -210,7 +210,7 @@ class GenerateRoutes:
             index.count(call.hints, exchange.slot.upstream.url, chunks, session)
             response = await unless_disconnected(request.receive, self.proxy.forward(call, exchange))
             if response.status_code < 400 and exchange.slot is not None:  # where its prefix is now computed
-                await index.record(exchange.slot.upstream.url, chunks, session)
+                await index.record(exchange.slot.upstream.url, chunks, session, call.hints)
         except Shed as shed:
             exchange.status, exchange.outcome = 503, shed.reason
             return unavailable(shed.message, shed.reason, shed.retry_after_s, headers).response()

@@ -10,8 +10,11 @@ bounded-load rule.
 What an engine holds is known two ways:
 - recorded: the requests this replica, and with Redis every replica, sent there. This replica keeps the
   last `index_entries` hashes in an LRU; Redis keeps each as a hash `loragate:prefix:<hash>` of url -> when
-  (unix seconds), expiring `ttl_s` after its last use. Engines that report nothing (another kind of server)
-  are known this way only, approximately: their cache may have evicted what was sent there.
+  (unix seconds), expiring `ttl_s` after it was last written. A record Redis already holds for that engine is
+  written again only once it is `ttl_s` / 4 old, so a prompt head that every request carries costs Redis a
+  read per request and a write per chunk every `ttl_s` / 4, and never expires while in use. Engines that
+  report nothing (another kind of server) are known this way only, approximately: their cache may have
+  evicted what was sent there.
 - reported: a loragate engine's GET /load lists the hashes its prefix cache still holds (`prefixes`, polled
   every second by gateway/fleet.py). For such an engine a recorded hash counts only if it is in its last
   report or was recorded after that report was made (less REPORT_GRACE_S: a request queued or computing
@@ -24,6 +27,7 @@ replica's own records and counts in `redis_errors`; routing never waits on Redis
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +43,9 @@ logger = logging.getLogger(__name__)
 KEY_PREFIX = "loragate:prefix:"
 REPORT_FRESH_S = 5.0  # an engine's report older than this is not trusted over the records
 REPORT_GRACE_S = 10.0  # records this much older than a report, and missing from it, are taken as evicted
+# A shared record younger than this part of ttl_s is not written again: a hot system prompt costs Redis one
+# write per chunk every ttl_s / 4 however many requests carry it, and a key in use never expires.
+REWRITE_AFTER = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +55,8 @@ class Hints:
 
     matches: Mapping[str, int] = field(default_factory=dict)
     session: str | None = None
+    # What Redis held for each key looked up (the chunk hashes, then the session): url -> when recorded.
+    shared: tuple[Mapping[str, float], ...] = ()
 
     def match(self, url: str) -> int:
         return self.matches.get(url, 0)
@@ -145,6 +154,7 @@ class PrefixIndex:
         if not keys:
             return NO_HINTS
         found = [self._records.get(key, {}) for key in keys]
+        shared: list[dict[str, float]] = []
         if self.store is not None:
             try:
                 shared = await self.store.get(keys)
@@ -163,10 +173,10 @@ class PrefixIndex:
                 if n:
                     matches[url] = n
         where = found[-1] if session is not None else {}
-        return Hints(matches, max(where, key=lambda url: where[url]) if where else None)
+        return Hints(matches, max(where, key=lambda url: where[url]) if where else None, tuple(shared))
 
-    async def record(self, url: str, chunks: PromptChunks | None, session: str | None) -> None:
-        """`url` received a request with these chunks and session."""
+    async def record(self, url: str, chunks: PromptChunks | None, session: str | None, hints: Hints = NO_HINTS) -> None:
+        """`url` received a request with these chunks and session (`hints`: what `lookup` found for them)."""
         keys = list(chunks.hashes) if chunks is not None else []
         if session is not None:
             keys.append(session)
@@ -179,8 +189,14 @@ class PrefixIndex:
             self._records[key] = where
         self._trim()
         if self.store is not None:
+            recent = now - REWRITE_AFTER * self.settings.ttl_s
+            none: Mapping[str, float] = {}
+            seen = hints.shared if len(hints.shared) == len(keys) else (none,) * len(keys)
+            stale = [key for key, where in zip(keys, seen, strict=True) if where.get(url, -math.inf) <= recent]
+            if not stale:
+                return
             try:
-                await self.store.put(url, keys, now, self.settings.ttl_s)
+                await self.store.put(url, stale, now, self.settings.ttl_s)
             except Exception as exc:  # noqa: BLE001
                 self._redis_failed("writing", exc)
 

@@ -16,7 +16,7 @@ from gateway.admission import AdmissionController, EngineLoad, Upstream
 from gateway.app import build_app
 from gateway.breaker import CircuitBreaker
 from gateway.policy import PolicyError, PrefixRouting, parse_policy
-from gateway.prefix_index import REPORT_FRESH_S, PrefixIndex, RedisPrefixStore
+from gateway.prefix_index import KEY_PREFIX, REPORT_FRESH_S, PrefixIndex, RedisPrefixStore
 from gateway.ratelimit import MemoryRateLimiter
 from gateway.telemetry import GatewayMetrics
 from loragate_common.prefix import PromptChunks, prompt_chunks
@@ -270,6 +270,35 @@ def test_policy_keys_are_checked() -> None:
 
 
 # ---- two gateway replicas, one Redis, two engines ----
+
+
+def test_shared_records_are_written_once_per_refresh(redis_url: str) -> None:
+    async def scenario() -> None:
+        clock = FakeClock(5000.0)
+        store = RedisPrefixStore(redis_url)
+        index = PrefixIndex(PrefixRouting(ttl_s=100), "header:X-Session-ID", store, clock=clock)
+        sent, session = chunks(conversation(7, 1)), "s" + "7" * 16
+        keys = [*sent.hashes, session]
+
+        async def stamps(url: str) -> list[float | None]:
+            return [where.get(url) for where in await store.get(keys)]
+
+        await index.record("http://a", sent, session, await index.lookup(sent, session))
+        assert await stamps("http://a") == [5000.0] * len(keys)
+        assert 0 < await store._redis.ttl(KEY_PREFIX + keys[0]) <= 100
+        clock.advance(20)  # younger than a quarter of ttl_s: not written again
+        await index.record("http://a", sent, session, await index.lookup(sent, session))
+        assert await stamps("http://a") == [5000.0] * len(keys)
+        await index.record("http://b", sent, session, await index.lookup(sent, session))  # another engine: written
+        assert await stamps("http://b") == [5020.0] * len(keys)
+        clock.advance(10)  # 30 s: rewritten, its expiry pushed back
+        await index.record("http://a", sent, session, await index.lookup(sent, session))
+        assert await stamps("http://a") == [5030.0] * len(keys)
+        await index.record("http://c", sent, session)  # without what a lookup found: written
+        assert await stamps("http://c") == [5030.0] * len(keys)
+        await store.aclose()
+
+    run(scenario)
 
 
 def fleet_yaml(prefix: str = "{}") -> str:
