@@ -4,8 +4,10 @@
   (X-Adapter-ID or `model`; a rollout name -> one of its variants, gateway/rollout.py; not allowed -> 403;
   a catalog id `ID[@N]` -> its version `ID@N`, sent with the version's source, gateway/adapter_catalog.py;
   unknown -> 404) -> priority (X-Priority capped to the tenant's max_priority) -> rate limit (429
-  rate_limited | tokens_exhausted) -> admission (an upstream by adapter affinity, gateway/fleet.py; 503
-  queue_full | queue_timeout | circuit_open | no_upstream | draining) -> proxy (gateway/proxy.py) -> settle:
+  rate_limited | tokens_exhausted) -> admission (an upstream by the engines holding the prompt's prefix or the
+  session, gateway/prefix_index.py, then adapter affinity, gateway/fleet.py; 503 queue_full | queue_timeout |
+  circuit_open | no_upstream | draining) -> proxy (gateway/proxy.py; an answer below 400 records where the
+  prompt's prefix now is) -> settle:
   release the slot, reconcile the token reservation and the budget hold with the real usage, record the
   rollout variant's outcome, the usage ledger's record (gateway/usage.py), metrics, span.
 
