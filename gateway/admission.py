@@ -426,19 +426,16 @@ class AdmissionController:
         """The least loaded upstream with room whose breaker allows a request (after those within the load
         bound that hold the request's prefix or session)."""
         n = len(self.upstreams)
-        loads = [self._load(u) for u in self.upstreams]
-        order = sorted(range(n), key=lambda i: (loads[i], (i - self._rotation) % n))
+        loads = {id(u): self._load(u) for u in self.upstreams}
+        order = sorted(range(n), key=lambda i: (loads[id(self.upstreams[i])], (i - self._rotation) % n))
         candidates = [
-            self.upstreams[i]
-            for i in order
-            if self.upstreams[i].url not in exclude
-            and not self.upstreams[i].drained
-            and self.upstreams[i].inflight < self.max_inflight_per_upstream
+            u
+            for u in (self.upstreams[i] for i in order)
+            if u.url not in exclude and not u.drained and u.inflight < self.max_inflight_per_upstream
         ]
         if hints is not NO_HINTS and candidates:
-            by_id = {id(u): load for u, load in zip(self.upstreams, loads, strict=True)}
-            bound = self._bound(sum(by_id[id(u)] for u in candidates), len(candidates))
-            candidates, _ = _held_first(candidates, hints, lambda u: self._within(u, by_id[id(u)], bound))
+            bound = self._bound(sum(loads[id(u)] for u in candidates), len(candidates))
+            candidates, _ = _held_first(candidates, hints, lambda u: self._within(u, loads[id(u)], bound))
         for upstream in candidates:
             if upstream.breaker.allow():
                 self._rotation += 1
@@ -452,7 +449,7 @@ class AdmissionController:
 
     def _within(self, upstream: Upstream, load: int, bound: int) -> bool:
         """Whether one more request keeps `upstream` within the load bound (with local loads: below
-        `spill_inflight` of this replica's requests)."""
+        `spill_inflight` of this replica's requests; spill_inflight stays a bound on them either way)."""
         if self.load_source == "engine":
             return upstream.inflight < self.spill_inflight and load + 1 <= bound
         return upstream.inflight < self.spill_inflight
@@ -466,22 +463,22 @@ class AdmissionController:
         """
         healthy = [u for u in self._rendezvous(affinity) if u.url not in exclude and u.can_allow()]
         roomy = [u for u in healthy if u.inflight < self.max_inflight_per_upstream]
+        loads = {id(u): self._load(u) for u in roomy}
+        bound = self._bound(sum(loads.values()), len(roomy))
+
+        def fits(u: Upstream, limit: int = bound) -> bool:
+            return self._within(u, loads[id(u)], limit)
+
         if self.load_source == "engine":
-            loads = {id(u): self._load(u) for u in roomy}
             # Bounded loads: with this request, no upstream above balance_factor x the mean (never below
             # MIN_BOUND, so light traffic keeps every adapter on its preferred upstream). Moving a request
             # to an upstream without the adapter on its device costs a load there and may evict another
             # adapter: worth it for a hot adapter (`_is_hot`: it will stay resident there and take its share),
             # not for a cold one, which moves only to an upstream that has it, or past COLD_SPILL x the bound.
-            bound = self._bound(sum(loads.values()), len(roomy))
             cold_bound = max(bound, math.ceil(COLD_SPILL * bound))
-
-            def fits(u: Upstream, limit: int) -> bool:  # spill_inflight stays a bound on this replica's requests
-                return u.inflight < self.spill_inflight and loads[id(u)] + 1 <= limit
-
             hot = self._is_hot(affinity, len(roomy))
             home = self._home(affinity, healthy)
-            warm = [u for u in roomy if fits(u, bound) and (hot or u in home)]
+            warm = [u for u in roomy if fits(u) and (hot or u in home)]
             calm = warm + [u for u in roomy if u not in warm and fits(u, cold_bound)]
             busy = sorted(
                 (u for u in roomy if u not in calm), key=lambda u: (affinity not in u.on_device, loads[id(u)])
@@ -490,8 +487,7 @@ class AdmissionController:
             calm = [u for u in roomy if u.inflight < self.spill_inflight]
             busy = sorted((u for u in roomy if u.inflight >= self.spill_inflight), key=lambda u: u.inflight)
         # sorted() is stable: equally loaded busy ones stay in rendezvous order
-        bound = self._bound(sum(self._load(u) for u in roomy), len(roomy))
-        order, held = _held_first(calm + busy, hints, lambda u: self._within(u, self._load(u), bound))
+        order, held = _held_first(calm + busy, hints, fits)
         for upstream in order:
             if upstream.breaker.allow():
                 if upstream is not healthy[0] and upstream not in held:
