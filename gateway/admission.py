@@ -55,6 +55,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from gateway.breaker import CircuitBreaker
+from gateway.engine_kinds import EngineKind
 from gateway.prefix_index import NO_HINTS, Hints
 from loragate_common.priority import Priority
 
@@ -136,11 +137,15 @@ class EngineLoad:
 class Upstream:
     url: str
     breaker: CircuitBreaker
+    kind: EngineKind = EngineKind.LORAGATE  # what it is and how it reports (gateway/engine_kinds.py)
+    agent: str | None = None  # a vLLM engine's `loragate vllm-agent` base URL (gateway/vllm.py)
     inflight: int = 0
     drained: bool = False  # an operator's drain: no new requests (gateway/overrides.py)
     reported: EngineLoad | None = None  # its last report (gateway/fleet.py polls it; answers carry it too)
     on_device: frozenset[str] = frozenset()  # adapters it last reported resident on its device
     device_slots: int | None = None  # how many adapters its device holds at once (None: not reported)
+    serves: frozenset[str] = frozenset()  # a vLLM engine's adapters as its /v1/models last listed them
+    kv_cache_usage: float | None = None  # a vLLM engine's KV cache use, 0-1, as it last reported it
 
     def load(self, now: float) -> int:
         """Requests on it as best known: its fresh report, never less than ours in flight there."""

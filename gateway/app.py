@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +42,7 @@ from gateway.admission import AdmissionController, Upstream
 from gateway.budgets import BudgetStore, MemoryBudgets
 from gateway.catalog_store import CatalogStore, LocalCatalogStore
 from gateway.discovery import DnsUpstreams
+from gateway.engine_kinds import parse_upstream
 from gateway.fleet import Fleet, new_breaker
 from gateway.fleet_store import FleetStore, LocalFleetStore
 from gateway.generate import GenerateRoutes
@@ -136,12 +137,13 @@ def build_app(
     ledger: UsageLedger | None = None,
     budgets: BudgetStore | None = None,
     background_interval_s: float = BACKGROUND_INTERVAL_S,
-    discovery: DnsUpstreams | None = None,
+    discovery: DnsUpstreams | Sequence[DnsUpstreams] | None = None,
     clear_overrides: bool = False,
     catalog_store: CatalogStore | None = None,
     prefix_store: RedisPrefixStore | None = None,
 ) -> Starlette:
-    """The gateway app in front of `upstream_urls` (and of the engines `discovery` finds in DNS).
+    """The gateway app in front of `upstream_urls` (`--upstream` values: gateway/engine_kinds.py) and of the
+    engines `discovery` finds in DNS.
 
     `policy_path` enables hot reload (POST /admin/reload, and the file watched while the app's lifespan
     runs); `fleet_store` (gateway/fleet_store.py's RedisFleetStore) shares rollbacks, rollout steps and
@@ -152,7 +154,9 @@ def build_app(
     """
     metrics = metrics if metrics is not None else GatewayMetrics()
     shared = fleet_store if fleet_store is not None else LocalFleetStore()
-    upstreams = [Upstream(url.rstrip("/"), new_breaker(policy.breaker)) for url in upstream_urls]
+    targets = [parse_upstream(u) for u in upstream_urls]
+    upstreams = [Upstream(t.url, new_breaker(policy.breaker), t.kind, t.agent) for t in targets]
+    discoveries = [discovery] if isinstance(discovery, DnsUpstreams) else list(discovery or ())
     a = policy.admission
     admission = AdmissionController(
         upstreams, a.max_inflight_per_upstream, a.max_queue, a.queue_timeout_s, spill_inflight=a.spill_at
@@ -171,7 +175,7 @@ def build_app(
     )
     overrides = Overrides(shared)
     prefix = PrefixIndex(a.prefix, a.session_key, prefix_store)
-    fleet = Fleet(store, admission, UpstreamCatalog(lambda: admission.upstreams, http), overrides, prefix, discovery)
+    fleet = Fleet(store, admission, UpstreamCatalog(lambda: admission.upstreams, http), overrides, prefix, discoveries)
     budgets = budgets if budgets is not None else MemoryBudgets()
     budgets.on_alert = metrics.count_budget_alert
     ledger = ledger if ledger is not None else MemoryUsageLedger()
@@ -206,7 +210,7 @@ def build_app(
             asyncio.create_task(gateway.background(background_interval_s)),
             asyncio.create_task(fleet.polling_loads()),
         ]
-        if discovery is not None:
+        if discoveries:
             await fleet.discover()  # serve from what DNS says from the first request on
             tasks.append(asyncio.create_task(fleet.discovering()))
         try:

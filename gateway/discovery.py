@@ -20,6 +20,8 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from gateway.engine_kinds import EngineKind, EngineTarget, split_spec
+
 logger = logging.getLogger(__name__)
 
 DNS_INTERVAL_S = 5.0
@@ -42,7 +44,7 @@ def parse_target(text: str) -> tuple[str, int]:
     """ "NAME:PORT" -> (NAME, PORT), or ValueError saying what is wrong."""
     name, sep, port = text.rpartition(":")
     if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--upstream-dns {text!r}: expected NAME:PORT, e.g. loragate-engine-headless:8001")
+        raise ValueError(f"--upstream-dns {text!r}: expected [KIND=]NAME:PORT, e.g. loragate-engine-headless:8001")
     return name.strip("[]"), int(port)
 
 
@@ -53,24 +55,32 @@ def _url(address: str, port: int, scheme: str) -> str:
 
 @dataclass
 class DnsUpstreams:
-    """The upstream URLs behind one DNS name."""
+    """The upstream engines behind one DNS name, all of one kind (gateway/engine_kinds.py)."""
 
     name: str
     port: int
     resolve: Resolver = resolve_addresses
     scheme: str = "http"
     interval_s: float = DNS_INTERVAL_S
+    kind: EngineKind = EngineKind.LORAGATE
+    agent_port: int | None = None
 
     @classmethod
     def from_target(cls, text: str, interval_s: float = DNS_INTERVAL_S) -> DnsUpstreams:
-        name, port = parse_target(text)
-        return cls(name, port, interval_s=interval_s)
+        """An `--upstream-dns` value: `[KIND=]NAME:PORT[,agent=PORT]`."""
+        kind, target, agent_port = split_spec(text, "--upstream-dns")
+        name, port = parse_target(target)
+        return cls(name, port, interval_s=interval_s, kind=kind, agent_port=agent_port)
 
-    async def urls(self) -> list[str] | None:
-        """The current URLs, or None when the resolver failed (keep what you have)."""
+    def __str__(self) -> str:
+        agent = f",agent={self.agent_port}" if self.agent_port is not None else ""
+        return f"dns:{self.kind.value}={self.name}:{self.port}{agent}"
+
+    async def targets(self) -> list[EngineTarget] | None:
+        """The current engines, or None when the resolver failed (keep what you have)."""
         try:
             addresses = await self.resolve(self.name, self.port)
         except (OSError, ValueError) as exc:
             logger.warning("resolving %s failed (keeping the last upstreams): %s", self.name, exc)
             return None
-        return sorted(_url(a, self.port, self.scheme) for a in addresses)
+        return [EngineTarget.at(_url(a, self.port, self.scheme), self.kind, self.agent_port) for a in sorted(addresses)]

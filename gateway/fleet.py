@@ -1,6 +1,7 @@
 """The engines a gateway serves from, and the operators' hold on them: `Fleet`.
 
-It owns the upstream set (the static `--upstream` URLs plus those `--upstream-dns` finds, gateway/discovery.py),
+It owns the upstream set (the static `--upstream` engines plus those `--upstream-dns` finds, gateway/discovery.py;
+each a loragate or a vLLM engine, gateway/engine_kinds.py),
 admission over them (gateway/admission.py: per-engine slots, priority queues, adapter affinity), which engine
 holds which prompt prefix and session (gateway/prefix_index.py), what the engines serve (gateway/upstream.py's
 catalog of base models and adapters), and operator overrides that act on engines (drains and breaker resets,
@@ -13,13 +14,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 
+from gateway import vllm
 from gateway.admission import AdmissionController, EngineLoad, Upstream
 from gateway.breaker import CircuitBreaker
 from gateway.discovery import DnsUpstreams
+from gateway.engine_kinds import EngineKind, EngineTarget
 from gateway.overrides import Overrides
 from gateway.policy import Breaker, Policy
 from gateway.prefix_index import PrefixIndex
@@ -46,30 +50,32 @@ class Fleet:
         catalog: UpstreamCatalog,
         overrides: Overrides,
         prefix: PrefixIndex,
-        discovery: DnsUpstreams | None = None,
+        discoveries: Sequence[DnsUpstreams] = (),
     ) -> None:
         self.store = store
         self.admission = admission
         self.prefix = prefix
         self.catalog = catalog
         self.overrides = overrides
-        self.discovery = discovery
-        self.static_urls = [u.url for u in admission.upstreams]
+        self.discoveries = list(discoveries)
+        self.discovered: dict[int, list[EngineTarget]] = {}  # per DNS name (its index), its last answer
+        self.static_targets = [EngineTarget(u.url, u.kind, u.agent) for u in admission.upstreams]
         self.draining = False
 
     # ---- which engines ----
 
-    def set_upstreams(self, urls: list[str]) -> None:
-        """Serve from exactly these engine URLs (the static ones plus those discovered in DNS): new ones
-        join with a fresh breaker, vanished ones get no new request and their requests in flight finish."""
+    def set_upstreams(self, targets: list[EngineTarget]) -> None:
+        """Serve from exactly these engines (the static ones plus those discovered in DNS): new ones join with
+        a fresh breaker, vanished ones get no new request and their requests in flight finish."""
         current = {u.url: u for u in self.admission.upstreams}
-        if set(urls) == set(current):
+        wanted = {t.url: t for t in targets}
+        if set(wanted) == set(current):
             return
         settings = self.store.active.policy.breaker
-        upstreams = [current.get(url) or Upstream(url, new_breaker(settings)) for url in urls]
-        joined, left = sorted(set(urls) - set(current)), sorted(set(current) - set(urls))
+        upstreams = [current.get(t.url) or Upstream(t.url, new_breaker(settings), t.kind, t.agent) for t in targets]
+        joined, left = sorted(set(wanted) - set(current)), sorted(set(current) - set(wanted))
         logger.info(
-            "upstreams: %d (joined %s; left %s)", len(urls), ", ".join(joined) or "none", ", ".join(left) or "none"
+            "upstreams: %d (joined %s; left %s)", len(targets), ", ".join(joined) or "none", ", ".join(left) or "none"
         )
         self.admission.set_upstreams(upstreams)
         self.prefix.forget(left)
@@ -77,30 +83,40 @@ class Fleet:
         self.catalog.invalidate()
 
     async def discover(self) -> None:
-        """Resolve the engines' DNS name once and serve from what it says (with the static upstreams)."""
-        if self.discovery is None:
+        """Resolve the engines' DNS names once and serve from what they say (with the static upstreams); a name
+        whose resolver failed keeps its last answer."""
+        if not self.discoveries:
             return
-        found = await self.discovery.urls()
-        if found is not None:
-            self.set_upstreams(sorted(set(self.static_urls) | set(found)))
+        found = await asyncio.gather(*(d.targets() for d in self.discoveries))
+        for i, targets in enumerate(found):
+            if targets is not None:
+                self.discovered[i] = targets
+        merged = {t.url: t for t in self.static_targets}
+        for targets in self.discovered.values():
+            merged.update({t.url: t for t in targets if t.url not in merged})
+        self.set_upstreams(sorted(merged.values(), key=lambda t: t.url))
 
     async def discovering(self) -> None:
-        """Until cancelled: `discover()` every `discovery.interval_s`."""
-        assert self.discovery is not None
+        """Until cancelled: `discover()` every `interval_s` of the DNS names (the shortest)."""
+        interval = min(d.interval_s for d in self.discoveries)
         while True:
-            await asyncio.sleep(self.discovery.interval_s)
+            await asyncio.sleep(interval)
             try:
                 await self.discover()
             except Exception:
                 logger.exception("engine discovery failed")
 
     async def poll_loads(self) -> None:
-        """Read every engine's load report once (GET /load): its running and waiting requests, the adapters
-        on its device and the prompt prefixes its cache holds. An engine without the route, or that does not
-        answer, keeps its last."""
+        """Read every engine's load report once: a loragate engine's GET /load (its running and waiting
+        requests, the adapters on its device and the prompt prefixes its cache holds), a vLLM engine's
+        /metrics and /v1/models (gateway/vllm.py). An engine without the route, or that does not answer,
+        keeps its last."""
         client = self.catalog.client
 
         async def one(upstream: Upstream) -> None:
+            if upstream.kind is EngineKind.VLLM:
+                await vllm.poll(client, upstream)
+                return
             try:
                 resp = await client.get(f"{upstream.url}/load", timeout=LOAD_TIMEOUT_S)
                 resp.raise_for_status()
@@ -167,6 +183,17 @@ class Fleet:
         """The adapter ids the upstreams serve (empty when none has answered yet)."""
         return (await self.catalog.models()).adapters
 
+    def unable(self, adapter: str | None, catalog: bool) -> frozenset[str]:
+        """The upstreams that cannot serve `adapter`: for a catalog adapter, the vLLM engines without an agent
+        to load it (gateway/vllm.py) that do not list it already."""
+        if adapter is None or not catalog:
+            return frozenset()
+        return frozenset(
+            u.url
+            for u in self.admission.upstreams
+            if u.kind is EngineKind.VLLM and u.agent is None and adapter not in u.serves
+        )
+
     def base_name(self, named: str | None) -> str:
         """The base model a request without an adapter is served by (the one it named, if several)."""
         bases = self.catalog.cached().bases
@@ -189,12 +216,15 @@ class Fleet:
         report = upstream.reported
         return {
             "url": upstream.url,
+            "kind": upstream.kind.value,
+            "agent": upstream.agent,
             "inflight": upstream.inflight,
             "load": upstream.load(time.monotonic()),
             "reported": {"running": report.running, "waiting": report.waiting} if report is not None else None,
             "breaker": upstream.breaker.state,
             "consecutive_failures": upstream.breaker.consecutive_failures,
             "drained": upstream.drained,
+            "kv_cache_usage": upstream.kv_cache_usage,
         }
 
     def routing(self) -> dict[str, Any]:

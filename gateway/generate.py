@@ -203,11 +203,14 @@ class GenerateRoutes:
         index = self.fleet.prefix
         chunks = index.chunks(call.body, call.path == CHAT_PATH, call.adapter)
         session = index.session(call.tenant, request.headers, call.body)
-        call = dataclasses.replace(call, prefix=chunks, hints=await index.lookup(chunks, session))
+        unable = self.fleet.unable(call.adapter, catalog=bool(call.adapter_headers))
+        call = dataclasses.replace(call, prefix=chunks, hints=await index.lookup(chunks, session), unable=unable)
         try:
             exchange.slot = await unless_disconnected(
                 request.receive,
-                self.fleet.admission.acquire(call.priority, call.tenant, affinity=call.affinity, hints=call.hints),
+                self.fleet.admission.acquire(
+                    call.priority, call.tenant, exclude=unable, affinity=call.affinity, hints=call.hints
+                ),
             )
             index.count(call.hints, exchange.slot.upstream.url, chunks, session)
             response = await unless_disconnected(request.receive, self.proxy.forward(call, exchange))

@@ -34,8 +34,10 @@ import anyio
 import httpx
 from starlette.responses import Response, StreamingResponse
 
+from gateway import vllm
 from gateway.admission import AdmissionController, EngineLoad, Shed, Slot
 from gateway.budgets import Hold
+from gateway.engine_kinds import EngineKind
 from gateway.prefix_index import NO_HINTS, Hints
 from gateway.ratelimit import Reservation
 from gateway.telemetry import GatewayMetrics, inject_headers
@@ -74,6 +76,7 @@ class Call:
     estimated_prompt_tokens: int = 0  # the gateway's estimate, for a stream cut before the engine's usage
     prefix: PromptChunks | None = None  # its prompt's chunk hashes (prefix routing), sent to the engine
     hints: Hints = NO_HINTS  # where its prefix and session are held (gateway/prefix_index.py)
+    unable: frozenset[str] = frozenset()  # upstreams that cannot serve it (Fleet.unable)
 
 
 @dataclass(slots=True)
@@ -155,13 +158,15 @@ def _failure(status: int, type_: str, message: str) -> UpstreamFailed:
     return UpstreamFailed(error_response(status, type_, message), type_)
 
 
-def _passthrough(resp: httpx.Response) -> Response:
-    """An engine's answer as the client gets it. An engine's 503 (draining, its loop down) becomes the
-    gateway's `upstream_unavailable`: the engine's own reason describes the engine, not this gateway (its
-    message, in the body, still says what happened)."""
+def _passthrough(resp: httpx.Response, content: bytes | None = None) -> Response:
+    """An engine's answer as the client gets it (`content`: its body translated, a vLLM error's). An engine's
+    503 (draining, its loop down) becomes the gateway's `upstream_unavailable`: the engine's own reason
+    describes the engine, not this gateway (its message, in the body, still says what happened)."""
     headers = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
     if resp.status_code == 503:
         headers = {"Retry-After": headers.get("retry-after", "1"), "X-Loragate-Reason": UPSTREAM_UNAVAILABLE}
+    if content is not None:
+        return Response(content, status_code=resp.status_code, headers=headers, media_type="application/json")
     return Response(
         resp.content,
         status_code=resp.status_code,
@@ -229,7 +234,11 @@ class Proxy:
         exchange.slot.release()
         try:
             exchange.slot = await self.admission.acquire(
-                call.priority, call.tenant, exclude=frozenset(exchange.tried), affinity=call.affinity, hints=call.hints
+                call.priority,
+                call.tenant,
+                exclude=call.unable | exchange.tried,
+                affinity=call.affinity,
+                hints=call.hints,
             )
         except Shed:
             exchange.slot = None
@@ -238,7 +247,8 @@ class Proxy:
 
     async def _attempt(self, call: Call, exchange: Exchange) -> Response:
         assert exchange.slot is not None
-        url = exchange.slot.upstream.url
+        upstream = exchange.slot.upstream
+        url = upstream.url
         exchange.tried.add(url)
         body = call.body
         if call.stream:  # always ask for usage: the token budget is settled with it
@@ -250,7 +260,32 @@ class Proxy:
         if call.prefix is not None and call.prefix.hashes:  # the engine reports what of it its cache keeps
             headers[PREFIX_HEADER] = call.prefix.header()
         inject_headers(headers)
-        request = self.client.build_request("POST", f"{url}{call.path}", json=body, headers=headers)
+        vllm_engine = upstream.kind is EngineKind.VLLM
+        if vllm_engine:
+            refused = await self._vllm_prepare(call, exchange)
+            if refused is not None:
+                return refused
+            body = vllm.request_body(body, call.priority)
+        resp = await self._send(url, call.path, body, headers, exchange)
+        if vllm_engine and resp.status_code == 404 and call.adapter_headers:
+            # vLLM no longer has the catalog adapter it listed (it restarted): load it again, once
+            await exchange.close_upstream()
+            upstream.serves = upstream.serves - {call.adapter or ""}
+            refused = await self._vllm_prepare(call, exchange)
+            if refused is not None:
+                return refused
+            resp = await self._send(url, call.path, body, headers, exchange)
+        load = resp.headers.get("x-loragate-load")
+        if load is not None:  # the engine's own count of its requests, every gateway replica's included
+            upstream.reported = EngineLoad.parse(load, time.monotonic()) or upstream.reported
+        if resp.status_code >= 400 or not call.stream:
+            return await self._whole(call, resp, exchange)
+        return await self._start_stream(call, resp, exchange)
+
+    async def _send(
+        self, url: str, path: str, body: dict[str, Any], headers: dict[str, str], exchange: Exchange
+    ) -> httpx.Response:
+        request = self.client.build_request("POST", f"{url}{path}", json=body, headers=headers)
         try:
             resp = await self.client.send(request, stream=True)
         except httpx.TimeoutException as exc:
@@ -258,14 +293,32 @@ class Proxy:
         except httpx.HTTPError as exc:
             raise _failure(502, "upstream_error", f"upstream {url} failed: {exc!r}") from None
         exchange.upstream = resp
-        load = resp.headers.get("x-loragate-load")
-        if load is not None:  # the engine's own count of its requests, every gateway replica's included
-            exchange.slot.upstream.reported = (
-                EngineLoad.parse(load, time.monotonic()) or exchange.slot.upstream.reported
-            )
-        if resp.status_code >= 400 or not call.stream:
-            return await self._whole(call, resp, exchange)
-        return await self._start_stream(call, resp, exchange)
+        return resp
+
+    async def _vllm_prepare(self, call: Call, exchange: Exchange) -> Response | None:
+        """Before a request goes to a vLLM engine (gateway/vllm.py): a 400 for what it would drop, and a catalog
+        adapter it does not list loaded by its agent. None: send it; else the answer to give."""
+        assert exchange.slot is not None
+        upstream = exchange.slot.upstream
+        problem = vllm.unsupported(call.body)
+        if problem is not None:
+            exchange.status, exchange.outcome = 400, "upstream_client_error"
+            return error_response(400, "invalid_request_error", problem)
+        if not call.adapter_headers or call.adapter is None or call.adapter in upstream.serves:
+            return None
+        try:
+            answer = await vllm.ensure(self.client, upstream, call.adapter, call.adapter_headers)
+        except httpx.HTTPError as exc:
+            raise _failure(502, "upstream_error", f"the agent of {upstream.url} failed: {exc!r}") from None
+        if answer is None:
+            return None
+        reason = answer.headers.get("x-loragate-reason", "")
+        if answer.status_code == 503 and reason not in ADAPTER_REASONS:  # its vLLM is down: another engine may do
+            raise UpstreamFailed(answer, UPSTREAM_UNAVAILABLE)
+        upstream.breaker.record_answered()
+        exchange.status = answer.status_code
+        exchange.outcome = reason if reason in ADAPTER_REASONS else "upstream_client_error"
+        return answer
 
     async def _whole(self, call: Call, resp: httpx.Response, exchange: Exchange) -> Response:
         """A non-streaming answer, or an error status of a streaming one: read it all, pass it through."""
@@ -280,24 +333,35 @@ class Proxy:
             await exchange.close_upstream()
         assert exchange.slot is not None
         reason = resp.headers.get("x-loragate-reason", "")
+        if resp.status_code >= 400 and exchange.slot.upstream.kind is EngineKind.VLLM:
+            content, _ = vllm.error_answer(resp, call.adapter)
+            return self._error(resp, exchange, _passthrough(resp, content))
         if resp.status_code >= 500 and reason in ADAPTER_REASONS:
             exchange.slot.upstream.breaker.record_answered()
             exchange.status, exchange.outcome = resp.status_code, reason
             return _adapter_answer(resp, reason)
-        if resp.status_code >= 500:
-            outcome = UPSTREAM_UNAVAILABLE if resp.status_code == 503 else f"upstream_{resp.status_code}"
-            raise UpstreamFailed(_passthrough(resp), outcome, trips_breaker=resp.status_code in BREAKER_STATUSES)
+        if resp.status_code >= 400:
+            return self._error(resp, exchange, _passthrough(resp))
         exchange.slot.upstream.breaker.record_success()
         exchange.status = resp.status_code
-        if resp.status_code >= 400:
-            exchange.outcome = "upstream_client_error"
-            return _passthrough(resp)
         exchange.token_sent(call.started_at)
         try:
             exchange.take_usage(resp.json().get("usage"))
         except (ValueError, AttributeError):
             pass
         return _passthrough(resp)
+
+    def _error(self, resp: httpx.Response, exchange: Exchange, answer: Response) -> Response:
+        """An engine's error status: a 5xx fails this attempt (retried once elsewhere; 502-504 count against its
+        breaker), a 4xx is the client's answer."""
+        assert exchange.slot is not None
+        if resp.status_code >= 500:
+            outcome = UPSTREAM_UNAVAILABLE if resp.status_code == 503 else f"upstream_{resp.status_code}"
+            raise UpstreamFailed(answer, outcome, trips_breaker=resp.status_code in BREAKER_STATUSES)
+        exchange.slot.upstream.breaker.record_success()
+        exchange.status = resp.status_code
+        exchange.outcome = "upstream_client_error"
+        return answer
 
     async def _start_stream(self, call: Call, resp: httpx.Response, exchange: Exchange) -> Response:
         """Wait for the first whole event (a failure until then is retryable), then relay the rest."""

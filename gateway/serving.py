@@ -42,7 +42,7 @@ def serve(
     policy: Policy | None = None,
     drain_timeout_s: float = DRAIN_TIMEOUT_S,
     limits: ConnectionLimits | None = None,
-    discovery: DnsUpstreams | None = None,
+    discovery: list[DnsUpstreams] | None = None,
     clear_overrides: bool = False,
     usage_retention: int = RETENTION,
     log_probes: bool = False,
@@ -80,7 +80,7 @@ def serve(
         prefix_store=prefix,
     )
     gateway = app.state.gateway
-    engines = list(upstreams) + ([f"dns:{discovery.name}:{discovery.port}"] if discovery is not None else [])
+    engines = list(upstreams) + [str(d) for d in discovery or ()]
     logger.info("gateway on http://%s:%d/v1 in front of %s", host, port, ", ".join(engines))
     serve_app(
         app,

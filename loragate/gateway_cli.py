@@ -29,14 +29,18 @@ def add_parser(sub: SubParsers[argparse.ArgumentParser]) -> None:
         "--upstream",
         action="append",
         default=[],
-        metavar="URL",
-        help="an engine's base URL, e.g. http://127.0.0.1:8001 (repeat for more replicas)",
+        metavar="[KIND=]URL[,agent=PORT]",
+        help="an engine's base URL, e.g. http://127.0.0.1:8001 (repeat for more replicas); KIND is loragate "
+        "(the default) or vllm, e.g. vllm=http://127.0.0.1:8000,agent=8002 (a vLLM server and its "
+        "`loragate vllm-agent` on port 8002 of the same host)",
     )
     p.add_argument(
         "--upstream-dns",
-        metavar="NAME:PORT",
+        action="append",
+        default=[],
+        metavar="[KIND=]NAME:PORT[,agent=PORT]",
         help="also serve from every address NAME resolves to (e.g. a Kubernetes headless Service), "
-        "as http://ADDRESS:PORT, re-resolved every --dns-interval-s",
+        "as http://ADDRESS:PORT, re-resolved every --dns-interval-s (repeat for more names, e.g. one per kind)",
     )
     p.add_argument("--dns-interval-s", type=seconds, default=5.0, help="how often --upstream-dns is resolved again")
     p.add_argument(
@@ -74,20 +78,17 @@ def run(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         print(f"loragate gateway: error: {exc}", file=sys.stderr)
         return 2
-    for url in args.upstream:
-        if not url.startswith(("http://", "https://")):
-            print(f"loragate gateway: error: --upstream {url!r}: expected an http(s):// URL", file=sys.stderr)
-            return 2
-    discovery = None
-    if args.upstream_dns is not None:
-        from gateway.discovery import DnsUpstreams
+    from gateway.discovery import DnsUpstreams
+    from gateway.engine_kinds import parse_upstream
 
-        try:
-            discovery = DnsUpstreams.from_target(args.upstream_dns, interval_s=args.dns_interval_s)
-        except ValueError as exc:
-            print(f"loragate gateway: error: {exc}", file=sys.stderr)
-            return 2
-    elif not args.upstream:
+    try:
+        for text in args.upstream:
+            parse_upstream(text)
+        discovery = [DnsUpstreams.from_target(text, interval_s=args.dns_interval_s) for text in args.upstream_dns]
+    except ValueError as exc:
+        print(f"loragate gateway: error: {exc}", file=sys.stderr)
+        return 2
+    if not args.upstream and not discovery:
         print(
             "loragate gateway: error: name the engines with --upstream URL or --upstream-dns NAME:PORT", file=sys.stderr
         )

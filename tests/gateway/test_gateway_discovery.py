@@ -22,6 +22,7 @@ import pytest
 from gateway.admission import rendezvous_order
 from gateway.app import build_app
 from gateway.discovery import DnsUpstreams, parse_target, resolve_addresses
+from gateway.engine_kinds import EngineKind, EngineTarget
 from gateway.policy import parse_policy
 from gateway.ratelimit import MemoryRateLimiter
 from gateway.telemetry import GatewayMetrics
@@ -188,7 +189,19 @@ def test_resolving_and_parsing_targets() -> None:
     async def v6(name: str, port: int) -> list[str]:
         return ["fd00::7"]
 
-    assert run(DnsUpstreams("x", 8001, resolve=v6).urls()) == ["http://[fd00::7]:8001"]
+    assert run(DnsUpstreams("x", 8001, resolve=v6).targets()) == [EngineTarget("http://[fd00::7]:8001")]
+    vllm = DnsUpstreams.from_target("vllm=vllm-headless:8000,agent=8002")
+    vllm.resolve = v6
+    assert run(vllm.targets()) == [EngineTarget("http://[fd00::7]:8000", EngineKind.VLLM, "http://[fd00::7]:8002")]
+    for bad, problem in (
+        ("sglang=x:1", "unknown engine kind"),
+        ("x:1,agent=2", "agent=PORT is for vllm"),
+        ("vllm=x:1,agent=0", "port number"),
+        ("vllm=x:1,agnt=2", "unknown option"),
+        ("vllm=x", "NAME:PORT"),
+    ):
+        with pytest.raises(ValueError, match=problem):
+            DnsUpstreams.from_target(bad)
 
 
 def test_a_gateway_process_serves_the_engines_its_dns_name_resolves_to(tmp_path, mock: MockUpstream) -> None:
