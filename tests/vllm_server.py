@@ -16,9 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from processes import REPO, free_port
 
 from loragate.launch import stop
+
+from processes import REPO, free_port
 
 STARTUP_S = 300.0
 

@@ -13,9 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_testing import asgi, assert_error, run
-from policies import ADMIN, bearer, policy_yaml, tenant_yaml
-from processes import serve_in_thread
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -26,6 +23,10 @@ from gateway.policy import parse_policy
 from gateway.ratelimit import MemoryRateLimiter
 from gateway.telemetry import GatewayMetrics
 from gateway.vllm import parse_metrics
+
+from gateway_testing import asgi, assert_error, run
+from policies import ADMIN, bearer, policy_yaml, tenant_yaml
+from processes import serve_in_thread
 
 KEY = "acme-key"
 POLICY = policy_yaml(
@@ -296,7 +297,7 @@ def test_catalog_adapters_are_loaded_by_the_agent_on_their_first_request() -> No
 
 
 def test_a_catalog_adapter_never_goes_to_a_vllm_engine_without_an_agent() -> None:
-    with fakes(2) as [(bare, _, bare_url, _), (served, agent, url, agent_port)]:
+    with fakes(2) as [(bare, _, bare_url, _), (served, _, url, agent_port)]:
 
         async def go() -> None:
             async with asgi(gateway([f"vllm={bare_url}", f"vllm={url},agent={agent_port}"])) as gw:
@@ -318,7 +319,7 @@ def test_a_catalog_adapter_never_goes_to_a_vllm_engine_without_an_agent() -> Non
 
 
 def test_an_unreachable_agent_fails_over_to_another_engine() -> None:
-    with fakes(1) as [(server, agent, url, agent_port)], fakes(1) as [(other, other_agent, url2, agent_port2)]:
+    with fakes(1) as [(server, _, url, _)], fakes(1) as [(other, other_agent, url2, agent_port2)]:
 
         async def go() -> None:
             dead_agent = 1  # nothing listens on port 1

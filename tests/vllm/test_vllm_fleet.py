@@ -20,13 +20,14 @@ from typing import Any
 
 import httpx
 import pytest
+
+from engine.model.sources import resolve_model
+
 from adapter_servers import MotoServer, moto_server_fixture, sha256sum_digest
 from lora_fixtures import make_peft_adapter
 from policies import ADMIN, bearer, policy_yaml, tenant_yaml
 from processes import free_port, start_engine_server, start_gateway, start_loragate, stop_process
 from vllm_server import VllmServer, vllm_python
-
-from engine.model.sources import resolve_model
 
 BUCKET = "fleet-adapters"
 ACME, BETA, THRIFTY = "key-acme", "key-beta", "key-thrifty"
