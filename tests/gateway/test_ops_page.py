@@ -127,7 +127,7 @@ def test_ops_page_shows_live_state_escapes_names_and_its_buttons_act(browser: An
             assert page.evaluate("sessionStorage.getItem('loragate-admin-key')") == ADMIN_KEY
             assert page.context.cookies() == []  # no cookie: the key travels in a header only
             upstreams = page.locator("#upstreams").inner_text()
-            assert engine.url in upstreams and "closed" in upstreams
+            assert engine.url in upstreams and "closed" in upstreams and "loragate" in upstreams
             assert "Prefix routing on (this replica)" in upstreams and "index entries" in upstreams
 
             # Buttons act through the admin API.
