@@ -1,4 +1,5 @@
-# The gateway image: `pip install loragate` (no engine, no torch), run as a non-root user.
+# The gateway image: `pip install loragate` (no engine, no torch), run as a non-root user. It also runs
+# `loragate vllm-agent`, the sidecar beside a vLLM server.
 #   docker build -f docker/gateway.Dockerfile -t loragate-gateway .
 FROM python:3.11-slim-bookworm AS build
 WORKDIR /src
@@ -6,6 +7,7 @@ COPY pyproject.toml README.md ./
 COPY loragate ./loragate
 COPY loragate_common ./loragate_common
 COPY gateway ./gateway
+COPY vllm_agent ./vllm_agent
 COPY engine ./engine
 COPY loragate_kernels ./loragate_kernels
 # Wheels of loragate and of its base dependencies only (the engine extra is not installed).

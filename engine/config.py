@@ -210,7 +210,7 @@ class EngineConfig:
             metavar="N",
         ),
     )
-    # Adapters fetched from object stores, the Hub or https (engine/lora/adapter_store.py).
+    # Adapters fetched from object stores, the Hub or https (loragate_common/adapter_cache.py).
     adapter_cache_dir: str | None = _setting(
         None,
         Flag(

@@ -3,7 +3,8 @@ stale unnoticed.
 
 Where citations are looked for: every Markdown file of the repository (README.md, docs/, helm/, policies/,
 ...; not .venv, .git or the benchmark records in bench/results/), and the comments and docstrings of the
-Python files under engine/, gateway/, loragate_kernels/, loragate_common/, loragate/, bench/, tests/ and scripts/.
+Python files under engine/, gateway/, loragate_kernels/, loragate_common/, loragate/, vllm_agent/, bench/, tests/ and
+scripts/.
 
 What counts as a citation:
 
@@ -16,7 +17,8 @@ What counts as a citation:
   an `#anchor` on a Markdown page (or alone, for the page itself) must be one of its headings' anchors
   (web and `mailto:` links are not checked);
 - a dotted name: `package.module[.Name[.attribute]]` whose first part is one of the packages engine,
-  gateway, loragate_kernels, loragate_common, loragate (`engine.core.scheduler`, `gateway.rollout.Rollouts.route`).
+  gateway, loragate_kernels, loragate_common, loragate, vllm_agent (`engine.core.scheduler`,
+  `gateway.rollout.Rollouts.route`).
   The longest prefix that is a module of the repository names the module; the rest must be defined in it: a top-level
   name (def, class, assignment, import), then a class's members (its methods, class attributes, dataclass
   fields, `self.x` assignments in its methods, and those of the bases it inherits from). Three rules keep
@@ -50,11 +52,22 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 
 TOP_DIRS = (
-    "engine gateway loragate_kernels loragate_common loragate bench tests docs helm policies docker scripts .ci".split()
-)
+    "engine gateway loragate_kernels loragate_common loragate vllm_agent bench tests docs helm policies docker scripts "
+    ".ci"
+).split()
 TOP_FILES = ("Makefile", "pyproject.toml", "README.md")
-PACKAGES = ("engine", "gateway", "loragate_kernels", "loragate_common", "loragate")
-CODE_DIRS = ("engine", "gateway", "loragate_kernels", "loragate_common", "loragate", "bench", "tests", "scripts")
+PACKAGES = ("engine", "gateway", "loragate_kernels", "loragate_common", "loragate", "vllm_agent")
+CODE_DIRS = (
+    "engine",
+    "gateway",
+    "loragate_kernels",
+    "loragate_common",
+    "loragate",
+    "vllm_agent",
+    "bench",
+    "tests",
+    "scripts",
+)
 # Folders never scanned: tools' and builds' output, and the benchmark records (generated files).
 SKIP_DIRS = frozenset({".git", ".venv", "node_modules", "__pycache__", "build", "dist", ".pytest_cache"})
 SKIP_DIRS |= frozenset({".mypy_cache", ".ruff_cache", ".hypothesis", ".cache"})

@@ -2,11 +2,12 @@
 
 The gateway resolves a catalog adapter (gateway/adapter_catalog.py) to a version and sends it here as
 `X-Adapter-ID: ID@N` with `X-Adapter-Source`, `X-Adapter-SHA256` and optionally `X-Adapter-Size`. If `ID@N`
-is not registered, `FetchedAdapters.ensure` has the disk tier (engine/lora/adapter_store.py) fetch it —
+is not registered, `FetchedAdapters.ensure` has the disk tier (loragate_common/adapter_cache.py) fetch it —
 one download however many requests wait for it — then registers it from the cache and the request runs.
 A request waits at most `--adapter-load-wait-s`; then it gets 503 `adapter_loading` with Retry-After while
 the download goes on. A failed download answers 502 `adapter_fetch_failed` with the reason, and is not
-tried again before its backoff has passed.
+tried again before its backoff has passed. The headers and these answers are loragate_common/fetched.py's, which
+the vLLM agent shares.
 
 Trust boundary: any caller that can reach the engine may name a source, as any caller may POST
 /v1/adapters; what bounds it is the engine's own `--adapter-source-allow` (nothing outside it is ever
@@ -20,68 +21,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from starlette.requests import Request
-
 from engine.core.async_engine import AsyncEngine
-from engine.lora.adapter_store import AdapterStore, FetchBackoff
+from loragate_common.adapter_cache import AdapterCache, FetchBackoff
 from loragate_common.adapter_sources import AllowList, SourceError
-from loragate_common.errors import ApiError, bad_request, retry_after, unavailable
+from loragate_common.errors import ApiError
+from loragate_common.fetched import Wanted, fetch_failed, source_refused, still_loading
 
 logger = logging.getLogger(__name__)
-
-LOADING_RETRY_AFTER_S = 2.0  # what a request that timed out waiting for a download is told
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
-_MAX_SOURCE_CHARS = 2048
-
-
-@dataclass(frozen=True, slots=True)
-class Wanted:
-    """A request's adapter as the gateway's catalog pins it."""
-
-    source: str
-    sha256: str
-    size: int | None
-
-
-def wanted_from_headers(request: Request) -> Wanted | None:
-    """The pinned source the gateway sent with the request; None without X-Adapter-Source; 400 if malformed."""
-    source = request.headers.get("x-adapter-source")
-    if source is None:
-        return None
-    sha256 = (request.headers.get("x-adapter-sha256") or "").strip().lower()
-    if not source.strip() or len(source) > _MAX_SOURCE_CHARS:
-        raise bad_request(f"X-Adapter-Source: must be a source URI of 1 to {_MAX_SOURCE_CHARS} characters")
-    if _SHA256_RE.fullmatch(sha256) is None:
-        raise bad_request("X-Adapter-SHA256: a source needs the content's sha256 (64 hex digits)")
-    size_text = request.headers.get("x-adapter-size")
-    size = None
-    if size_text is not None:
-        if not size_text.strip().isdigit():
-            raise bad_request("X-Adapter-Size: must be a number of bytes")
-        size = int(size_text)
-    return Wanted(source.strip(), sha256, size)
-
-
-def fetch_failed(message: str, retry_after_s: float) -> ApiError:
-    return ApiError(
-        502,
-        "adapter_fetch_failed",
-        message,
-        {"Retry-After": retry_after(retry_after_s), "X-Loragate-Reason": "adapter_fetch_failed"},
-    )
 
 
 class FetchedAdapters:
     """Registers fetched adapters under their catalog ids; pins a cache entry while requests use it."""
 
-    def __init__(self, engine: AsyncEngine, store: AdapterStore | None, load_wait_s: float) -> None:
+    def __init__(self, engine: AsyncEngine, store: AdapterCache | None, load_wait_s: float) -> None:
         self.engine = engine
         self.store = store
         self.load_wait_s = load_wait_s
@@ -95,7 +52,7 @@ class FetchedAdapters:
         config = engine.engine.config
         fetched = cls(engine, None, config.adapter_load_wait_s)
         if config.adapter_cache_dir is not None:
-            fetched.store = AdapterStore(
+            fetched.store = AdapterCache(
                 Path(config.adapter_cache_dir),
                 max_bytes=config.adapter_cache_mb << 20,
                 max_adapter_bytes=config.adapter_max_mb << 20,
@@ -124,11 +81,7 @@ class FetchedAdapters:
             await asyncio.wait_for(self._ready(adapter_id, wanted), timeout=self.load_wait_s)
         except asyncio.TimeoutError:
             self.store.unpin(wanted.sha256)
-            raise unavailable(
-                f"adapter {adapter_id!r} is being fetched from {wanted.source}; retry shortly",
-                "adapter_loading",
-                LOADING_RETRY_AFTER_S,
-            ) from None
+            raise still_loading(adapter_id, wanted) from None
         except BaseException:
             self.store.unpin(wanted.sha256)
             raise
@@ -158,11 +111,7 @@ class FetchedAdapters:
         except FetchBackoff as exc:
             raise fetch_failed(f"adapter {adapter_id!r} ({exc.reason}): {exc}", exc.retry_after_s) from None
         except SourceError as exc:
-            if exc.reason == "invalid":
-                raise bad_request(f"X-Adapter-Source: {exc}") from None
-            if exc.reason == "not_allowed":
-                raise ApiError(403, "adapter_source_not_allowed", f"adapter {adapter_id!r}: {exc}") from None
-            raise fetch_failed(f"adapter {adapter_id!r} ({exc.reason}): {exc}", 1.0) from None
+            raise source_refused(adapter_id, exc) from None
         try:
             await self.engine.register_cached(adapter_id, path)
         except ValueError as exc:  # AdapterError: the files are no LoRA adapter for this base model

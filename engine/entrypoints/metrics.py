@@ -22,11 +22,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from engine.core.outputs import EngineStats, RequestOutput
+from loragate_common.adapter_cache import AdapterCache
 from loragate_common.labels import BoundedLabels
 
 if TYPE_CHECKING:  # the engine (and torch) only for the types: the metrics are built before it is bound
     from engine.core.llm_engine import LLMEngine
-    from engine.lora.adapter_store import AdapterStore
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
@@ -203,11 +203,11 @@ class _AdapterCollector:
 
 
 class _DiskCacheCollector:
-    """The disk tier of fetched adapters (engine/lora/adapter_store.py), read at scrape time; no per-adapter
+    """The disk tier of fetched adapters (loragate_common/adapter_cache.py), read at scrape time; no per-adapter
     label (GET /v1/adapters lists each one), so the series stay few however many adapters are fetched."""
 
     def __init__(self) -> None:
-        self.store: AdapterStore | None = None
+        self.store: AdapterCache | None = None
 
     def collect(self) -> Iterator[Metric]:
         store = self.store
@@ -310,7 +310,7 @@ class EngineMetrics:
         self.adapters.base = engine.model_name
         self._adapter_collector.engine = engine
 
-    def bind_store(self, store: AdapterStore | None) -> None:
+    def bind_store(self, store: AdapterCache | None) -> None:
         """Export the disk cache of fetched adapters (none without --adapter-cache-dir)."""
         self._disk_cache_collector.store = store
 

@@ -44,7 +44,7 @@ from engine.core.outputs import LoadReport, RequestOutput
 from engine.core.request import SamplingParams
 from engine.entrypoints.adapter_routes import AdapterRoutes
 from engine.entrypoints.choices import Choices
-from engine.entrypoints.fetched_adapters import FetchedAdapters, wanted_from_headers
+from engine.entrypoints.fetched_adapters import FetchedAdapters
 from engine.entrypoints.guided import ToolPlan, compile_constraint
 from engine.entrypoints.metrics import EngineMetrics, RequestTracker
 from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, parse_body
@@ -54,6 +54,7 @@ from engine.lora.peft_config import AdapterError, validate_adapter_id
 from engine.structured import template_supports_tools
 from loragate_common.adapter_ids import requested_adapter
 from loragate_common.errors import ApiError, adapter_not_found, bad_request, error_body, error_response, unavailable
+from loragate_common.fetched import wanted_from_headers
 from loragate_common.http_io import SSE_DONE, ClientGone, list_body, read_json, sse, unless_disconnected
 from loragate_common.prefix import HEADER as PREFIX_HEADER
 from loragate_common.prefix import PromptChunks

@@ -1,6 +1,7 @@
 """The project's import graph: no cycles between its modules, counting imports made only for type checking (each one
 is a sign that two modules hold one concept between them: a Protocol or a split says which owns what), and the
-command line on top (nothing in engine/, gateway/, loragate_kernels/ or loragate_common/ imports loragate/)."""
+command line on top (nothing in engine/, gateway/, loragate_kernels/, loragate_common/ or vllm_agent/ imports
+loragate/)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "gateway", "loragate_kernels", "loragate_common", "loragate")
+PACKAGES = ("engine", "gateway", "loragate_kernels", "loragate_common", "loragate", "vllm_agent")
 
 
 def module_name(path: Path) -> str:

@@ -32,6 +32,7 @@ def _python(code: str, python: str = sys.executable, cwd: Path = REPO) -> subpro
     [
         "import gateway.app",
         "import gateway.serving",
+        "import vllm_agent.app",
         "import loragate.cli",
         "from loragate.cli import main; main(['policy', 'check', 'policies/default.yaml'])",
         "from loragate.cli import main; main(['policy', 'schema'])",

@@ -1,4 +1,4 @@
-"""The disk tier for fetched adapters (engine/lora/adapter_store.py) against real archive and Hub-shaped
+"""The disk cache of fetched adapters (loragate_common/adapter_cache.py) against real archive and Hub-shaped
 servers on 127.0.0.1: single-flight downloads (counted at the server), failure backoff, the allow-list
 checked before anything is fetched, a download killed mid-way (a real process, SIGKILL), and LRU eviction
 that never touches a pinned entry. The files on disk are compared with the sources; digests with hashlib.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.lora.adapter_store import TMP_PREFIX, AdapterStore, FetchBackoff
+from loragate_common.adapter_cache import TMP_PREFIX, AdapterCache, FetchBackoff
 from loragate_common.adapter_sources import AllowList, SourceError
 
 from adapter_servers import (
@@ -58,9 +58,9 @@ def make_store(
     backoff_s: float = 1.0,
     max_backoff_s: float = 60.0,
     allow: list[str] | None = None,
-) -> AdapterStore:
+) -> AdapterCache:
     """A store allowed to fetch from `server`'s /adapters/ (or `allow`); evicted sha256s go to `evicted`."""
-    return AdapterStore(
+    return AdapterCache(
         root,
         max_bytes=max_bytes,
         max_adapter_bytes=max_adapter_bytes,
@@ -96,6 +96,8 @@ def test_twenty_concurrent_ensures_share_one_download(archives: ArchiveServer, t
     assert meta["size"] == sum((adapter / name).stat().st_size for name in ADAPTER_FILES)
     [status] = store.status()
     assert (status["sha256"], status["state"], status["downloads"], status["error"]) == (sha, "disk", 1, None)
+    assert isinstance(status["download_s"], float) and status["download_s"] > 0
+    assert store.status_of(sha) == store.status()[0] and store.status_of("0" * 64) is None
     assert store.entry(sha) == paths[0]
     assert asyncio.run(store.ensure(url, sha, None)) == paths[0]
     assert archives.count("/adapters/a.tgz") == 1  # served from disk afterwards
@@ -206,10 +208,10 @@ def test_adapter_larger_than_its_cap(archives: ArchiveServer, tmp_path: Path) ->
 FETCH_SCRIPT = """
 import asyncio, sys
 from pathlib import Path
-from engine.lora.adapter_store import AdapterStore
+from loragate_common.adapter_cache import AdapterCache
 from loragate_common.adapter_sources import AllowList
 root, url, sha, allow = sys.argv[1:5]
-store = AdapterStore(Path(root), 1 << 30, 1 << 30, AllowList([allow]), 60.0, print)
+store = AdapterCache(Path(root), 1 << 30, 1 << 30, AllowList([allow]), 60.0, print)
 asyncio.run(store.ensure(url, sha, None))
 """
 
@@ -239,6 +241,7 @@ def test_a_download_killed_midway_leaves_nothing_behind(archives: ArchiveServer,
     assert_entry(root / done_sha, done)
     assert store.entry(done_sha) == root / done_sha
     assert [(s["sha256"], s["state"], s["source"]) for s in store.status()] == [(done_sha, "disk", done_url)]
+    assert store.status()[0]["download_s"] is None  # on disk before this process's cache started
     assert evicted == []
 
 

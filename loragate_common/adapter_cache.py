@@ -1,4 +1,5 @@
-"""The engine's disk tier for fetched adapters: a content-addressed, size-bounded LRU cache on local disk.
+"""The disk cache of fetched adapters: a content-addressed, size-bounded LRU cache on local disk. The engine's disk
+tier (engine/entrypoints/fetched_adapters.py) and the vLLM agent (vllm_agent/loader.py) keep their adapters in it.
 
 An entry is `<root>/<sha256>/` holding the two adapter files and meta.json (source, sha256, size,
 fetched_at). It is written into a `<root>/.tmp-*` directory by loragate_common/adapter_sources.py's `fetch`,
@@ -8,7 +9,8 @@ before its backoff (1 s doubling to 60 s) has passed. Entries in use are pinned 
 an entry is published, least recently used unpinned ones are removed until the cache fits `max_bytes`.
 
 Thread-safe: ensure() runs on the event loop, downloads in worker threads, and the engine may call
-entry(), pin(), unpin() and status() from its own thread.
+entry(), pin(), unpin() and status() from its own thread. `on_evict` may be called from a download thread.
+Torch-free: the vLLM agent runs in the gateway's image.
 """
 
 from __future__ import annotations
@@ -56,13 +58,14 @@ class _Entry:
     size: int | None = None  # bytes of the two files, once on disk
     last_used: float | None = None  # time.time()
     downloads: int = 0  # completed downloads
+    download_s: float | None = None  # how long the last download took (None: on disk since this process started)
     error: SourceError | None = None  # the last failure
     failures: int = 0  # failures in a row
     retry_at: float = 0.0  # time.monotonic() before which a failed fetch is not tried again
     future: Future[Path] | None = None  # the download in progress
 
 
-class AdapterStore:
+class AdapterCache:
     """Fetched adapters on local disk by sha256: `ensure` fetches (once), `entry` finds, `pin` protects."""
 
     def __init__(
@@ -90,7 +93,8 @@ class AdapterStore:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._pins: dict[str, int] = {}
         self._download_slots = threading.BoundedSemaphore(max_downloads)
-        # For the metrics (engine/entrypoints/metrics.py): downloads that succeeded and failed, entries evicted.
+        # For the metrics (engine/entrypoints/metrics.py, vllm_agent/metrics.py): downloads that succeeded and
+        # failed, entries evicted.
         self.downloads = self.failures = self.evictions = 0
         self.root.mkdir(parents=True, exist_ok=True)
         self._load()
@@ -156,21 +160,29 @@ class AdapterStore:
         """Every entry (least recently used first): downloading, on disk, or failed (with its error)."""
         now = time.monotonic()
         with self._lock:
-            return [
-                {
-                    "sha256": e.sha256,
-                    "source": e.source,
-                    "state": e.state,
-                    "error": str(e.error) if e.error is not None and e.state == "failed" else None,
-                    "reason": e.error.reason if e.error is not None and e.state == "failed" else None,
-                    "retry_after_s": max(0.0, e.retry_at - now) if e.state == "failed" else None,
-                    "size": e.size,
-                    "last_used": e.last_used,
-                    "downloads": e.downloads,
-                    "pins": self._pins.get(e.sha256, 0),
-                }
-                for e in self._entries.values()
-            ]
+            return [self._status_locked(e, now) for e in self._entries.values()]
+
+    def status_of(self, sha256: str) -> dict[str, Any] | None:
+        """One entry as status() shows it; None when the cache has no entry for `sha256`."""
+        with self._lock:
+            entry = self._entries.get(sha256)
+            return self._status_locked(entry, time.monotonic()) if entry is not None else None
+
+    def _status_locked(self, e: _Entry, now: float) -> dict[str, Any]:
+        failed = e.error is not None and e.state == "failed"
+        return {
+            "sha256": e.sha256,
+            "source": e.source,
+            "state": e.state,
+            "error": str(e.error) if failed else None,
+            "reason": e.error.reason if failed and e.error is not None else None,
+            "retry_after_s": max(0.0, e.retry_at - now) if e.state == "failed" else None,
+            "size": e.size,
+            "last_used": e.last_used,
+            "downloads": e.downloads,
+            "download_s": e.download_s,
+            "pins": self._pins.get(e.sha256, 0),
+        }
 
     def total_bytes(self) -> int:
         with self._lock:
@@ -221,6 +233,7 @@ class AdapterStore:
         """In a worker thread: fetch into a temp dir, make room, publish by rename."""
         tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.root))
         evicted: list[str] = []
+        started = time.monotonic()
         try:
             fetched = fetch(
                 source, tmp, sha256=sha256, size=size, max_bytes=self.max_adapter_bytes, deadline_s=self.fetch_timeout_s
@@ -233,6 +246,7 @@ class AdapterStore:
                 entry.state, entry.size, entry.future = "disk", fetched.size, None
                 entry.last_used, entry.error, entry.failures = time.time(), None, 0
                 entry.downloads += 1
+                entry.download_s = time.monotonic() - started
                 self.downloads += 1
                 self._entries.move_to_end(sha256)
             _fsync(self.root)
