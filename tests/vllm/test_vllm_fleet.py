@@ -264,19 +264,21 @@ def test_priorities_reach_vllms_scheduler(fleet: dict[str, Any]) -> None:
         assert resp.status_code == 200, resp.text
         finished[name] = time.monotonic()
 
-    threads = [threading.Thread(target=send, args=(f"long{i}", "sheddable", 160)) for i in range(2)]
+    threads = [threading.Thread(target=send, args=(f"long{i}", "sheddable", 500)) for i in range(2)]
     for thread in threads:
         thread.start()
     time.sleep(2.0)
+    sent = {}
     for name, priority in (("sheddable", "sheddable"), ("critical", "critical")):
         thread = threading.Thread(target=send, args=(name, priority, 4))
+        sent[name] = time.monotonic()
         thread.start()
         threads.append(thread)
         time.sleep(0.5)
     for thread in threads:
         thread.join()
+    assert min(finished["long0"], finished["long1"]) > sent["critical"]  # both places were taken when it came
     assert finished["critical"] < finished["sheddable"]
-    assert finished["critical"] < min(finished["long0"], finished["long1"])
 
 
 def test_loragate_only_fields_are_refused_and_vllm_errors_are_the_gateways(fleet: dict[str, Any]) -> None:
