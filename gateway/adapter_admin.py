@@ -15,9 +15,10 @@ for the ids of its own namespace only (`<tenant>/<name>`; 403 for any other), wi
 which a tenant must therefore declare: the engine checks the size when it fetches). The catalog records who
 published each version (the tenant id, or `admin:<key fingerprint>`); every change is in the admin log.
 
-A version's state on an engine comes from the engine's GET /v1/adapters (read from every engine at once, each
-given ENGINE_TIMEOUT_S): the card of `ID@N` (state, error, last_used, loads, evictions, sha256), "not loaded"
-when the engine does not list it, "unknown" when the engine did not answer. Tenants see the engines as
+A version's state on an engine comes from the engine's GET /v1/adapters (a vLLM engine's: its agent's,
+vllm_agent/; read from every engine at once, each given ENGINE_TIMEOUT_S): the card of `ID@N` (state, error,
+last_used, loads, evictions, sha256), "not loaded" when the engine does not list it, "unknown" when the engine did
+not answer (or is a vLLM engine without an agent). Tenants see the engines as
 `engine-0`, `engine-1`, ... rather than by URL.
 """
 
@@ -36,8 +37,10 @@ from starlette.routing import Route
 
 from gateway.adapter_catalog import AdapterCatalog, Quota, Registration
 from gateway.admin import ADMIN_BODY_BYTES, admin_who, key_fingerprint
+from gateway.admission import Upstream
 from gateway.catalog_entry import CatalogEntry, check_sha256
 from gateway.catalog_store import CatalogBusy
+from gateway.engine_kinds import EngineKind
 from gateway.fleet import Fleet
 from gateway.policy import Tenant
 from gateway.redis_client import UNREACHABLE
@@ -171,9 +174,13 @@ class AdapterRoutes:
         """Every engine's cards, read at once; a tenant sees the engines by position, not by URL."""
         client = self.fleet.catalog.client
 
-        async def one(url: str) -> EngineCards:
+        async def one(upstream: Upstream) -> EngineCards:
+            url = upstream.url
+            if upstream.kind is EngineKind.VLLM and upstream.agent is None:
+                return EngineCards(url, None, "a vLLM engine without an agent: catalog adapters do not reach it")
+            listing = url if upstream.kind is EngineKind.LORAGATE else upstream.agent  # a vLLM engine's: its agent's
             try:
-                resp = await client.get(f"{url}/v1/adapters", timeout=ENGINE_TIMEOUT_S)
+                resp = await client.get(f"{listing}/v1/adapters", timeout=ENGINE_TIMEOUT_S)
                 resp.raise_for_status()
                 listed = [c for c in resp.json()["data"] if isinstance(c, dict)]
                 cards = {str(c["id"]): c for c in listed if c.get("id") is not None}
@@ -182,8 +189,7 @@ class AdapterRoutes:
                 return EngineCards(url, None, f"GET /v1/adapters failed: {type(exc).__name__}")
             return EngineCards(url, cards, None, pending)
 
-        urls = [u.url for u in self.fleet.admission.upstreams]
-        found = await asyncio.gather(*(one(url) for url in urls))
+        found = await asyncio.gather(*(one(u) for u in self.fleet.admission.upstreams))
         if caller.tenant is not None:
             found = [EngineCards(f"engine-{i}", e.cards, e.error, e.pending) for i, e in enumerate(found)]
         return list(found)
@@ -192,16 +198,21 @@ class AdapterRoutes:
 
     async def _unload(self, refs: list[str]) -> None:
         """Best effort: the engines unregister deleted versions now (DELETE /v1/adapters/ID@N), rather than
-        serving them to a request that names one until their caches evict them. An engine that does not hold
-        one answers 404; one that does not answer keeps it until its cache evicts it."""
+        serving them to a request that names one until their caches evict them (a vLLM engine: its runtime
+        unload). An engine that does not hold one answers 404; one that does not answer keeps it until its cache
+        evicts it."""
         client = self.fleet.catalog.client
-        urls = [u.url for u in self.fleet.admission.upstreams]
 
-        async def one(url: str, ref: str) -> None:
+        async def one(upstream: Upstream, ref: str) -> None:
             with contextlib.suppress(httpx.HTTPError):
-                await client.delete(f"{url}/v1/adapters/{ref}", timeout=ENGINE_TIMEOUT_S)
+                if upstream.kind is EngineKind.VLLM:
+                    await client.post(
+                        f"{upstream.url}/v1/unload_lora_adapter", json={"lora_name": ref}, timeout=ENGINE_TIMEOUT_S
+                    )
+                else:
+                    await client.delete(f"{upstream.url}/v1/adapters/{ref}", timeout=ENGINE_TIMEOUT_S)
 
-        await asyncio.gather(*(one(url, ref) for url in urls for ref in refs))
+        await asyncio.gather(*(one(u, ref) for u in self.fleet.admission.upstreams for ref in refs))
 
     async def register(self, request: Request) -> Response:
         caller = self._caller(request)

@@ -64,6 +64,7 @@ class FakeVllm:
     headers: list[dict[str, str]] = field(default_factory=list)
     fail: list[Response] = field(default_factory=list)  # the next answers, instead of a completion
     metrics: str = METRICS
+    unloaded: list[str] = field(default_factory=list)
 
     def app(self) -> Starlette:
         async def completions(request: Request) -> Response:
@@ -87,11 +88,20 @@ class FakeVllm:
         async def metrics(request: Request) -> Response:
             return PlainTextResponse(self.metrics)
 
+        async def unload(request: Request) -> Response:
+            name = (await request.json())["lora_name"]
+            self.unloaded.append(name)
+            if name not in self.loras:
+                return vllm_error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+            self.loras.discard(name)
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
         return Starlette(
             routes=[
                 Route("/v1/completions", completions, methods=["POST"]),
                 Route("/v1/models", models),
                 Route("/metrics", metrics),
+                Route("/v1/unload_lora_adapter", unload, methods=["POST"]),
             ]
         )
 
@@ -113,7 +123,14 @@ class FakeAgent:
             self.vllm.loras.add(adapter)
             return JSONResponse({"id": adapter, "state": "loaded", "download_s": 0.1, "load_s": 0.2})
 
-        return Starlette(routes=[Route("/v1/adapters/ensure", ensure, methods=["POST"])])
+        async def cards(request: Request) -> Response:
+            loaded = [
+                {"id": name, "sha256": SHA, "state": "loaded", "error": None, "last_used": 1.0}
+                for name in sorted(self.vllm.loras - {"static-a"})
+            ]
+            return JSONResponse({"object": "list", "data": loaded})
+
+        return Starlette(routes=[Route("/v1/adapters/ensure", ensure, methods=["POST"]), Route("/v1/adapters", cards)])
 
 
 @contextlib.contextmanager
@@ -331,5 +348,24 @@ def test_an_unreachable_agent_fails_over_to_another_engine() -> None:
                     assert resp.status_code == 200, resp.text
                 assert server.received == [] and len(other.received) == 3
                 assert json.loads(json.dumps(other_agent.calls[0]))["x-adapter-id"] == "support@1"
+
+        run(go())
+
+
+def test_the_catalog_shows_and_unloads_versions_on_vllm_engines() -> None:
+    with fakes(2) as [(bare, _, bare_url, _), (server, _, url, agent_port)]:
+
+        async def go() -> None:
+            async with asgi(gateway([f"vllm={bare_url}", f"vllm={url},agent={agent_port}"])) as gw:
+                await register(gw)
+                headers = {**bearer(KEY), "X-Adapter-ID": "support"}
+                assert (await gw.post("/v1/completions", json=completion(), headers=headers)).status_code == 200
+                entry = (await gw.get("/admin/adapters/support", headers=ADMIN)).json()
+                engines = entry["versions"][0]["engines"]
+                assert engines[url]["state"] == "loaded"  # the agent's card
+                assert engines[bare_url]["state"] == "unknown" and "without an agent" in engines[bare_url]["error"]
+                assert (await gw.delete("/admin/adapters/support@1", headers=ADMIN)).status_code == 200
+                assert server.unloaded == ["support@1"] and "support@1" not in server.loras
+                assert bare.unloaded == ["support@1"]  # asked too: it answered that it has no such adapter
 
         run(go())
