@@ -54,12 +54,13 @@ from gateway.ratelimit import RateLimiter
 from gateway.redis_client import breakers_of, stop_probes
 from gateway.reload import PolicyStore
 from gateway.request_context import HeaderLimit
-from gateway.routes import HANDLERS, ApiRoutes
+from gateway.routes import ApiRoutes
 from gateway.telemetry import GatewayMetrics
 from gateway.tenant_gate import TenantGate
 from gateway.upstream import DEFAULT_READ_TIMEOUT_S, UpstreamCatalog, make_client
 from gateway.usage import MemoryUsageLedger, UsageLedger
 from gateway.watch import PolicyWatcher
+from loragate_common.errors import HANDLERS
 
 logger = logging.getLogger(__name__)
 

@@ -4,10 +4,7 @@ JSON error handlers every route shares."""
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
 
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -19,7 +16,7 @@ from gateway.reload import PolicyStore
 from gateway.telemetry import GatewayMetrics
 from gateway.tenant_gate import TenantGate
 from loragate_common.adapter_ids import base_id
-from loragate_common.errors import ApiError, error_response, unavailable
+from loragate_common.errors import unavailable
 from loragate_common.http_io import list_body
 
 
@@ -83,26 +80,3 @@ class ApiRoutes:
     async def metrics_text(self, request: Request) -> Response:
         body, content_type = self.metrics.render()
         return Response(body, headers={"Content-Type": content_type})
-
-
-async def _api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError)
-    return exc.response()
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return error_response(exc.status_code, type_, f"{request.method} {request.url.path}: {exc.detail}", exc.headers)
-
-
-async def _server_error(request: Request, exc: Exception) -> Response:
-    # Starlette re-raises the exception after this response is sent; uvicorn logs it.
-    return error_response(500, "internal_error", "internal server error")
-
-
-HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
-    ApiError: _api_error,
-    HTTPException: _http_error,
-    Exception: _server_error,
-}

@@ -8,10 +8,12 @@ is quoted with `shown`, so a hostile one is never echoed whole.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from starlette.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 
 class ApiError(Exception):
@@ -73,3 +75,27 @@ def unavailable(
         message,
         {**(headers or {}), "Retry-After": retry_after(retry_after_s), "X-Loragate-Reason": reason},
     )
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return error_response(exc.status_code, type_, f"{request.method} {request.url.path}: {exc.detail}", exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    # Starlette re-raises the exception after this response is sent; uvicorn logs it.
+    return error_response(500, "internal_error", "internal server error")
+
+
+HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+    ApiError: _api_error,
+    HTTPException: _http_error,
+    Exception: _server_error,
+}
+"""A Starlette app's `exception_handlers` (the gateway's, the vLLM agent's): every error as this module's JSON."""

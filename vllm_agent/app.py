@@ -33,19 +33,17 @@ GET /metrics    Prometheus text (vllm_agent/metrics.py)
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import httpx
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from loragate_common.adapter_ids import check_ref
-from loragate_common.errors import ApiError, bad_request, error_response, unavailable
+from loragate_common.errors import HANDLERS, bad_request, unavailable
 from loragate_common.fetched import wanted_from_headers
 from loragate_common.http_io import list_body
 from loragate_common.http_server import ConnectionLimits, serve_app
@@ -170,26 +168,3 @@ def serve(
         log_level=log_level,
         log_probes=log_probes,
     )
-
-
-async def _api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError)
-    return exc.response()
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return error_response(exc.status_code, type_, f"{request.method} {request.url.path}: {exc.detail}", exc.headers)
-
-
-async def _server_error(request: Request, exc: Exception) -> Response:
-    # Starlette re-raises the exception after this response is sent; uvicorn logs it.
-    return error_response(500, "internal_error", "internal server error")
-
-
-HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
-    ApiError: _api_error,
-    HTTPException: _http_error,
-    Exception: _server_error,
-}
