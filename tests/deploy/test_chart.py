@@ -1,9 +1,10 @@
-"""The chart (helm/loragate) with the real helm binary: `helm lint --strict`, `helm template` with the default
-values and eight other value sets, every manifest validated by kubernetes-validate against Kubernetes 1.30
-(strict: unknown fields are errors), the custom resources (ServiceMonitor, ScaledObject, HTTPRoute)
-checked for their required fields, values.schema.json refusing bad values, the fetched-adapter cache's
-bound derived from its emptyDir's sizeLimit (and refused where the kubelet would evict the pod), and the
-rendered containers' arguments parsed by the `loragate` CLI's own parser.
+"""The chart (helm/loragate) with the real helm binary and its loragate engines (`engine.kind` loragate, the
+default): `helm lint --strict`, `helm template` with the default values and eight other value sets, every
+manifest validated by kubernetes-validate against Kubernetes 1.30 (strict: unknown fields are errors) and the
+custom resources checked for their required fields (tests/deploy/chart_checks.py), values.schema.json refusing
+bad values, the fetched-adapter cache's bound derived from its emptyDir's sizeLimit (and refused where the
+kubelet would evict the pod), and the rendered containers' arguments parsed by the `loragate` CLI's own parser.
+The vLLM engines are tests/deploy/test_chart_vllm.py's.
 """
 
 from __future__ import annotations
@@ -13,16 +14,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
 import yaml
+from chart_checks import containers, validate, values_file
 from conftest import CHART, NAMESPACE, REPO, find, helm_template, one, render, secret_values
 
+from gateway.discovery import DnsUpstreams
+from gateway.engine_kinds import EngineKind
 from loragate.cli import build_parser
 from loragate_common.adapter_sources import AllowList
-
-K8S_VERSION = "1.30"
-CRDS = {"ServiceMonitor", "ScaledObject", "HTTPRoute"}
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "external redis by url": {"redis": {"enabled": False, "url": "redis://redis.shared.svc:6379/2"}},
@@ -119,54 +119,6 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _values_file(tmp_path: Path, name: str, values: dict[str, Any]) -> str:
-    path = tmp_path / f"{name.replace(' ', '-')}.yaml"
-    path.write_text(yaml.safe_dump(values))
-    return str(path)
-
-
-def _validate(manifests: list[dict[str, Any]]) -> None:
-    """Every built-in resource against Kubernetes' own schemas; custom resources for what their CRDs
-    require."""
-    for manifest in manifests:
-        if manifest["kind"] in CRDS:
-            _check_custom(manifest)
-            continue
-        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
-
-
-def _check_custom(manifest: dict[str, Any]) -> None:
-    spec = manifest["spec"]
-    kind = manifest["kind"]
-    if kind == "ServiceMonitor":
-        assert manifest["apiVersion"] == "monitoring.coreos.com/v1"
-        assert spec["selector"]["matchLabels"] and spec["endpoints"]
-        for endpoint in spec["endpoints"]:
-            assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
-    elif kind == "ScaledObject":
-        assert manifest["apiVersion"] == "keda.sh/v1alpha1"
-        assert spec["scaleTargetRef"]["name"] and spec["scaleTargetRef"]["kind"] == "StatefulSet"
-        [trigger] = spec["triggers"]
-        assert trigger["type"] == "prometheus"
-        assert {"serverAddress", "query", "threshold"} <= set(trigger["metadata"])
-        assert "loragate_engine_requests_waiting" in trigger["metadata"]["query"]
-    elif kind == "HTTPRoute":
-        assert manifest["apiVersion"] == "gateway.networking.k8s.io/v1"
-        assert spec["parentRefs"] and all(ref["name"] for ref in spec["parentRefs"])
-        for rule in spec["rules"]:
-            for ref in rule["backendRefs"]:
-                assert ref["name"] and isinstance(ref["port"], int)
-
-
-def _containers(manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    out = {}
-    for manifest in manifests:
-        if manifest["kind"] in ("Deployment", "StatefulSet"):
-            for container in manifest["spec"]["template"]["spec"]["containers"]:
-                out[container["name"]] = container
-    return out
-
-
 def test_lint_strict(helm: Path) -> None:
     done = subprocess.run([str(helm), "lint", "--strict", str(CHART)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -174,7 +126,7 @@ def test_lint_strict(helm: Path) -> None:
 
 
 def test_default_values_render_valid_manifests(default_manifests: list[dict[str, Any]]) -> None:
-    _validate(default_manifests)
+    validate(default_manifests)
     kinds = sorted({m["kind"] for m in default_manifests})
     assert kinds == [
         "ConfigMap",
@@ -202,7 +154,7 @@ def test_default_values_render_valid_manifests(default_manifests: list[dict[str,
             context = container["securityContext"]
             assert context["readOnlyRootFilesystem"] and not context["allowPrivilegeEscalation"]
             assert context["capabilities"]["drop"] == ["ALL"]
-    probes = _containers(default_manifests)["engine"]
+    probes = containers(default_manifests)["engine"]
     assert "--no-critical-interrupts" not in probes["args"]  # on by default
     assert probes["startupProbe"]["httpGet"]["path"] == "/healthz"
     assert probes["livenessProbe"]["httpGet"]["path"] == "/healthz"
@@ -225,11 +177,11 @@ def test_default_values_render_valid_manifests(default_manifests: list[dict[str,
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
 def test_value_sets_render_valid_manifests(helm: Path, tmp_path: Path, name: str) -> None:
-    manifests = render(helm, "-f", _values_file(tmp_path, name, VALUE_SETS[name]))
-    _validate(manifests)
+    manifests = render(helm, "-f", values_file(tmp_path, name, VALUE_SETS[name]))
+    validate(manifests)
     kinds = {m["kind"] for m in manifests}
-    containers = _containers(manifests)
-    gateway_args, gateway_env = containers["gateway"]["args"], containers["gateway"].get("env", [])
+    by_name = containers(manifests)
+    gateway_args, gateway_env = by_name["gateway"]["args"], by_name["gateway"].get("env", [])
     if name.startswith("external redis"):
         assert not find(manifests, "Deployment", "-redis") and "--redis" in gateway_args
         [redis_env] = [e for e in gateway_env if e["name"] == "LORAGATE_REDIS_URL"]
@@ -245,9 +197,9 @@ def test_value_sets_render_valid_manifests(helm: Path, tmp_path: Path, name: str
         statefulset = one(manifests, "StatefulSet")
         pod = statefulset["spec"]["template"]["spec"]
         assert statefulset["spec"]["replicas"] == 3 and pod["runtimeClassName"] == "nvidia"
-        assert containers["engine"]["resources"]["limits"]["nvidia.com/gpu"] == 1
-        assert containers["engine"]["args"][containers["engine"]["args"].index("--device") + 1] == "cuda"
-        assert "--no-critical-interrupts" in containers["engine"]["args"]
+        assert by_name["engine"]["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert by_name["engine"]["args"][by_name["engine"]["args"].index("--device") + 1] == "cuda"
+        assert "--no-critical-interrupts" in by_name["engine"]["args"]
         assert pod["tolerations"][0]["key"] == "nvidia.com/gpu" and pod["topologySpreadConstraints"]
         [shm] = [v for v in pod["volumes"] if v["name"] == "dshm"]
         assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
@@ -255,27 +207,27 @@ def test_value_sets_render_valid_manifests(helm: Path, tmp_path: Path, name: str
         assert not find(manifests, "Secret") and not find(manifests, "ConfigMap")
         pod = one(manifests, "Deployment", "-gateway")["spec"]["template"]["spec"]
         assert [v["configMap"]["name"] for v in pod["volumes"] if v["name"] == "policy"] == ["my-policy"]
-        assert containers["gateway"]["envFrom"] == [{"secretRef": {"name": "my-keys"}}]
+        assert by_name["gateway"]["envFrom"] == [{"secretRef": {"name": "my-keys"}}]
     elif name == "network policy and routes":
         assert {"NetworkPolicy", "HTTPRoute", "Ingress"} <= kinds
         engine_policy = one(manifests, "NetworkPolicy", "-engine")
         [rule] = engine_policy["spec"]["ingress"]
         assert rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
     elif name == "adapters fetched from an object store and the Hub":
-        _check_fetching(manifests, containers)
+        _check_fetching(manifests, by_name)
     elif name == "adapters and a model on volumes":
         claim = one(manifests, "PersistentVolumeClaim", "-adapters")
         assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
-        args = containers["engine"]["args"]
+        args = by_name["engine"]["args"]
         assert args[args.index("--model") + 1] == "/models/llama-3.2-1b"
         assert args[args.index("--adapter-dir") + 1] == "/adapters"
 
 
-def _check_fetching(manifests: list[dict[str, Any]], containers: dict[str, dict[str, Any]]) -> None:
+def _check_fetching(manifests: list[dict[str, Any]], by_name: dict[str, dict[str, Any]]) -> None:
     """The engine of "adapters fetched from an object store and the Hub": its fetch flags, the cache emptyDir
     they point into, and the store's environment (on the engine only)."""
     assert not find(manifests, "PersistentVolumeClaim", "-adapters")
-    engine = containers["engine"]
+    engine = by_name["engine"]
     args = engine["args"]
     assert "--adapter-dir" not in args  # no adapters volume: the pod starts empty
     flag = {a: args[args.index(a) + 1] for a in args if a.startswith("--adapter-")}
@@ -310,7 +262,7 @@ def _check_fetching(manifests: list[dict[str, Any]], containers: dict[str, dict[
         "AWS_SECRET_ACCESS_KEY": {"name": "adapter-store", "key": "secret-key"},
         "HF_TOKEN": {"name": "hub-token", "key": "HF_TOKEN"},
     }
-    gateway_env = {e["name"] for e in containers["gateway"].get("env", [])}
+    gateway_env = {e["name"] for e in by_name["gateway"].get("env", [])}
     assert not {n for n in gateway_env if n.startswith(("AWS_", "HF_"))}  # the gateway never fetches
 
 
@@ -334,7 +286,7 @@ def test_the_adapter_cache_bound_follows_its_size_limit(
     ]
     values += ["--set", f"engine.adapters.maxMb={max_mb}"] if max_mb is not None else []
     values += ["--set", f"engine.adapters.cache.mb={cache_mb}"] if cache_mb is not None else []
-    args = _containers(render(helm, *values))["engine"]["args"]
+    args = containers(render(helm, *values))["engine"]["args"]
     assert args[args.index("--adapter-cache-mb") + 1] == str(expected)
 
 
@@ -382,11 +334,11 @@ def test_the_values_schema_refuses_bad_values(helm: Path, values: list[str], com
 
 @pytest.mark.parametrize("name", ["default", *sorted(VALUE_SETS)])
 def test_rendered_commands_parse_with_the_cli_and_the_policy_checks(helm: Path, tmp_path: Path, name: str) -> None:
-    values = [] if name == "default" else ["-f", _values_file(tmp_path, name, VALUE_SETS[name])]
+    values = [] if name == "default" else ["-f", values_file(tmp_path, name, VALUE_SETS[name])]
     manifests = render(helm, *values)
     parser = build_parser()
     pod_dirs = {"/adapters": tmp_path}  # directories the CLI checks exist: the pod's volume, here a local one
-    for container in _containers(manifests).values():
+    for container in containers(manifests).values():
         if container["command"] != ["loragate"]:
             continue
         argv = [str(pod_dirs.get(arg, arg)) for arg in container["args"]]
@@ -399,8 +351,11 @@ def test_rendered_commands_parse_with_the_cli_and_the_policy_checks(helm: Path, 
             allow = values.get("engine", {}).get("adapters", {}).get("sources", {}).get("allow", [])
             assert args.adapter_source_allow == bucket + [a for a in allow if a not in bucket]
             AllowList(args.adapter_source_allow)  # each one a prefix the engine accepts
-        if args.command == "gateway":
-            assert args.upstream_dns.endswith(f".{NAMESPACE}.svc.cluster.local:8001") and args.host == "0.0.0.0"
+        if args.command == "gateway":  # the loragate engines' Service only, as gateway/discovery.py reads it
+            [target] = [DnsUpstreams.from_target(text) for text in args.upstream_dns]
+            assert (target.kind, target.port, target.agent_port) == (EngineKind.LORAGATE, 8001, None)
+            assert target.name == f"rel-loragate-engine-headless.{NAMESPACE}.svc.cluster.local"
+            assert args.host == "0.0.0.0"
     for config in find(manifests, "ConfigMap", "-policy"):
         policy = tmp_path / "policy.yaml"
         policy.write_text(config["data"]["policy.yaml"])

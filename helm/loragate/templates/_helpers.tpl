@@ -20,7 +20,13 @@
 {{- define "loragate.gateway.fullname" -}}{{ include "loragate.fullname" . | trunc 55 | trimSuffix "-" }}-gateway{{- end -}}
 {{- define "loragate.engine.fullname" -}}{{ include "loragate.fullname" . | trunc 56 | trimSuffix "-" }}-engine{{- end -}}
 {{- define "loragate.engine.headless" -}}{{ include "loragate.fullname" . | trunc 47 | trimSuffix "-" }}-engine-headless{{- end -}}
+{{- define "loragate.vllm.fullname" -}}{{ include "loragate.fullname" . | trunc 58 | trimSuffix "-" }}-vllm{{- end -}}
+{{- define "loragate.vllm.headless" -}}{{ include "loragate.fullname" . | trunc 49 | trimSuffix "-" }}-vllm-headless{{- end -}}
 {{- define "loragate.redis.fullname" -}}{{ include "loragate.fullname" . | trunc 57 | trimSuffix "-" }}-redis{{- end -}}
+
+{{/* Which engines this release runs (`engine.kind`): "true" or "". */}}
+{{- define "loragate.engine.enabled" -}}{{- if ne .Values.engine.kind "vllm" -}}true{{- end -}}{{- end -}}
+{{- define "loragate.vllm.enabled" -}}{{- if ne .Values.engine.kind "loragate" -}}true{{- end -}}{{- end -}}
 
 {{- define "loragate.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
@@ -123,4 +129,49 @@ sizeLimit. */}}
 {{- if not (has . $allow) -}}{{- $allow = append $allow . -}}{{- end -}}
 {{- end -}}
 {{- toJson $allow -}}
+{{- end -}}
+
+{{/* The environment an adapter fetcher reads (a loragate engine, vLLM's agent): the object store's (boto3's
+standard variables) and the Hub's, as YAML list items; empty when none is set. */}}
+{{- define "loragate.sourceEnv" -}}
+{{- $os := .Values.objectStore -}}
+{{- with $os.endpoint }}
+- name: AWS_ENDPOINT_URL
+  value: {{ . | quote }}
+{{- end }}
+{{- with $os.region }}
+- name: AWS_REGION
+  value: {{ . | quote }}
+- name: AWS_DEFAULT_REGION
+  value: {{ . | quote }}
+{{- end }}
+{{- with $os.credentialsSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $os.accessKeyIdKey }}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $os.secretAccessKeyKey }}
+{{- end }}
+{{- include "loragate.hubEnv" . }}
+{{- end -}}
+
+{{/* HF_ENDPOINT and HF_TOKEN from `huggingface.*`, as YAML list items (each after a newline). */}}
+{{- define "loragate.hubEnv" -}}
+{{- $hf := .Values.huggingface -}}
+{{- with $hf.endpoint }}
+- name: HF_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+{{- with $hf.tokenSecret }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $hf.tokenSecretKey }}
+{{- end }}
 {{- end -}}
