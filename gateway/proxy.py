@@ -14,6 +14,9 @@
   as the engine's X-Loragate-Reason says, is the client's answer as the engine gave it (status, body,
   Retry-After, reason): not retried elsewhere (the engine that owns the adapter is fetching it) and not
   held against the engine's breaker (it says nothing about the engine's health).
+- A vLLM engine (gateway/vllm.py) gets the priority in the body; a catalog adapter it does not list is first
+  loaded by its agent (whose `adapter_loading` / `adapter_fetch_failed` pass through as an engine's), and once
+  more if vLLM answers that it has no such model; its error bodies come back in the gateway's shape.
 - Upstream headers are the proxy's own: a client's headers never reach an engine, so only the gateway can
   name an adapter's source (X-Adapter-Source, X-Adapter-SHA256, X-Adapter-Size, from the catalog).
 
