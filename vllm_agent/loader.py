@@ -10,11 +10,11 @@ waits at most `load_wait_s`, then gets 503 `adapter_loading` while the task goes
 What vLLM holds is only known from its answers: every read of its model list also learns the ids it lists from this
 cache (their sha256 is the last part of their `root`), and ids it no longer lists, or an unreachable vLLM (it may have
 restarted), make the agent check the list again on the id's next ensure; so does an ensure for an id it believes
-loaded (the gateway asks only when vLLM did not list the id, or answered that it has no such model). vLLM may read an adapter's files again
-after loading it (when it drops it from its CPU cache), so when the cache evicts an entry the ids loaded from it are
-unloaded from vLLM; the cache's callback may run in a download thread and is handed to the event loop. Each id's
-load, replacement and unload run under the id's lock, and an unload is skipped when the entry was fetched again
-meanwhile (its files are back at the same path).
+loaded (the gateway asks only when vLLM did not list the id, or answered that it has no such model). vLLM may read an
+adapter's files again after loading it (when it drops it from its CPU cache), so when the cache evicts an entry the
+ids loaded from it are unloaded from vLLM; the cache's callback may run in a download thread and is handed to the
+event loop. Each id's load, replacement and unload run under the id's lock, and an unload is skipped when the entry
+was fetched again meanwhile (its files are back at the same path).
 """
 
 from __future__ import annotations
