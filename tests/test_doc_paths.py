@@ -2,7 +2,7 @@
 stale unnoticed.
 
 Where citations are looked for: every Markdown file of the repository (README.md, docs/, helm/, policies/,
-...; not .venv, .git or the benchmark records in bench/results/), and the comments and docstrings of the
+...; not the virtualenvs, .git or the benchmark records in bench/results/), and the comments and docstrings of the
 Python files under engine/, gateway/, loragate_kernels/, loragate_common/, loragate/, vllm_agent/, bench/, tests/ and
 scripts/.
 
@@ -69,7 +69,7 @@ CODE_DIRS = (
     "scripts",
 )
 # Folders never scanned: tools' and builds' output, and the benchmark records (generated files).
-SKIP_DIRS = frozenset({".git", ".venv", "node_modules", "__pycache__", "build", "dist", ".pytest_cache"})
+SKIP_DIRS = frozenset({".git", ".venv", ".venv-vllm", "node_modules", "__pycache__", "build", "dist", ".pytest_cache"})
 SKIP_DIRS |= frozenset({".mypy_cache", ".ruff_cache", ".hypothesis", ".cache"})
 SKIP_PATHS = frozenset({Path("bench/results")})
 # A dotted name that is a key path of the chart's values is a chart value, not a Python name.
