@@ -26,6 +26,7 @@ from engine.model.sources import resolve_model
 from adapter_servers import MotoServer, moto_server_fixture, sha256sum_digest
 from lora_fixtures import make_peft_adapter
 from policies import ADMIN, bearer, policy_yaml, tenant_yaml
+from polling import poll
 from processes import free_port, start_engine_server, start_gateway, start_loragate, stop_process
 from vllm_server import VllmServer, vllm_python
 
@@ -87,7 +88,9 @@ def fleet(
     procs: list[Any] = []
     lora = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--scheduling-policy", "priority"]
     modules = ["--lora-modules", f"static-a={adapters['static-a']}", f"support-dir={adapters['support-v1']}"]
-    one = VllmServer(smollm2, tmp / "vllm1.log", *lora, *modules, "--max-num-seqs", "2", cores="0")
+    one = VllmServer(
+        smollm2, tmp / "vllm1.log", *lora, *modules, "--max-num-seqs", "2", "--max-model-len", "1100", cores="0"
+    )
     two = VllmServer(smollm2, tmp / "vllm2.log", *lora, "--lora-modules", f"static-a={adapters['static-a']}", cores="1")
     servers = [one, two]
     try:
@@ -251,34 +254,44 @@ def test_a_tenants_budget_holds_in_front_of_vllm(fleet: dict[str, Any]) -> None:
 
 
 def test_priorities_reach_vllms_scheduler(fleet: dict[str, Any]) -> None:
-    """vLLM #1 runs two requests at a time. With both places taken by long sheddable requests, a sheddable and
-    then a critical request arrive: vLLM's priority policy serves the critical one first (arrival order would
-    serve the sheddable one first)."""
+    """vLLM #1 runs two requests at a time. With both places taken by long sheddable streams, a sheddable and then a
+    critical request arrive: when a place frees, vLLM's priority policy starts the critical one (arrival order would
+    start the sheddable one). The long streams are closed once a short one has started, which aborts them."""
     gateway = fleet["a"]
-    finished: dict[str, float] = {}
+    first: dict[str, float] = {}
+    stop = threading.Event()
 
-    def send(name: str, priority: str, max_tokens: int) -> None:
-        body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    def stream(name: str, priority: str, max_tokens: int) -> None:
+        body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
         headers = {**bearer(ACME), "X-Priority": priority}
-        resp = httpx.post(f"{gateway}/v1/completions", json=body, headers=headers, timeout=300)
-        assert resp.status_code == 200, resp.text
-        finished[name] = time.monotonic()
+        with httpx.stream("POST", f"{gateway}/v1/completions", json=body, headers=headers, timeout=300) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith('data: {"id"'):
+                    first.setdefault(name, time.monotonic())
+                if stop.is_set() and name.startswith("long"):
+                    return
 
-    threads = [threading.Thread(target=send, args=(f"long{i}", "sheddable", 500)) for i in range(2)]
-    for thread in threads:
+    # Different lengths: the first place frees alone, so the two short requests never start in the same step.
+    threads = {
+        f"long{i}": threading.Thread(target=stream, args=(f"long{i}", "sheddable", tokens))
+        for i, tokens in enumerate((300, 1000))
+    }
+    for thread in threads.values():
         thread.start()
-    time.sleep(2.0)
-    sent = {}
-    for name, priority in (("sheddable", "sheddable"), ("critical", "critical")):
-        thread = threading.Thread(target=send, args=(name, priority, 4))
-        sent[name] = time.monotonic()
-        thread.start()
-        threads.append(thread)
+    poll(lambda: "long0" in first and "long1" in first, 120, what="both long streams running")
+    for name in ("sheddable", "critical"):
+        threads[name] = threading.Thread(target=stream, args=(name, name, 4))
+        threads[name].start()
         time.sleep(0.5)
-    for thread in threads:
-        thread.join()
-    assert min(finished["long0"], finished["long1"]) > sent["critical"]  # both places were taken when it came
-    assert finished["critical"] < finished["sheddable"]
+    try:
+        poll(lambda: "critical" in first or "sheddable" in first, 120, what="a short request started")
+        time.sleep(0.5)  # the other one too, if it was started in the same step
+    finally:
+        stop.set()
+        for thread in threads.values():
+            thread.join(timeout=120)
+    assert "critical" in first and first["critical"] < first.get("sheddable", float("inf"))
 
 
 def test_loragate_only_fields_are_refused_and_vllm_errors_are_the_gateways(fleet: dict[str, Any]) -> None:
