@@ -26,11 +26,13 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from loragate_common.adapter_sources import ADAPTER_FILES, AllowList, Fetched, Source, SourceError, fetch, parse_source
 
@@ -348,3 +350,35 @@ def _read_entry(directory: Path) -> _Entry | None:
         return _Entry(directory.name, str(meta.get("source", "")), "disk", size)
     except (OSError, ValueError):
         return None
+
+
+class AdapterCacheCollector:
+    """A disk cache's Prometheus series, read at scrape time, named `<prefix>_cache_bytes`, `_cache_limit_bytes`,
+    `_cache_entries{state}`, `_downloads_total`, `_download_failures_total`, `_cache_evictions_total` (the engine's
+    prefix is `loragate_engine_adapter`, the vLLM agent's `loragate_vllm_agent`). No per-adapter label (GET
+    /v1/adapters lists each one), so the series stay few however many adapters are fetched. `cache` is set once
+    there is one (an engine without --adapter-cache-dir has none)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.cache: AdapterCache | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        cache, p = self.cache, self.prefix
+        if cache is None:
+            return
+        entries = cache.status()
+        yield GaugeMetricFamily(f"{p}_cache_bytes", "Bytes of fetched adapters on disk.", value=cache.total_bytes())
+        yield GaugeMetricFamily(
+            f"{p}_cache_limit_bytes", "The disk cache's bound (--adapter-cache-mb).", value=cache.max_bytes
+        )
+        states = GaugeMetricFamily(f"{p}_cache_entries", "Fetched adapters by state.", labels=["state"])
+        for state in ("downloading", "disk", "failed"):
+            states.add_metric([state], sum(1 for e in entries if e["state"] == state))
+        yield states
+        for name, doc, value in (
+            ("downloads", "Adapter downloads that completed (verified and stored).", cache.downloads),
+            ("download_failures", "Adapter downloads that failed.", cache.failures),
+            ("cache_evictions", "Fetched adapters evicted from the disk cache.", cache.evictions),
+        ):
+            yield CounterMetricFamily(f"{p}_{name}", doc, value=value)

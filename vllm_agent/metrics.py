@@ -17,45 +17,9 @@ at scrape time, without a per-adapter label (GET /v1/adapters lists each one).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-from loragate_common.adapter_cache import AdapterCache
-
-
-class _CacheCollector(Collector):
-    def __init__(self) -> None:
-        self.cache: AdapterCache | None = None
-
-    def collect(self) -> Iterator[Metric]:
-        cache = self.cache
-        if cache is None:
-            return
-        entries = cache.status()
-        yield GaugeMetricFamily(
-            "loragate_vllm_agent_cache_bytes", "Bytes of adapters on disk.", value=cache.total_bytes()
-        )
-        yield GaugeMetricFamily(
-            "loragate_vllm_agent_cache_limit_bytes",
-            "The disk cache's bound (--adapter-cache-mb).",
-            value=cache.max_bytes,
-        )
-        states = GaugeMetricFamily("loragate_vllm_agent_cache_entries", "Cache entries by state.", labels=["state"])
-        for state in ("downloading", "disk", "failed"):
-            states.add_metric([state], sum(1 for e in entries if e["state"] == state))
-        yield states
-        yield CounterMetricFamily(
-            "loragate_vllm_agent_downloads", "Adapter downloads verified and stored.", value=cache.downloads
-        )
-        yield CounterMetricFamily(
-            "loragate_vllm_agent_download_failures", "Adapter downloads that failed.", value=cache.failures
-        )
-        yield CounterMetricFamily(
-            "loragate_vllm_agent_cache_evictions", "Entries evicted from the disk cache.", value=cache.evictions
-        )
+from loragate_common.adapter_cache import AdapterCache, AdapterCacheCollector
 
 
 class AgentMetrics:
@@ -70,7 +34,7 @@ class AgentMetrics:
         self.failures = Counter(
             "loragate_vllm_agent_failures", "Failed ensures and unloads, by reason.", ["reason"], registry=self.registry
         )
-        self._cache = _CacheCollector()
+        self._cache = AdapterCacheCollector("loragate_vllm_agent")
         self.registry.register(self._cache)
 
     def bind_cache(self, cache: AdapterCache) -> None:

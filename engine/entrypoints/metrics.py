@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from engine.core.outputs import EngineStats, RequestOutput
-from loragate_common.adapter_cache import AdapterCache
+from loragate_common.adapter_cache import AdapterCache, AdapterCacheCollector
 from loragate_common.labels import BoundedLabels
 
 if TYPE_CHECKING:  # the engine (and torch) only for the types: the metrics are built before it is bound
@@ -202,48 +202,6 @@ class _AdapterCollector:
             yield counter
 
 
-class _DiskCacheCollector:
-    """The disk tier of fetched adapters (loragate_common/adapter_cache.py), read at scrape time; no per-adapter
-    label (GET /v1/adapters lists each one), so the series stay few however many adapters are fetched."""
-
-    def __init__(self) -> None:
-        self.store: AdapterCache | None = None
-
-    def collect(self) -> Iterator[Metric]:
-        store = self.store
-        if store is None:
-            return
-        entries = store.status()
-        yield GaugeMetricFamily(
-            "loragate_engine_adapter_cache_bytes", "Bytes of fetched adapters on disk.", value=store.total_bytes()
-        )
-        yield GaugeMetricFamily(
-            "loragate_engine_adapter_cache_limit_bytes",
-            "The disk cache's bound (--adapter-cache-mb).",
-            value=store.max_bytes,
-        )
-        states = GaugeMetricFamily(
-            "loragate_engine_adapter_cache_entries", "Fetched adapters by state.", labels=["state"]
-        )
-        for state in ("downloading", "disk", "failed"):
-            states.add_metric([state], sum(1 for e in entries if e["state"] == state))
-        yield states
-        for name, doc, value in (
-            (
-                "loragate_engine_adapter_downloads",
-                "Adapter downloads that completed (verified and stored).",
-                store.downloads,
-            ),
-            ("loragate_engine_adapter_download_failures", "Adapter downloads that failed.", store.failures),
-            (
-                "loragate_engine_adapter_cache_evictions",
-                "Fetched adapters evicted from the disk cache.",
-                store.evictions,
-            ),
-        ):
-            yield CounterMetricFamily(name, doc, value=value)
-
-
 class EngineMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, max_adapters: int = MAX_ADAPTER_LABELS) -> None:
         """`max_adapters`: adapters with a label of their own in the per-adapter series (AdapterLabels)."""
@@ -296,7 +254,7 @@ class EngineMetrics:
         r.register(self._stats_collector)
         self._adapter_collector = _AdapterCollector(self.adapters)
         r.register(self._adapter_collector)
-        self._disk_cache_collector = _DiskCacheCollector()
+        self._disk_cache_collector = AdapterCacheCollector("loragate_engine_adapter")
         r.register(self._disk_cache_collector)
 
     def bind_stats(self, stats: Callable[[], EngineStats]) -> None:
@@ -312,7 +270,7 @@ class EngineMetrics:
 
     def bind_store(self, store: AdapterCache | None) -> None:
         """Export the disk cache of fetched adapters (none without --adapter-cache-dir)."""
-        self._disk_cache_collector.store = store
+        self._disk_cache_collector.cache = store
 
     def start_request(self, priority: str = "standard") -> RequestTracker:
         """A request's tracker; name its adapter (`RequestTracker.adapter`) once the engine accepted it."""
