@@ -144,7 +144,7 @@ class Upstream:
     reported: EngineLoad | None = None  # its last report (gateway/fleet.py polls it; answers carry it too)
     on_device: frozenset[str] = frozenset()  # adapters it last reported resident on its device
     device_slots: int | None = None  # how many adapters its device holds at once (None: not reported)
-    serves: frozenset[str] = frozenset()  # a vLLM engine's adapters as its /v1/models last listed them
+    serves: frozenset[str] = frozenset()  # the adapters its /v1/models last listed (gateway/upstream.py)
     kv_cache_usage: float | None = None  # a vLLM engine's KV cache use, 0-1, as it last reported it
 
     def load(self, now: float) -> int:

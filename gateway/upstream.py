@@ -1,9 +1,9 @@
 """The engine replicas behind the gateway: one pooled HTTP client, and what models they serve.
 
 `UpstreamCatalog.adapters()` is the union of the model ids (base models and adapters) that the healthy
-upstreams list on GET /v1/models. It is cached for `CATALOG_TTL_S`, so a request costs no extra round
-trip; a refresh that fails everywhere keeps the last good answer (an unreachable replica should not make
-every adapter a 404 — admission answers for it instead).
+upstreams list on GET /v1/models; each upstream's own list is kept too (`Upstream.serves`). It is cached for
+`CATALOG_TTL_S`, so a request costs no extra round trip; a refresh that fails everywhere keeps the last good answer
+(an unreachable replica should not make every adapter a 404 — admission answers for it instead).
 """
 
 from __future__ import annotations
@@ -101,6 +101,9 @@ class UpstreamCatalog:
         upstreams = self.upstreams()
         healthy = [u for u in upstreams if u.breaker.state != "open"] or upstreams
         answers = await asyncio.gather(*(self._fetch(u.url) for u in healthy))
+        for upstream, answer in zip(healthy, answers, strict=True):
+            if answer is not None:  # what each one lists (gateway/vllm.py: whether its agent must load an adapter)
+                upstream.serves = answer.adapters
         good = [a for a in answers if a is not None]
         # After a failure everywhere, look again in a second instead of a whole TTL.
         self._fetched_at = self._clock() - (0.0 if good else max(0.0, self._ttl_s - 1.0))

@@ -6,8 +6,9 @@ the few places where vLLM speaks otherwise, each translated here:
 - Load: vLLM has no GET /load. Its Prometheus /metrics has the running and waiting requests
   (`vllm:num_requests_running`, `vllm:num_requests_waiting`), the KV cache's use (`vllm:kv_cache_usage_perc`) and
   `vllm:lora_requests_info`: the adapters of its running and waiting requests and `max_lora`, its device's
-  adapter slots. `poll` reads it and /v1/models (the adapters it has loaded) as often as gateway/fleet.py reads
-  a loragate engine's /load, into the same `Upstream` fields, so affinity, the load bound and spills work alike.
+  adapter slots. `poll` reads it as often as gateway/fleet.py reads a loragate engine's /load, into the same
+  `Upstream` fields, so affinity, the load bound and spills work alike; the adapters it has loaded come from its
+  /v1/models, which gateway/upstream.py's catalog reads from every engine.
   An adapter of a running or waiting request is on its device; vLLM does not say which idle ones are.
 - Priority: X-Priority becomes the body's `priority` (lower first, as vLLM's priority scheduling policy orders:
   critical -1, standard 0, sheddable 1). vLLM honours it only when started with `--scheduling-policy priority`
@@ -26,7 +27,6 @@ the few places where vLLM speaks otherwise, each translated here:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -103,27 +103,18 @@ def parse_metrics(text: str) -> VllmMetrics:
 
 
 async def poll(client: httpx.AsyncClient, upstream: Upstream) -> None:
-    """Read a vLLM engine's /metrics and /v1/models once into `upstream`; an engine that does not answer keeps its
-    last (the breaker and the catalog notice engines that are down; this is only a hint)."""
-
-    async def metrics() -> None:
+    """Read a vLLM engine's /metrics once into `upstream`; an engine that does not answer keeps its last (the
+    breaker and the catalog notice engines that are down; this is only a hint)."""
+    try:
         resp = await client.get(f"{upstream.url}/metrics", timeout=POLL_TIMEOUT_S)
         resp.raise_for_status()
         m = parse_metrics(resp.text)
-        upstream.reported = EngineLoad(m.running, m.waiting, time.monotonic())
-        upstream.kv_cache_usage = m.kv_cache_usage
-        upstream.on_device = m.adapters
-        upstream.device_slots = m.max_lora if m.max_lora is not None else upstream.device_slots
-
-    async def models() -> None:
-        resp = await client.get(f"{upstream.url}/v1/models", timeout=POLL_TIMEOUT_S)
-        resp.raise_for_status()
-        upstream.serves = frozenset(str(c["id"]) for c in resp.json()["data"] if c.get("parent"))
-
-    hints_only = (httpx.HTTPError, ValueError, LookupError, TypeError)
-    for result in await asyncio.gather(metrics(), models(), return_exceptions=True):
-        if isinstance(result, BaseException) and not isinstance(result, hints_only):
-            raise result
+    except (httpx.HTTPError, ValueError):
+        return
+    upstream.reported = EngineLoad(m.running, m.waiting, time.monotonic())
+    upstream.kv_cache_usage = m.kv_cache_usage
+    upstream.on_device = m.adapters
+    upstream.device_slots = m.max_lora if m.max_lora is not None else upstream.device_slots
 
 
 def unsupported(body: Mapping[str, Any]) -> str | None:

@@ -239,6 +239,7 @@ def test_load_adapters_and_slots_come_from_vllms_metrics_and_models() -> None:
             app = gateway([f"vllm={url}"])
             fleet = app.state.gateway.fleet
             await fleet.poll_loads()
+            await fleet.catalog.models()  # the engines' /v1/models, each one's kept
             [upstream] = fleet.admission.upstreams
             assert (upstream.reported.running, upstream.reported.waiting) == (3, 2)
             assert upstream.on_device == {"a", "b", "c"} and upstream.device_slots == 4
@@ -246,6 +247,8 @@ def test_load_adapters_and_slots_come_from_vllms_metrics_and_models() -> None:
             server.metrics = "not prometheus {{{"
             server.loras.add("later")
             await fleet.poll_loads()  # a page it cannot read keeps the last load; /v1/models still counts
+            fleet.catalog.invalidate()
+            await fleet.catalog.models()
             assert (upstream.reported.running, upstream.reported.waiting) == (3, 2)
             assert upstream.serves == {"static-a", "later"}
             async with asgi(app) as gw:
