@@ -56,7 +56,7 @@ def split_spec(text: str, flag: str) -> tuple[EngineKind, str, int | None]:
     else:
         target = head
     agent_port = None
-    for option in filter(None, (o.strip() for o in options.split(","))) if options else ():
+    for option in (o.strip() for o in options.split(",") if o.strip()):
         key, _, value = option.partition("=")
         if key != "agent":
             raise ValueError(f"{flag} {text!r}: unknown option {key!r} (expected agent=PORT)")
