@@ -14,6 +14,9 @@ measured faster than padding segments and ranks into one `bmm` (bench/lora_kerne
 
 Index arguments may be Python sequences or 1-D integer tensors; tensors are turned into Python ints
 once per call. Pass lists to skip that conversion on the hot path.
+
+`dora_scale_group` is the oracle of DoRA's rescale of a group's rows (engine/lora/dora.py, and the C++ op
+loragate_kernels/cpu/lora.cpp `dora_scale_group`).
 """
 
 from __future__ import annotations
@@ -311,3 +314,42 @@ def lora_bmm_group(
             y_rows[:, out_cols[m] : out_cols[m + 1]].add_(d)
         else:
             y[:, out_cols[m] : out_cols[m + 1]].index_add_(0, index, d)
+
+
+def dora_scale_group(
+    y: torch.Tensor,
+    seg_starts: IntSeq,
+    seg_slots: IntSeq,
+    pool: torch.Tensor,
+    g_offsets: IntSeq,
+    bias: torch.Tensor | None = None,
+) -> None:
+    """Rescale the rows of each DoRA segment of a group's output in place: `y` holds the base projection plus the
+    LoRA deltas (W x + bias + B A x), and DoRA's output is g ⊙ (W x + B A x) + bias (engine/lora/dora.py), that is
+    g ⊙ y + (1 − g) ⊙ bias, with g the slot's row scales over the group's columns.
+
+    Semantics (products in fp32, rounded once to y's dtype):
+        for s in range(len(seg_slots)):
+            rows = slice(seg_starts[s], seg_starts[s + 1]); k = seg_slots[s]
+            if g_offsets[k] < 0: continue                   # no DoRA for this slot here: rows untouched
+            g = pool[g_offsets[k] : g_offsets[k] + out_features]
+            y[rows] = g * y[rows] + (1 - g) * bias          # bias None: 0
+        # rows outside every segment are left untouched
+
+    Shapes:
+        y:          [T, out_features]  the group's fused output
+        seg_starts: [S + 1];  seg_slots: [S]
+        pool:       [N]                contiguous
+        g_offsets:  [num_slots]        element offset of the slot's g [out_features]; -1: none
+        bias:       [out_features] or None
+    """
+    out = y.shape[1]
+    offsets = _ints(g_offsets)
+    for k, lo, hi in _spans(seg_starts, seg_slots, y.shape[0]):
+        if offsets[k] < 0:
+            continue
+        g = _view(pool, offsets[k], 1, out).float()
+        rows = y[lo:hi].float() * g
+        if bias is not None:
+            rows += (1 - g) * bias.float()
+        y[lo:hi] = rows

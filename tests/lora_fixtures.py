@@ -47,12 +47,16 @@ def make_peft_adapter(
     alpha_pattern: dict[str, float] | None = None,
     seed: int,
     b_std: float = 0.02,
+    magnitude_std: float = 0.1,
     **lora_kwargs: Any,
 ) -> Path:
-    """Save a PEFT LoRA on the model at `base_dir` to `out_dir`; every lora_B is N(0, b_std^2) from `seed`.
+    """Save a PEFT LoRA on the model at `base_dir` to `out_dir`; every lora_B (and an embedding's lora_embedding_A,
+    which PEFT initialises to zeros) is N(0, b_std^2) from `seed`.
 
     lora_A keeps PEFT's initialisation, drawn under torch.manual_seed(seed). `lora_kwargs` go to
-    LoraConfig unchanged (e.g. exclude_modules, layers_to_transform).
+    LoraConfig unchanged (e.g. exclude_modules, layers_to_transform; use_dora=True for DoRA, whose magnitudes PEFT
+    initialises to the base's row norms: they are multiplied by 1 + N(0, magnitude_std^2) too, so that the row
+    scales differ from 1 however small B is).
     """
     config = LoraConfig(
         r=r,
@@ -71,8 +75,10 @@ def make_peft_adapter(
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(peft_model.named_parameters(), key=lambda item: item[0]):
-            if ".lora_B." in name:
+            if ".lora_B." in name or ".lora_embedding_A." in name:  # PEFT starts an embedding's A at zero
                 param.copy_(b_std * torch.randn(param.shape, generator=gen))
+            elif ".lora_magnitude_vector." in name:
+                param.mul_(1 + magnitude_std * torch.randn(param.shape, generator=gen))
     out_dir = Path(out_dir)
     peft_model.save_pretrained(str(out_dir), safe_serialization=True)
     return out_dir

@@ -3,7 +3,8 @@
 An adapter on the device owns one run of consecutive pages. In every layer that run is one contiguous
 region of `kv_cache[layer]` holding, module group by module group (q/k/v, o, gate/up, down: the model's
 fused projections), the A ([r, in]) of every targeted module of the group stacked in module order, then
-their scale-folded B transposed ([r, out]), row-major at element offsets recorded in slot tables
+their scale-folded B transposed ([r, out]), and for a DoRA adapter the group's row scales (computed here, once, from
+the base's projections: engine/lora/dora.py), row-major at element offsets recorded in slot tables
 (engine/lora/tables.py SlotTables). The batched-LoRA kernels read the weights straight from the pool through those
 tables, never copying them; one shrink serves a whole group. For the Triton kernels and the CPU's C++ op the tier
 also keeps a mirror of the tables (`DeviceMirror`), updated when an adapter is loaded or evicted, never rebuilt
@@ -26,9 +27,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.core.memory import PagePool
-from engine.lora.peft_config import GROUPS, AdapterKey, AdapterSpec, module_features
+from engine.lora.dora import DoraNorms
+from engine.lora.files import LoraWeights
+from engine.lora.peft_config import GROUPS, AdapterError, AdapterKey, AdapterSpec, LoraTarget, module_features
 from engine.lora.registry import HostAdapterCache
 from engine.lora.tables import DeviceMirror, PoolWeights, SlotTables, group_in_features, group_out_cols
+from engine.lora.vocab_lora import VocabSlots
 from engine.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -114,16 +118,25 @@ class DeviceAdapterTier:
         self.resident: OrderedDict[AdapterKey, Resident] = OrderedDict()  # LRU first
         self._free_slots = list(range(max_adapters - 1, -1, -1))
         self.counters = TierCounters()
+        # each slot's LoRA on the embedding and the LM head, beside the pool (engine/lora/vocab_lora.py)
+        self.vocab = VocabSlots(max_adapters + 1, kv_cache.device, kv_cache.dtype)
+        # The base model's side of DoRA (its projections, for the row scales), handed over by whoever runs the model
+        # (engine/worker/runner.py); without it a DoRA adapter cannot be brought onto the device.
+        self.base: DoraNorms | None = None
 
     # ---- sizing ---------------------------------------------------------------------------------------
 
     def pages_needed(self, spec: AdapterSpec) -> int:
-        """Pages for this adapter: its largest layer's A and B elements, rounded up to whole pages."""
-        per_layer = max(
-            (sum(t.rank * sum(module_features(self.model, m)) for m, t in layer.items()) for layer in spec.layers),
-            default=0,
-        )
+        """Pages for this adapter: its largest layer's A and B elements (and DoRA scales), rounded up to whole pages."""
+        per_layer = max((self._layer_elements(spec, layer) for layer in spec.layers), default=0)
         return max(1, -(-per_layer // self.page_elems))
+
+    def _layer_elements(self, spec: AdapterSpec, layer: dict[str, LoraTarget]) -> int:
+        elements = sum(t.rank * sum(module_features(self.model, m)) for m, t in layer.items())
+        if spec.dora:  # a scale per output column of every group the layer adapts
+            cols = self.weights.out_cols
+            elements += sum(cols[group][-1] for group, names in GROUPS.items() if any(m in layer for m in names))
+        return elements
 
     # ---- residency ------------------------------------------------------------------------------------
 
@@ -194,13 +207,35 @@ class DeviceAdapterTier:
                     self.tables.ranks[layer][module][slot] = a.shape[0]
                 total = sum(self.tables.ranks[layer][m][slot] for m in names)
                 self.weights.max_rank[group] = max(self.weights.max_rank[group], total)
+                self.tables.g_offsets[layer][group][slot] = offset if spec.dora and targeted else -1
+                if spec.dora and targeted:  # the group's row scales, after its B
+                    layer_pieces.append(self._dora_scales(weights, layer, group))
+                    offset += self.weights.out_cols[group][-1]
             assert offset <= base + n * self.page_elems
             pieces.append(layer_pieces)
         self._copy_run(base, pieces)
+        self.vocab.write(slot, weights.vocab)
+        if spec.dora:
+            self.tables.dora_slots.add(slot)
         if self.mirror is not None:
             self.mirror.update(self.tables, slot)
         self.resident[spec.key] = Resident(spec, slot, start, n)
         self.counters.count_load(spec.adapter_id)
+
+    def _dora_scales(self, weights: LoraWeights, layer: int, group: str) -> torch.Tensor:
+        """A DoRA adapter's row scales for `group` in `layer`, in the pool's dtype (engine/lora/dora.py)."""
+        spec = weights.spec
+        if self.base is None:
+            raise AdapterError(
+                f"adapter {spec.adapter_id!r} is a DoRA adapter, and this device tier has no base model to compute "
+                "its scales from"
+            )
+        modules = {
+            module: (*weights.layers[layer][module], weights.magnitudes[layer][module])
+            for module in GROUPS[group]
+            if module in weights.layers[layer]
+        }
+        return self.base.scales(spec, layer, group, modules).to(self.dtype)
 
     def _copy_run(self, base: int, pieces: list[list[torch.Tensor]]) -> None:
         """Write each layer's pieces, in order, from element `base` of that layer's pool.
@@ -250,6 +285,11 @@ class DeviceAdapterTier:
         for layer in self.tables.ranks:
             for ranks in layer.values():
                 ranks[slot] = 0
+        for by_group in self.tables.g_offsets:
+            for offsets in by_group.values():
+                offsets[slot] = -1
+        self.tables.dora_slots.discard(slot)
+        self.vocab.clear(slot)
         if self.mirror is not None:
             self.mirror.update(self.tables, slot)
 

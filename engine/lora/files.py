@@ -30,13 +30,17 @@ from engine.lora.peft_config import (
     module_name,
     parse_config,
     plan_targets,
+    plan_vocab,
     validate_adapter_id,
 )
+from engine.lora.vocab_lora import VocabWeights, check_vocab_file, read_vocab_weights, vocab_params
 from engine.model.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY_RE = re.compile(r"base_model\.model\.model\.layers\.(\d{1,6})\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+# DoRA's magnitude of a checkpoint projection, [out_features] beside its lora_A and lora_B (no ".weight" suffix)
+_MAGNITUDE_SUFFIX = ".lora_magnitude_vector"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _FLOAT_DTYPES = frozenset(("F16", "BF16", "F32", "F64"))
 _MAX_CONFIG_BYTES = 1 << 20
@@ -52,6 +56,11 @@ class LoraWeights:
     # (engine/lora/device_tier.py), so bringing an adapter onto the device copies it without transposing.
     layers: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], ...] = field(hash=False, compare=False)
     nbytes: int
+    # A DoRA adapter's [num_layers] of {module: m [out_features] fp32}, the module's rows of its saved magnitude (the
+    # device tier turns m into the row scales over the base's weights, engine/lora/dora.py); () without DoRA.
+    magnitudes: tuple[dict[str, torch.Tensor], ...] = field(default=(), hash=False, compare=False)
+    # LoRA on the embedding and the LM head, {module: its two tensors} in engine/lora/vocab_lora.py's device layout
+    vocab: VocabWeights = field(default_factory=dict, hash=False, compare=False)
 
 
 def _tensor_key(layer: int, name: str, part: str) -> str:
@@ -219,19 +228,27 @@ def _check_shape(adapter_id: str, key: str, shape: tuple[int, ...], expected: tu
 
 
 def read_adapter(path: Path, adapter_id: str, version: int, model: ModelConfig) -> AdapterSpec:
-    """Validate an adapter directory from its config and safetensors header (no tensor data is read)."""
+    """Validate an adapter directory from its config and safetensors header (no tensor data is read, but copies of the
+    base's embedding or LM head that PEFT saved beside a LoRA on them, compared with the base's own)."""
     validate_adapter_id(adapter_id)
     root = _adapter_dir(adapter_id, path)
     cfg = parse_config(adapter_id, _read_config(adapter_id, root))
     weights_file = _weights_file(adapter_id, root)
     layers = plan_targets(adapter_id, cfg, model)
-    _check_tensors(adapter_id, _read_header(adapter_id, weights_file), layers, model)
-    ranks = [t.rank for by_module in layers for t in by_module.values()]
+    vocab = plan_vocab(adapter_id, cfg, model)
+    header = _check_magnitudes(adapter_id, _read_header(adapter_id, weights_file), layers, model, cfg.dora)
+    # the embedding's and LM head's tensors, and any copies of the base's matrices (read and compared here)
+    header = check_vocab_file(adapter_id, weights_file, header, vocab, model)
+    _check_tensors(adapter_id, header, layers, model)
+    ranks = [t.rank for by_module in layers for t in by_module.values()] + [t.rank for t in vocab.targets.values()]
     num_params = sum(
         target.rank * sum(module_features(model, module))
         for by_module in layers
         for module, target in by_module.items()
     )
+    if cfg.dora:  # a magnitude per output feature of every targeted module
+        num_params += sum(module_features(model, module)[1] for by_module in layers for module in by_module)
+    num_params += vocab_params(vocab, model)
     return AdapterSpec(
         adapter_id=adapter_id,
         version=version,
@@ -242,6 +259,10 @@ def read_adapter(path: Path, adapter_id: str, version: int, model: ModelConfig) 
         num_params=num_params,
         nbytes=4 * num_params,
         stamp=_stamp(weights_file),
+        dora=cfg.dora,
+        vocab_modules=tuple(vocab.targets),
+        vocab_targets=vocab.targets,
+        tied_head=vocab.tied_head,
     )
 
 
@@ -291,12 +312,98 @@ def load_weights(spec: AdapterSpec, model: ModelConfig, dtype: torch.dtype) -> L
                 a_out.copy_(a)
                 torch.mul(b.float(), scale, out=b_out)
                 layers[layer][module] = (a_out, b_out)
+            magnitudes = _read_magnitudes(spec, model, f) if spec.dora else ()
+            vocab = read_vocab_weights(spec.adapter_id, f, spec, model, dtype) if spec.vocab_targets else {}
     except (SafetensorError, OSError) as exc:
         raise AdapterError(f"adapter {spec.adapter_id!r}: cannot read {WEIGHTS_FILE} ({exc})") from None
     # NaN and inf both reach the minimum or the maximum: one reduction, where isfinite(flat).all() makes a mask
     if flat.numel() and not all(bool(torch.isfinite(v)) for v in torch.aminmax(flat)):
         _raise_non_finite(spec, layers, dtype)
-    return LoraWeights(spec=spec, layers=layers, nbytes=flat.numel() * flat.element_size())
+    magnitude_bytes = 4 * sum(m.numel() for by_module in magnitudes for m in by_module.values())
+    vocab_bytes = sum(t.numel() * t.element_size() for pair in vocab.values() for t in pair)
+    return LoraWeights(
+        spec=spec,
+        layers=layers,
+        nbytes=flat.numel() * flat.element_size() + magnitude_bytes + vocab_bytes,
+        magnitudes=magnitudes,
+        vocab=vocab,
+    )
+
+
+def _magnitude_key(layer: int, name: str) -> str:
+    """The PEFT key of DoRA's magnitude of the checkpoint projection `name`."""
+    return f"base_model.model.{module_name(layer, name)}{_MAGNITUDE_SUFFIX}"
+
+
+def _checkpoint_rows(model: ModelConfig, name: str) -> int:
+    """The output features of the checkpoint projection `name`: a fused one's span the modules it covers."""
+    return sum(module_features(model, module)[1] for module in checkpoint_modules(model)[name])
+
+
+def _check_magnitudes(
+    adapter_id: str,
+    header: dict[str, tuple[tuple[int, ...], str]],
+    layers: tuple[dict[str, LoraTarget], ...],
+    model: ModelConfig,
+    dora: bool,
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """DoRA's magnitudes in the header: with use_dora exactly one float [out_features] vector per targeted checkpoint
+    projection, without it none. Returns the header less them, for `_check_tensors`."""
+    found = sorted(key for key in header if key.endswith(_MAGNITUDE_SUFFIX))
+    if found and not dora:
+        raise AdapterError(
+            f"adapter {adapter_id!r}: {WEIGHTS_FILE} holds DoRA magnitudes (e.g. {found[0]}), but adapter_config.json "
+            "does not set use_dora"
+        )
+    expected = {
+        _magnitude_key(layer, name): name
+        for layer, by_module in enumerate(layers)
+        for name, covered in checkpoint_modules(model).items()
+        if dora and covered[0] in by_module
+    }
+    for key in found:
+        if key not in expected:
+            raise AdapterError(
+                f"adapter {adapter_id!r}: {WEIGHTS_FILE} holds {key}, a DoRA magnitude of no projection "
+                "its adapter_config.json targets (loragate applies DoRA to the decoder layers' projections only)"
+            )
+        shape, dtype = header[key]
+        if dtype not in _FLOAT_DTYPES:
+            raise AdapterError(f"adapter {adapter_id!r}: tensor {key} has dtype {dtype}, not a float type")
+        _check_magnitude_shape(adapter_id, key, shape, _checkpoint_rows(model, expected[key]))
+    missing = sorted(expected.keys() - header.keys())
+    if missing:
+        raise AdapterError(
+            f"adapter {adapter_id!r}: {WEIGHTS_FILE} lacks {missing[0]}, but adapter_config.json sets use_dora: "
+            "DoRA needs a magnitude for every module it targets"
+        )
+    return {key: value for key, value in header.items() if not key.endswith(_MAGNITUDE_SUFFIX)}
+
+
+def _check_magnitude_shape(adapter_id: str, key: str, shape: tuple[int, ...], rows: int) -> None:
+    if tuple(shape) != (rows,):
+        raise AdapterError(
+            f"adapter {adapter_id!r}: tensor {key} has shape {list(shape)}, expected [{rows}] (one magnitude per "
+            "output feature of the base model's projection); was it trained on another model?"
+        )
+
+
+def _read_magnitudes(spec: AdapterSpec, model: ModelConfig, f: Any) -> tuple[dict[str, torch.Tensor], ...]:
+    """Each targeted module's rows of its projection's DoRA magnitude, fp32 (a copy, as the weights are: safetensors
+    may hand out views of an mmap), checked finite: AdapterError naming the tensor otherwise."""
+    magnitudes: tuple[dict[str, torch.Tensor], ...] = tuple({} for _ in spec.layers)
+    read: dict[str, torch.Tensor] = {}  # a fused projection's magnitude serves each module it covers
+    for layer, module, _ in spec.targets():
+        name, first_row = checkpoint_module(model, module)
+        key = _magnitude_key(layer, name)
+        if key not in read:
+            tensor = f.get_tensor(key)  # the file may have been replaced with a same-stamp one: check again
+            _check_magnitude_shape(spec.adapter_id, key, tuple(tensor.shape), _checkpoint_rows(model, name))
+            read[key] = tensor.to(torch.float32, copy=True)
+            if not bool(torch.isfinite(read[key]).all()):
+                raise AdapterError(f"adapter {spec.adapter_id!r}: {key} has non-finite values (NaN or inf) in float32")
+        magnitudes[layer][module] = read[key][first_row : first_row + module_features(model, module)[1]]
+    return magnitudes
 
 
 def _read_tensor(adapter_id: str, f: Any, key: str, shape: tuple[int, int], rank: int) -> torch.Tensor:

@@ -12,6 +12,8 @@ Which (layer, module) pairs an adapter adapts, and each pair's rank and scale, f
   exclude_modules removes names by the same rules.
 - rank_pattern / alpha_pattern: the first key, in file order, such that the name matches `(.*\\.)?(key)$`
   overrides r / lora_alpha. scale = lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora.
+- the embedding and the LM head ("model.embed_tokens", "lm_head") by the same rules, with PEFT's exceptions for them
+  (`plan_vocab`); their LoRA is served apart from the layers' (engine/lora/vocab_lora.py).
 Regexes come from adapter files, so adapter directories must be trusted not to hold pathological ones.
 """
 
@@ -40,6 +42,8 @@ _FUSED_MODULES: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
+# The embedding and the LM head -> their HF names; LoRA on them is served apart (engine/lora/vocab_lora.py)
+VOCAB_MODULES: dict[str, str] = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
 # Modules the model computes as one fused projection (same input, outputs side by side): the device tier
 # stacks a group's A matrices so one shrink serves the whole group.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -53,10 +57,11 @@ _MAX_PATTERN_LEN = 1000
 _DEFAULT_TARGETS = ("q_proj", "v_proj")
 # LoraConfig options that change the forward pass or add weights we do not apply: any truthy value is refused.
 _UNSUPPORTED = {
-    "use_dora": "DoRA",
     "lora_bias": "a bias on lora_B",
-    "modules_to_save": "modules_to_save",
-    "trainable_token_indices": "trainable tokens",
+    "modules_to_save": "modules_to_save (a full copy of the listed modules' weights per adapter, where loragate "
+    "serves only LoRA deltas over the shared base)",
+    "trainable_token_indices": "trainable tokens (a trained copy of embedding rows per adapter, where loragate "
+    "serves only LoRA deltas over the shared base)",
     "target_parameters": "target_parameters",
     "layer_replication": "layer replication",
     "alora_invocation_tokens": "activated LoRA (aLoRA)",
@@ -114,13 +119,30 @@ class AdapterSpec:
     modules: tuple[str, ...]  # modules adapted in at least one layer, in MODULES order
     max_rank: int
     num_params: int
-    nbytes: int  # fp32 bytes of all A and B
+    nbytes: int  # fp32 bytes of all A and B (and DoRA's magnitudes)
     stamp: tuple[int, int, int]  # (size, mtime_ns, inode) of the weights file when it was read
+    # DoRA (PEFT's use_dora): every targeted module's output rows are rescaled by its saved magnitude over the row
+    # norms of W + s B A (engine/lora/dora.py); the adapter is DoRA on every module it targets.
+    dora: bool = False
+    # LoRA on the embedding and the LM head (engine/lora/vocab_lora.py): the modules, in VOCAB_MODULES order, and
+    # each one's rank and scale; `tied_head`: the head's LoRA is the embedding's, transposed (PEFT's
+    # ensure_weight_tying on a base with tied embeddings).
+    vocab_modules: tuple[str, ...] = ()
+    vocab_targets: dict[str, LoraTarget] = field(default_factory=dict, hash=False, compare=False)
+    tied_head: bool = False
+    # A weighted mix's parts (the versions it was built from) and their weights: its weights are built from theirs,
+    # not read from files (engine/lora/mixes.py); () for an adapter read from its directory.
+    parts: tuple[tuple[AdapterSpec, float], ...] = field(default=(), hash=False, compare=False)
     # (adapter_id, version), made once: the step loop looks adapters up by it for every running request.
     key: AdapterKey = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", AdapterKey(self.adapter_id, self.version))
+
+    @property
+    def kind(self) -> str:
+        """What it is, as every card says it (loragate_common/adapter_kinds.py): "LoRA", "DoRA" or "mix"."""
+        return "mix" if self.parts else "DoRA" if self.dora else "LoRA"
 
     def targets(self) -> Iterator[tuple[int, str, LoraTarget]]:
         """(layer, module, target) for every adapted pair, layer-major, modules in MODULES order."""
@@ -179,6 +201,8 @@ class AdapterConfig:
     rank_pattern: tuple[tuple[str, int], ...]  # in file order: the first matching key wins
     alpha_pattern: tuple[tuple[str, float], ...]
     all_linear: bool = False  # "all-linear": every projection of the base (`targets` is then empty)
+    dora: bool = False  # use_dora: a lora_magnitude_vector per targeted module (engine/lora/dora.py)
+    ensure_weight_tying: bool = False  # on a base with tied embeddings, tie the head's LoRA to the embedding's
 
 
 def parse_config(adapter_id: str, raw: dict[str, Any]) -> AdapterConfig:
@@ -212,7 +236,15 @@ def parse_config(adapter_id: str, raw: dict[str, Any]) -> AdapterConfig:
         layers_pattern=_str_list(fail, "layers_pattern", raw.get("layers_pattern")),
         rank_pattern=_pattern(fail, "rank_pattern", raw.get("rank_pattern"), _rank),
         alpha_pattern=_pattern(fail, "alpha_pattern", raw.get("alpha_pattern"), _number),
+        dora=_flag(fail, "use_dora", raw.get("use_dora")),
+        ensure_weight_tying=_flag(fail, "ensure_weight_tying", raw.get("ensure_weight_tying")),
     )
+
+
+def _flag(fail: _Fail, what: str, value: Any) -> bool:
+    if value not in (None, True, False):
+        raise fail(f"{what}={str(value)[:100]!r} must be true or false")
+    return bool(value)
 
 
 def _rank(fail: _Fail, what: str, value: Any) -> int:
@@ -318,12 +350,64 @@ def plan_targets(adapter_id: str, cfg: AdapterConfig, model: ModelConfig) -> tup
     except re.error as exc:
         raise AdapterError(f"adapter {adapter_id!r}: invalid layers_pattern ({exc})") from None
     if not isinstance(cfg.targets, str):
-        unknown = [t for t in cfg.targets if not any(_matches((t,), name) for _, _, name in names)]
+        known = [name for _, _, name in names] + list(VOCAB_MODULES.values())
+        unknown = [t for t in cfg.targets if not any(_matches((t,), name) for name in known)]
         if unknown:
             raise AdapterError(
                 f"adapter {adapter_id!r} targets {', '.join(map(repr, unknown[:5]))}: loragate applies "
-                f"LoRA only to {', '.join(covered)} of the {model.num_layers} decoder layers"
+                f"LoRA only to {', '.join(covered)} of the {model.num_layers} decoder layers, embed_tokens and lm_head"
             )
-    if not any(layers):
+    if not any(layers) and not plan_vocab(adapter_id, cfg, model).targets:
         raise AdapterError(f"adapter {adapter_id!r}: adapter_config.json targets no module of the base model")
     return layers
+
+
+class VocabPlan(NamedTuple):
+    targets: dict[str, LoraTarget]  # in VOCAB_MODULES order
+    tied_head: bool  # the head's LoRA is the embedding's, transposed, with the head's own scale
+
+
+def plan_vocab(adapter_id: str, cfg: AdapterConfig, model: ModelConfig) -> VocabPlan:
+    """LoRA on the embedding and the LM head by PEFT's rules: their HF names (VOCAB_MODULES) are matched as the
+    layers' are, except that an exact name in a target list ignores layers_to_transform while a layer filter leaves
+    out a name matched by its suffix (it has no layer index); "all-linear" takes neither (PEFT leaves the output layer
+    out, and an embedding is not a linear layer). On a base with tied embeddings, ensure_weight_tying with either
+    module among the targets makes PEFT target the embedding and tie the head's LoRA to it (its A is the embedding's
+    B transposed, its B the embedding's A transposed; its rank is the embedding's, its scale its own). Without it the
+    two LoRAs are independent even on a tied base: one on embed_tokens changes the input embeddings only."""
+    tie = cfg.ensure_weight_tying and model.tie_word_embeddings and _names_vocab(cfg.targets)
+    targets: dict[str, LoraTarget] = {}
+    for module, name in VOCAB_MODULES.items():
+        listed = (tie and module == "embed_tokens") or (not tie and _vocab_targeted(cfg, name))
+        if listed and not _matches(cfg.exclude, name):
+            targets[module] = _target(cfg, name)
+    if tie:
+        if "embed_tokens" not in targets:
+            raise AdapterError(
+                f"adapter {adapter_id!r}: ensure_weight_tying ties lm_head's LoRA to embed_tokens', which "
+                "exclude_modules leaves out (PEFT cannot load such an adapter either)"
+            )
+        targets["lm_head"] = LoraTarget(targets["embed_tokens"].rank, _target(cfg, VOCAB_MODULES["lm_head"]).scale)
+    if targets and cfg.dora:
+        raise AdapterError(f"adapter {adapter_id!r}: DoRA on {' and '.join(targets)} is not supported")
+    return VocabPlan(targets, bool(tie))
+
+
+def _names_vocab(targets: tuple[str, ...] | str) -> bool:
+    """PEFT's test of whether target_modules name the embedding or the LM head (a regex is matched against the bare
+    module names)."""
+    if isinstance(targets, str):
+        return any(re.fullmatch(targets, module) for module in VOCAB_MODULES)
+    return any(t.split(".")[-1] in VOCAB_MODULES for t in targets)
+
+
+def _vocab_targeted(cfg: AdapterConfig, name: str) -> bool:
+    if isinstance(cfg.targets, str):
+        return re.fullmatch(cfg.targets, name) is not None
+    return name in cfg.targets or (cfg.layers is None and _matches(cfg.targets, name))
+
+
+def _target(cfg: AdapterConfig, name: str) -> LoraTarget:
+    r = _override(cfg.rank_pattern, name, cfg.r)
+    alpha = _override(cfg.alpha_pattern, name, cfg.alpha)
+    return LoraTarget(r, alpha / math.sqrt(r) if cfg.use_rslora else alpha / r)

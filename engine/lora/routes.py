@@ -13,6 +13,10 @@ scale-folded B straight from the unified page pool through the slot tables the d
   from the Python tables, or, for a decoding step, every adapter at once over a stacked copy (engine/lora/stacks.py).
 - `TritonLora` (CUDA; CPU tensors under Triton's interpreter): the shrink and expand kernels
   (loragate_kernels/triton/sgmv.py) over the tier's device mirror, with the step's row tiles planned once.
+
+A DoRA adapter's rows are rescaled after their group's output is computed (`LayerLora.linear`, `rescale`): on the
+torch and Triton routes by engine/lora/dora.py's `DoraScaler` (torch ops over a stack of the step's scales), on the C++
+route by loragate_kernels/cpu/lora.cpp's `dora_scale_group`, one call per group reading the scales from the pool.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 from torch import nn
 
+from engine.lora.dora import DoraScaler
 from engine.lora.peft_config import GROUPS
 from engine.lora.stacks import LoraStacks, StackPlan
 from engine.lora.tables import DeviceMirror, PoolWeights
+from engine.lora.vocab_lora import VocabStep
 from engine.model.cpu_gemm import PackedLinear
 from loragate_kernels.backends import Kernel
-from loragate_kernels.cpu.ops import lora_sgmv_group_cpu
+from loragate_kernels.cpu.ops import dora_scale_group_cpu, lora_sgmv_group_cpu
 from loragate_kernels.reference import lora_bmm_group, lora_sgmv_group
 
 PlanT = TypeVar("PlanT")
@@ -45,6 +51,7 @@ class LoraRoute(ABC, Generic[PlanT]):
 
     def __init__(self, weights: PoolWeights) -> None:
         self.weights = weights
+        self.dora = DoraScaler(weights)  # DoRA's row scales, the same on every route (engine/lora/dora.py)
 
     @abstractmethod
     def plan(self, seg_starts: list[int], seg_slots: list[int], null_slot: int) -> PlanT: ...
@@ -60,7 +67,18 @@ class LoraRoute(ABC, Generic[PlanT]):
         return y
 
     def step(self, seg_starts: list[int], seg_slots: list[int], null_slot: int) -> LoraBatch:
-        return LoraBatch(self, self.plan(seg_starts, seg_slots, null_slot))
+        plan = self.plan(seg_starts, seg_slots, null_slot)
+        return LoraBatch(self, plan, self.dora_plan(seg_starts, seg_slots))
+
+    def dora_plan(self, seg_starts: list[int], seg_slots: list[int]) -> Any:
+        """The step's DoRA rows as `rescale` reads them; None (the common case, checked at once) when it has none."""
+        return self.dora.plan_segments(seg_starts, seg_slots)
+
+    def rescale(
+        self, plan: PlanT, dora: Any, layer: int, group: str, y: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
+        """y [T, out] (the group's output with its deltas) <- g * y + (1 - g) * bias on the step's DoRA rows."""
+        dora.apply(layer, group, y, bias)
 
     def _mirror(self) -> DeviceMirror:
         assert self.weights.mirror is not None, f"the {self.kernel.value} route reads the tier's mirror"
@@ -69,13 +87,20 @@ class LoraRoute(ABC, Generic[PlanT]):
 
 @dataclass(slots=True)  # not frozen: one is made per step, and frozen makes __init__ several times slower
 class LoraBatch:
-    """One step's LoRA as the model sees it (engine/model/decoder.py `LoraDelta`): a route and its plan of the step."""
+    """One step's LoRA as the model sees it (engine/model/decoder.py `LoraDelta`): a route and its plan of the step,
+    and the step's DoRA rows (None: it has none)."""
 
     route: LoraRoute[Any]
     plan: Any
+    dora: Any = None  # LoraRoute.dora_plan's
+    vocab: VocabStep | None = None  # the step's embedding and LM-head LoRA (engine/lora/vocab_lora.py), if any
 
     def layer(self, index: int) -> LayerLora:
-        return LayerLora(self.route, self.plan, index)
+        return LayerLora(self.route, self.plan, index, self.dora)
+
+    def embed(self, input_ids: torch.Tensor, h: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """The step's embeddings h [T, hidden] with each row's embedding LoRA added (`VocabStep.embed`)."""
+        return h if self.vocab is None else self.vocab.embed(input_ids, h, scale)
 
 
 @dataclass(slots=True)  # made per layer per step (not frozen, as LoraBatch)
@@ -83,9 +108,13 @@ class LayerLora:
     route: LoraRoute[Any]
     plan: Any
     index: int
+    dora: Any = None
 
     def linear(self, group: str, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.route.linear(self.plan, self.index, group, proj, x)
+        y = self.route.linear(self.plan, self.index, group, proj, x)
+        if self.dora is not None:  # DoRA rows: base plus deltas, rescaled by their adapter's row scales
+            self.route.rescale(self.plan, self.dora, self.index, group, y, getattr(proj, "bias", None))
+        return y
 
 
 class CppLora(LoraRoute[torch.Tensor]):
@@ -96,6 +125,17 @@ class CppLora(LoraRoute[torch.Tensor]):
 
     def plan(self, seg_starts: list[int], seg_slots: list[int], null_slot: int) -> torch.Tensor:
         return torch.tensor(seg_starts + seg_slots, dtype=torch.int64)
+
+    def dora_plan(self, seg_starts: list[int], seg_slots: list[int]) -> bool | None:
+        """True where a segment's slot holds a DoRA adapter: the C++ op reads the segments and scales as they lie."""
+        dora = self.weights.tables.dora_slots
+        return True if dora and not dora.isdisjoint(seg_slots) else None
+
+    def rescale(
+        self, plan: torch.Tensor, dora: Any, layer: int, group: str, y: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
+        pool, offsets = self.weights.layer_pools[layer], self._mirror().g_offsets[layer][group]
+        dora_scale_group_cpu(y, plan, pool, offsets, bias)
 
     def apply(self, plan: torch.Tensor, layer: int, group: str, y: torch.Tensor, x: torch.Tensor) -> None:
         w = self.weights

@@ -1,7 +1,7 @@
 """Where the device tier's adapters sit in the unified page pool: per layer and slot, each group's stacked-A offset and
-each module's rank and B offset (`SlotTables`, kept by engine/lora/device_tier.py), and what a step's LoRA route reads
-(`PoolWeights`: the pool's per-layer views, those tables and, for the C++ and Triton routes, their tensor mirror).
-engine/lora/routes.py computes a step's deltas from them.
+each module's rank and B offset, and a DoRA adapter's row scales (`SlotTables`, kept by engine/lora/device_tier.py), and
+what a step's LoRA route reads (`PoolWeights`: the pool's per-layer views, those tables and, for the C++ and Triton
+routes, their tensor mirror). engine/lora/routes.py computes a step's deltas from them.
 """
 
 from __future__ import annotations
@@ -16,17 +16,21 @@ from engine.model.config import ModelConfig
 
 @dataclass(slots=True)
 class SlotTables:
-    """Per layer, indexed by slot: each group's stacked-A offset, each module's rank and B offset.
+    """Per layer, indexed by slot: each group's stacked-A offset, each module's rank and B offset, each group's DoRA
+    row scales.
 
     A slot's region in a layer holds, group by group (GROUPS order), the A [r, in] of every module it
-    targets stacked in module order, then those modules' B transposed, [r, out] (loragate_kernels/reference.py). Rank 0
-    means the slot's adapter does not target that module in that layer, or the slot is empty (always so for the
-    null slot).
+    targets stacked in module order, then those modules' B transposed, [r, out] (loragate_kernels/reference.py), then,
+    for a DoRA adapter, the group's row scales g [out_cols[-1]] (engine/lora/dora.py: 1.0 in the columns of a module
+    it does not target). Rank 0 means the slot's adapter does not target that module in that layer, or the slot is
+    empty (always so for the null slot); a g offset of -1, that the slot has no DoRA scales in that layer and group.
     """
 
     a_offsets: list[dict[str, list[int]]]  # [layer][group][slot]
     b_offsets: list[dict[str, list[int]]]  # [layer][module][slot]
     ranks: list[dict[str, list[int]]]  # [layer][module][slot]
+    g_offsets: list[dict[str, list[int]]] = field(default_factory=list)  # [layer][group][slot]; -1: none
+    dora_slots: set[int] = field(default_factory=set)  # the slots holding a DoRA adapter
 
     @classmethod
     def empty(cls, num_layers: int, num_slots: int) -> SlotTables:
@@ -35,6 +39,7 @@ class SlotTables:
             [{g: [0] * num_slots for g in GROUPS} for _ in range(num_layers)],
             [{m: [0] * num_slots for m in modules} for _ in range(num_layers)],
             [{m: [0] * num_slots for m in modules} for _ in range(num_layers)],
+            [{g: [-1] * num_slots for g in GROUPS} for _ in range(num_layers)],
         )
 
 
@@ -99,6 +104,9 @@ class DeviceMirror:
         ]
         # the same blocks whole, [FIELDS, slots] each: the CPU's C++ op takes one (loragate_kernels/cpu/ops.py)
         self.blocks = [dict(zip(GROUPS, self.packed[layer], strict=True)) for layer in range(num_layers)]
+        # SlotTables.g_offsets, [layers, groups, slots]: the CPU's DoRA op takes one (layer, group)'s row
+        self.g_packed = torch.full((num_layers, len(GROUPS), num_slots), -1, dtype=torch.int64, device=device)
+        self.g_offsets = [dict(zip(GROUPS, self.g_packed[layer], strict=True)) for layer in range(num_layers)]
         self.out_cols = {g: torch.tensor(cols, dtype=torch.int32, device=device) for g, cols in out_cols.items()}
         self.n_tiles = {g: column_tiles(cols, device) for g, cols in out_cols.items()}
 
@@ -118,3 +126,5 @@ class DeviceMirror:
                     block[1 + 2 * m + i] = sum(ranks[:i])  # where module i's rank block starts in h
                 block[1 + 3 * m] = sum(ranks)
         self.packed[..., slot].copy_(column)
+        offsets = [[tables.g_offsets[layer][group][slot] for group in GROUPS] for layer in range(len(tables.g_offsets))]
+        self.g_packed[..., slot].copy_(torch.tensor(offsets, dtype=torch.int64))

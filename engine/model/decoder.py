@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.lora.vocab_lora import BaseVocab, register_base
 from engine.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 from engine.model.cpu_gemm import PackedLinear, PanelEmbedding, packed_linear, prepack_linears
 from engine.model.layer_ops import LAYER_OPS, LayerOps, TorchLayerOps
-from loragate_kernels.backends import Backends
+from loragate_kernels.backends import Backends, Gemm
 
 if TYPE_CHECKING:
     from engine.model.config import ModelConfig
@@ -47,6 +49,10 @@ class LoraDelta(Protocol):
     """All the LoRA the model sees of a step (engine/lora/routes.py's LoraBatch implements it)."""
 
     def layer(self, index: int) -> LayerLoraDelta: ...
+
+    def embed(self, input_ids: torch.Tensor, h: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """h [T, hidden] (the embeddings of input_ids [T], already times the base's `scale` where it has one) plus
+        each row's embedding LoRA, times `scale` too (as PEFT scales it); may add in place."""
 
 
 class RMSNorm(nn.Module):
@@ -285,6 +291,10 @@ class CausalLM(nn.Module):
         scale = torch.tensor(config.embed_scale, dtype=backends.dtype, device=backends.device)
         self.register_buffer("embed_scale", scale, persistent=False)
         self.windows = sorted({config.window(i) for i in range(config.num_layers)})
+        # what adapters' saved copies of the embedding and head are compared with (engine/lora/vocab_lora.py)
+        model = weakref.ref(self)
+        self.base_vocab = BaseVocab(config, lambda: None if (m := model()) is None else m.vocab_matrices())
+        register_base(self.base_vocab)
 
     def forward(
         self,
@@ -305,8 +315,11 @@ class CausalLM(nn.Module):
         """
         config, ops = self.config, self.ops
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        if config.embed_scale != 1.0:
-            h = h * self.embed_scale
+        scale = None if config.embed_scale == 1.0 else self.embed_scale
+        if scale is not None:
+            h = h * scale
+        if lora is not None:
+            h = lora.embed(input_ids, h, scale)
         rope_dtype = ops.rope_dtype or h.dtype
         tables = {kind: rotary(positions, rope_dtype) for kind, rotary in self.rotary.items()}
         # Gather indices and masks once per step per attention window, shared by the layers that have it (the
@@ -329,6 +342,16 @@ class CausalLM(nn.Module):
             return ops.norm(h, self.norm.weight, self.norm.eps)
         return ops.add_norm(residual, h, self.norm.weight, self.norm.eps)[0]
 
+    def vocab_matrices(self) -> dict[str, torch.Tensor]:
+        """The plain embedding matrix and LM head [vocab, hidden] (the embeddings for a tied head), until `prepack`
+        lays the GEMMs' weights out and drops the plain ones."""
+        assert isinstance(self.embed_tokens, nn.Embedding), "the plain embeddings are gone after prepack"
+        head = self.lm_head
+        if head is not None:
+            assert isinstance(head, nn.Linear), "the plain LM head is gone after prepack"
+        embeddings = self.embed_tokens.weight
+        return {"embed_tokens": embeddings, "lm_head": embeddings if head is None else head.weight}
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab]; call it only on the rows that are sampled (the head is wide)."""
         if self.lm_head is None:  # tied to the embeddings (a PanelEmbedding comes with its own head)
@@ -341,7 +364,10 @@ class CausalLM(nn.Module):
         (engine/model/cpu_gemm.py; a tied head gets a copy of the embeddings in its route's layout, and reads them
         as they are on cpu/gemm.cpp's row-major route; on cpu/panels.cpp's route the embeddings are then read from
         the head's copy, `PanelEmbedding`, and the row-major one is dropped). Returns how many GEMMs were laid out
-        (0 on the plain F.linear route)."""
+        (0 on the plain F.linear route). Adapters' copies of the embedding and head are compared with digests of the
+        plain matrices, taken first where those are about to go (engine/lora/vocab_lora.py BaseVocab)."""
+        if self.backends.gemm is not Gemm.TORCH:
+            self.base_vocab.capture()
         count = prepack_linears(self, self.backends)
         if count and self.lm_head is None and isinstance(self.embed_tokens, nn.Embedding):
             embeddings = self.embed_tokens.weight

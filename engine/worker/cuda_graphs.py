@@ -23,6 +23,9 @@ graph launches them all at once. What makes a step capturable:
 Two graphs per bucket at most: with LoRA (when some row has an adapter) and without. A replay is not
 interrupted by a critical arrival (engine/core/llm_engine.py); a decode step is short.
 
+A step with a DoRA adapter's rows runs eagerly, over the same static inputs and LoRA tiles: its rows' scales are
+gathered by a plan made on the host per step (engine/lora/dora.py), which a captured graph would replay stale.
+
 The seam: a graph is anything with `capture(fn) -> output` and `replay()`. On CUDA it is `CudaGraph`
 (torch.cuda.CUDAGraph, one memory pool shared by all captures); `EagerGraph` runs the captured function again
 on replay, which lets the tests check everything above on a CPU (tests/engine/test_cuda_graphs.py).
@@ -172,6 +175,9 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, bool], _Captured] = {}
         self._rank_key: tuple[int, ...] = self._ranks()
         self.captures = 0  # graphs captured so far (recaptures included)
+        self.eager_steps = 0  # steps run eagerly (DoRA rows)
+        # the route of those steps: one, so its stack of DoRA scales is kept between them
+        self._eager_lora = None if adapters is None else TritonLora(adapters.weights)
 
     def fits(self, num_rows: int) -> bool:
         return num_rows <= self.max_batch
@@ -184,6 +190,8 @@ class DecodeGraphs:
         (loragate_kernels/triton/sgmv.py `segment_tiles`), None when no row has an adapter."""
         n = len(step.token_ids)
         size = self.bucket(n)
+        if tiles is not None and self.adapters is not None and not self.adapters.tables.dora_slots.isdisjoint(tiles[0]):
+            return self._eager(size, step, tiles)[:n]
         ranks = self._ranks()
         if ranks != self._rank_key:  # an adapter of a larger rank: the captured SGMV grids are too small
             self._graphs.clear()
@@ -238,6 +246,19 @@ class DecodeGraphs:
         captured = self._graphs[(size, with_lora)] = _Captured(graph, graph.capture(forward))
         self.captures += 1
         return captured
+
+    def _eager(self, size: int, step: GraphStep, tiles: tuple[list[int], list[int], list[int]]) -> torch.Tensor:
+        """The step's forward pass run as it comes (not captured), on the static inputs staged as for a replay."""
+        from loragate_kernels.triton.sgmv import BLOCK_M, SgmvPlan
+
+        assert self._eager_lora is not None
+        self._stage(size, step, tiles)
+        ids, positions, slots, lens = (self._view(f, size) for f in range(4))
+        attn = AttentionMetadata(slots, size, self._tables[:size], lens, (), 0)
+        plan = TritonPlan(SgmvPlan(self._view(4, size), self._view(5, size), self._view(6, size), size))
+        dora = self._eager_lora.dora.plan((k, lo, min(lo + BLOCK_M, end)) for k, lo, end in zip(*tiles, strict=True))
+        self.eager_steps += 1
+        return self.model(ids, positions, self.kv_cache, attn, LoraBatch(self._eager_lora, plan, dora))
 
     def _stage(self, size: int, step: GraphStep | None, tiles: tuple[list[int], list[int], list[int]] | None) -> None:
         """Write a step's inputs (padding to `size` rows) into the static buffers: one copy for the integers,

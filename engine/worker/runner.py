@@ -23,12 +23,14 @@ from engine.core.outputs import RunnerOutput
 from engine.core.request import Request, TokenLogprob
 from engine.core.scheduler import SchedulerOutput
 from engine.lora.device_tier import DeviceAdapterTier
+from engine.lora.dora import DoraNorms
 from engine.lora.routes import ROUTES, LoraBatch, LoraRoute
+from engine.lora.vocab_lora import VocabStep
 from engine.model.attention import AttentionMetadata, PrefillSeq
 from engine.model.decoder import CausalLM
 from engine.worker.cuda_graphs import DecodeGraphs, Graph, GraphStep
 from engine.worker.input_batch import InputBatch
-from engine.worker.prompt_logprobs import PromptChunk, plan_chunk, score_prompt_chunks
+from engine.worker.prompt_logprobs import HeadLora, PromptChunk, plan_chunk, score_prompt_chunks
 from engine.worker.sampler import NON_FINITE, RowTables, Sampler
 
 NON_FINITE_LOGITS = (
@@ -70,6 +72,8 @@ class ModelRunner:
         self.device = device
         # how the steps' LoRA deltas are computed (model.backends.lora: loragate_kernels/backends.py)
         self.lora: LoraRoute[Any] | None = None if adapters is None else ROUTES[model.backends.lora](adapters.weights)
+        if adapters is not None:
+            adapters.base = DoraNorms(model)  # DoRA adapters' row scales come from the base's projections
         max_len = max_model_len or model.config.max_position_embeddings
         self.batch = InputBatch(max_num_seqs, -(-max_len // block_size), model.config.vocab_size, device)
         self.staging = HostStaging(device) if device.type == "cuda" else None
@@ -122,12 +126,16 @@ class ModelRunner:
             num_tokens = [batch.num_tokens[i] for i in order]
             slots = [slots[i] for i in order]
         rows = self.batch.sync(requests)
-        step = self._prepare(requests, num_tokens, rows)
+        vocab = self._vocab_step(slots, num_tokens)
+        # a captured graph has no embedding LoRA: a step with one runs eagerly
+        step = self._prepare(requests, num_tokens, rows, graphs=vocab is None or not vocab.embeds)
         if isinstance(step, GraphStep):  # decodes alone, replayed from a captured graph
             assert self.graphs is not None
             hidden = self.graphs.run(step, self._graph_tiles(slots, num_tokens))
         else:
             lora = self._lora_segments(slots, num_tokens)
+            if lora is not None:
+                lora.vocab = vocab
             hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.attn, lora, interrupt)
         n = len(requests)
         sampled: list[int | None] = [None] * n
@@ -135,7 +143,10 @@ class ModelRunner:
         errors: dict[int, str] = {}
         scored: dict[int, tuple[int, list[TokenLogprob]]] = {}
         if step.prompt_chunks:  # only requests that asked for prompt logprobs
-            by_order, failed = score_prompt_chunks(hidden, self.model.compute_logits, requests, step.prompt_chunks)
+            head = None if vocab is None or not vocab.heads else _head_lora(vocab, slots)
+            by_order, failed = score_prompt_chunks(
+                hidden, self.model.compute_logits, requests, step.prompt_chunks, head
+            )
             scored = {i if order is None else order[i]: entries for i, entries in by_order.items()}
             errors.update((i if order is None else order[i], NON_FINITE_LOGITS) for i in failed)
         if not step.sample_idx:
@@ -147,6 +158,8 @@ class ModelRunner:
             sampling = [requests[i] for i in step.sample_idx]
             sampling_rows = [rows[i] for i in step.sample_idx]
         logits = self.model.compute_logits(hidden)  # [S, vocab]
+        if vocab is not None and vocab.heads:  # the LM-head LoRA of the rows whose adapter has one
+            vocab.head(logits, hidden, [slots[i] for i in step.sample_idx])
         out = self.sampler(logits, sampling, RowTables(self.batch, sampling_rows))
         if order is None and step.sample_rows is None and min(out.token_ids) >= 0:  # all sampled, in batch order
             return RunnerOutput(out.token_ids, out.logprobs, errors, scored)
@@ -211,6 +224,13 @@ class ModelRunner:
 
         return segment_tiles(*segments, skip_slot=self._tier().null_slot)
 
+    def _vocab_step(self, slots: list[int | None], num_tokens: list[int]) -> VocabStep | None:
+        """The step's embedding and LM-head LoRA (engine/lora/vocab_lora.py); None, after one check while no device
+        slot holds any, when no row's adapter has one."""
+        if self.adapters is None or not self.adapters.vocab.active:
+            return None
+        return self.adapters.vocab.step(slots, num_tokens)
+
     def _lora_segments(self, slots: list[int | None], num_tokens: list[int]) -> LoraBatch | None:
         """The step's LoraBatch (`_segments`), None when no row has an adapter."""
         segments = self._segments(slots, num_tokens)
@@ -219,9 +239,11 @@ class ModelRunner:
         assert self.lora is not None  # `_segments` found rows with an adapter: the engine has a tier
         return self.lora.step(*segments, self._tier().null_slot)
 
-    def _prepare(self, requests: list[Request], num_tokens: list[int], rows: list[int]) -> StepInputs | GraphStep:
-        """The step's inputs. Every integer input is written into one list and becomes one tensor (one copy
-        to the device on CUDA); the tensors the model reads are views of it."""
+    def _prepare(
+        self, requests: list[Request], num_tokens: list[int], rows: list[int], graphs: bool = True
+    ) -> StepInputs | GraphStep:
+        """The step's inputs (a GraphStep only where `graphs`). Every integer input is written into one list and becomes
+        one tensor (one copy to the device on CUDA); the tensors the model reads are views of it."""
         bs = self.block_size
         token_ids: list[int] = []
         pos_list: list[int] = []
@@ -267,7 +289,7 @@ class ModelRunner:
         num_decodes = len(decode_lens)
         # In a step of decodes only, every row is sampled, in order: the logits need no gather.
         gather = len(last_rows) != num
-        if num_decodes == num and not gather and self.graphs is not None and self.graphs.fits(num):
+        if num_decodes == num and not gather and graphs and self.graphs is not None and self.graphs.fits(num):
             return GraphStep(token_ids, pos_list, slots, decode_lens, decode_rows, sample_idx)
         if num_decodes == num and not gather and self.decode_buffers is not None:  # steady decoding on the CPU
             input_ids, positions, slot_mapping, context_lens = self.decode_buffers.write(
@@ -315,6 +337,11 @@ class ModelRunner:
         if self.device.type == "cpu":  # NumPy builds it from the list in a third of torch.tensor's time
             return torch.from_numpy(np.array(values, dtype=np.int64))
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _head_lora(vocab: VocabStep, slots: list[int | None]) -> HeadLora:
+    """Prompt logprobs' rows get their request's LM-head LoRA: `slots` by batch index."""
+    return lambda logits, hidden, owners: vocab.head(logits, hidden, [slots[i] for i in owners])
 
 
 def _add_chunk(chunks: list[PromptChunk], chunk: PromptChunk | None) -> None:

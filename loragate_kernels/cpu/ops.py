@@ -50,6 +50,27 @@ def lora_sgmv_group_cpu(
     torch.ops.loragate_cpu.lora_sgmv_group(y, x, segments, pool, block, out_cols)
 
 
+def dora_scale_group_cpu(
+    y: torch.Tensor,
+    segments: torch.Tensor,
+    pool: torch.Tensor,
+    g_offsets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> None:
+    """DoRA's rescale of a group's rows in place, y[rows] = g * y[rows] + (1 - g) * bias for each segment whose slot
+    has row scales g in the pool: loragate_kernels/reference.py `dora_scale_group`'s result (the oracle), in one call.
+
+    Shapes:
+        y:         [T, out]      columns contiguous, rows any stride; fp32, bf16 or fp16 like pool
+        segments:  [2 S + 1]     int64: the S + 1 segment starts, then the S slots (`lora_sgmv_group_cpu`'s)
+        pool:      [N]           one layer's pool, contiguous
+        g_offsets: [slots]       int64, contiguous: where each slot's g [out] starts in the pool; -1: none
+        bias:      [out] or None any float dtype
+    Raises RuntimeError on inconsistent arguments (a slot out of range, scales past the pool), before writing.
+    """
+    torch.ops.loragate_cpu.dora_scale_group(y, segments, pool, g_offsets, bias)
+
+
 def pack_tables(tables: GroupTables, modules: int | None = None) -> torch.Tensor:
     """A group's tables as the op's block [2 + 3 M, slots] int64 (M = `modules`, default the tables' own)."""
     m = tables.ranks.shape[0] if modules is None else modules

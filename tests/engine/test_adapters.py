@@ -270,11 +270,12 @@ def test_symlinks(broken: Path, tmp_path: Path, model_config: ModelConfig) -> No
     ("fields", "needles"),
     [
         ({"peft_type": "IA3"}, ("peft_type is 'IA3'", "only LoRA")),
-        ({"use_dora": True}, ("DoRA is not supported",)),
+        ({"use_dora": True}, ("lacks base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector",)),
         ({"bias": "all"}, ("bias='all'",)),
         ({"modules_to_save": ["lm_head"]}, ("modules_to_save",)),
-        ({"target_modules": ["q_proj", "lm_head"]}, ("'lm_head'", "only to q_proj")),
-        ({"target_modules": ["embed_tokens"]}, ("'embed_tokens'",)),
+        ({"target_modules": ["q_proj", "lm_head"]}, ("lacks base_model.model.lm_head.lora_A.weight", "lm_head")),
+        ({"target_modules": ["embed_tokens"]}, ("lacks base_model.model.model.embed_tokens.lora_embedding_A",)),
+        ({"target_modules": ["q_proj", "norm"]}, ("'norm'", "only to q_proj")),
         ({"r": 0}, ("r=0", "positive integer")),
         ({"rank_pattern": {"q_proj": 0}}, ("rank_pattern['q_proj']=0",)),
         ({"lora_alpha": "big"}, ("lora_alpha='big'",)),
@@ -304,8 +305,11 @@ def test_base_model_path_mismatch_is_fine(broken: Path, model_config: ModelConfi
 
 def test_tensor_rejections(broken: Path, model_config: ModelConfig) -> None:
     key = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.weight"
+    _edit_tensors(broken, lambda t: t.update({"base_model.model.model.norm.lora_A.weight": torch.zeros(4, 64)}))
+    _rejects(broken, model_config, "1 tensor(s)", "base_model.model.model.norm.lora_A.weight")
+    _edit_tensors(broken, lambda t: t.pop("base_model.model.model.norm.lora_A.weight"))
     _edit_tensors(broken, lambda t: t.update({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}))
-    _rejects(broken, model_config, "1 tensor(s)", "base_model.model.lm_head.lora_A.weight")
+    _rejects(broken, model_config, "has weights for lm_head", "does not target")
     _edit_tensors(broken, lambda t: t.pop("base_model.model.lm_head.lora_A.weight"))
     _edit_tensors(broken, lambda t: t.pop(key.format(2, "v_proj", "B")))
     _rejects(broken, model_config, f"lacks {key.format(2, 'v_proj', 'B')}")
