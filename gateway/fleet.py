@@ -183,9 +183,12 @@ class Fleet:
         """The adapter ids the upstreams serve (empty when none has answered yet)."""
         return (await self.catalog.models()).adapters
 
-    def unable(self, adapter: str | None, catalog: bool) -> frozenset[str]:
-        """The upstreams that cannot serve `adapter`: for a catalog adapter, the vLLM engines without an agent
-        to load it (gateway/vllm.py) that do not list it already."""
+    def unable(self, adapter: str | None, catalog: bool, mix: bool = False) -> frozenset[str]:
+        """The upstreams that cannot serve `adapter`: for a mix of adapters, every vLLM engine (only loragate
+        engines build one); for a catalog adapter, the vLLM engines without an agent to load it
+        (gateway/vllm.py) that do not list it already."""
+        if mix:
+            return frozenset(u.url for u in self.admission.upstreams if u.kind is EngineKind.VLLM)
         if adapter is None or not catalog:
             return frozenset()
         return frozenset(
@@ -193,6 +196,11 @@ class Fleet:
             for u in self.admission.upstreams
             if u.kind is EngineKind.VLLM and u.agent is None and adapter not in u.serves
         )
+
+    def all_vllm(self) -> bool:
+        """Whether there are upstreams and all are vLLM engines: none of them can serve a mix of adapters."""
+        upstreams = self.admission.upstreams
+        return bool(upstreams) and all(u.kind is EngineKind.VLLM for u in upstreams)
 
     def base_name(self, named: str | None) -> str:
         """The base model a request without an adapter is served by (the one it named, if several)."""

@@ -18,7 +18,10 @@
   loaded by its agent (whose `adapter_loading` / `adapter_fetch_failed` pass through as an engine's), and once
   more if vLLM answers that it has no such model; its error bodies come back in the gateway's shape.
 - Upstream headers are the proxy's own: a client's headers never reach an engine, so only the gateway can
-  name an adapter's source (X-Adapter-Source, X-Adapter-SHA256, X-Adapter-Size, from the catalog).
+  name an adapter's source (X-Adapter-Source, X-Adapter-SHA256, X-Adapter-Size, from the catalog; for a mix
+  of adapters, X-Adapter-Part-Sources with one such source per catalog part).
+- A mix of adapters (`Call.parts`) goes as one adapter, its canonical name (loragate_common/adapter_mix.py),
+  and never to a vLLM engine, which cannot serve one (`Call.unable` holds them all).
 
 The `Exchange` records what happened (status, outcome, tokens, the slot held); the app settles it
 (release the slot, reconcile the reservation) once the response has been sent, whatever happened.
@@ -38,6 +41,7 @@ import httpx
 from starlette.responses import Response, StreamingResponse
 
 from gateway import vllm
+from gateway.adapter_catalog import Pinned
 from gateway.admission import AdmissionController, EngineLoad, Shed, Slot
 from gateway.budgets import Hold
 from gateway.engine_kinds import EngineKind
@@ -54,6 +58,19 @@ logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _USAGE_NULL = b', "usage": null}'  # how a stream chunk's JSON ends when the usage is asked for (and not yet known)
+
+
+@dataclass(frozen=True, slots=True)
+class MixedPart:
+    """One part of a mix as the gateway resolved it: `ref` is what the engine serves for it, the ref the gateway
+    would send for that part alone (the adapter, the variant its rollout chose, a catalog version `ID@N`)."""
+
+    ref: str
+    weight: float
+    rollout: str | None = None  # the rollout the client named for this part, when `ref` is one of its variants
+    variant: str | None = None  # that variant as the rollout names it (`ref` is its catalog version, if any)
+    route: str | None = None  # how the rollout chose it ("split", "override", "rollback", "promoted")
+    pinned: Pinned | None = None  # the catalog version `ref` names, if it is a catalog adapter
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,6 +97,7 @@ class Call:
     prefix: PromptChunks | None = None  # its prompt's chunk hashes (prefix routing), sent to the engine
     hints: Hints = NO_HINTS  # where its prefix and session are held (gateway/prefix_index.py)
     unable: frozenset[str] = frozenset()  # upstreams that cannot serve it (Fleet.unable)
+    parts: tuple[MixedPart, ...] = ()  # a mix's parts by ref (`adapter` is their mix_name); empty: not a mix
 
 
 @dataclass(slots=True)

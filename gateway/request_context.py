@@ -1,10 +1,10 @@
 """What the gateway learns from one generation request before it spends anything on it.
 
 `loragate_common.http_io.read_json` enforces the size limit and the JSON-object shape; `GenerationBody.parse`
-checks the few fields the gateway itself acts on (`model`, `stream`, `stream_options`, `max_tokens`, `n`);
-everything else in the body is the engine's to validate, and is forwarded untouched but for `model`
-(`upstream_body`). `resolve_priority` and `estimate_tokens` turn
-headers and body into the admission priority and the rate-limit reservation.
+checks the few fields the gateway itself acts on (`model`, `stream`, `stream_options`, `max_tokens`, `n`,
+`adapter_mix`: loragate_common/adapter_mix.py); everything else in the body is the engine's to validate, and is
+forwarded untouched but for `model` and `adapter_mix` (`upstream_body`). `resolve_priority` and `estimate_tokens`
+turn headers and body into the admission priority and the rate-limit reservation.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.policy import Policy, Tenant
+from loragate_common.adapter_mix import BODY_FIELD as MIX_FIELD
+from loragate_common.adapter_mix import MixPart, mix_from_body
 from loragate_common.errors import bad_request, error_response
 from loragate_common.http_server import MAX_HEADER_BYTES  # the request's headers, names and values together
 from loragate_common.priority import Priority
@@ -64,6 +66,7 @@ class GenerationBody:
     max_tokens: int | None  # per choice; 0 (completions): scoring the prompt, nothing generated
     prompt_tokens: int  # the estimate, see estimate_tokens
     n: int = 1  # choices: each may generate max_tokens
+    adapter_mix: tuple[MixPart, ...] | None = None  # the body's `adapter_mix` (None: absent or null)
 
     @classmethod
     def parse(cls, data: dict[str, Any], chat: bool) -> GenerationBody:
@@ -88,7 +91,8 @@ class GenerationBody:
             if "prompt" not in data:
                 raise bad_request("prompt: field required")
             prompt_tokens = _prompt_tokens(data["prompt"])
-        return cls(model, stream, stream and include_usage, max_tokens, prompt_tokens, 1 if n is None else n)
+        mix = mix_from_body(data[MIX_FIELD]) if data.get(MIX_FIELD) is not None else None
+        return cls(model, stream, stream and include_usage, max_tokens, prompt_tokens, 1 if n is None else n, mix)
 
     @property
     def reserve_tokens(self) -> int:
@@ -131,10 +135,11 @@ def _prompt_tokens(prompt: Any) -> int:
 
 
 def upstream_body(data: dict[str, Any], adapter: str | None) -> dict[str, Any]:
-    """The body an engine gets: the client's, with `model` naming the adapter the gateway authorised, or
-    removed for the base model. With X-Adapter-ID set the same way, an engine can never pick another
+    """The body an engine gets: the client's, with `model` naming the adapter the gateway authorised (a mix:
+    its canonical name), or removed for the base model, and without `adapter_mix` (a mix travels as its name,
+    however the client wrote it). With X-Adapter-ID set the same way, an engine can never pick another
     adapter than the one checked against the tenant's globs (the engine reads either)."""
-    body = {key: value for key, value in data.items() if key != "model"}
+    body = {key: value for key, value in data.items() if key not in ("model", MIX_FIELD)}
     if adapter is not None:
         body["model"] = adapter
     return body

@@ -23,6 +23,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from loragate_common.adapter_mix import is_mix
 from loragate_common.labels import BoundedLabels
 
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -30,6 +31,7 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 4
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 RATELIMIT_DECISIONS = ("allowed", "rate_limited", "tokens_exhausted", "budget_exhausted", "unavailable")
 MAX_ADAPTER_LABELS = 50  # adapters with a label of their own beyond the policy's named ones; the rest: "other"
+MAX_MIX_LABELS = 20  # mixes of adapters with a label of their own (their canonical names); the rest: "other"
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 CATALOG_STATES = ("active", "deprecated")
 
@@ -39,11 +41,14 @@ _GLOB_CHARS = frozenset("*?[]")
 class AdapterLabels(BoundedLabels):
     """The gateway's `adapter` label (loragate_common/labels.py): the base models and the adapters and rollouts the
     policy names (tenants' `adapters` entries that are not globs, rollout names and variants) keep their own;
-    of the others, the first `max_extra` seen keep theirs, and every later one is counted as "other"."""
+    of the others, the first `max_extra` seen keep theirs, and every later one is counted as "other". Mixes of
+    adapters (their canonical names) have a bound of their own, `max_mixes`: clients write new mixes at will,
+    and they must not take the labels of the adapters they mix."""
 
-    def __init__(self, max_extra: int = MAX_ADAPTER_LABELS) -> None:
+    def __init__(self, max_extra: int = MAX_ADAPTER_LABELS, max_mixes: int = MAX_MIX_LABELS) -> None:
         super().__init__(max_extra)
         self.bases: Callable[[], frozenset[str]] = frozenset
+        self.mixes = BoundedLabels(max_mixes)
 
     def name_from_policy(self, tenants: Iterable[Iterable[str]], rollouts: Iterable[tuple[str, Iterable[str]]]) -> None:
         named = {a for adapters in tenants for a in adapters if not _GLOB_CHARS & set(a)}
@@ -55,6 +60,8 @@ class AdapterLabels(BoundedLabels):
     def __call__(self, adapter: str) -> str:
         if not adapter or adapter in self.bases():  # "": answered before an adapter was known
             return adapter
+        if is_mix(adapter):
+            return self.mixes.assign(adapter)
         return self.assign(adapter)
 
 
@@ -333,6 +340,12 @@ class GatewayMetrics:
             ["tenant", "adapter"],
             registry=self.registry,
         )
+        self.mix_parts = Counter(
+            "loragate_gateway_mix_part_requests",
+            "Requests answered for a mix of adapters, once per part: by tenant, the part's adapter and HTTP status.",
+            ["tenant", "adapter", "status"],
+            registry=self.registry,
+        )
         self.budget_alerts = Counter(
             "loragate_gateway_budget_alerts",
             "Tenants reaching 80% or 100% of a token budget (once per tenant, window and level on a replica).",
@@ -363,6 +376,11 @@ class GatewayMetrics:
         adapter = self.adapter_label(adapter)
         self.prompt_tokens.labels(tenant, adapter).inc(prompt)
         self.completion_tokens.labels(tenant, adapter).inc(completion)
+
+    def count_mix_parts(self, tenant: str, parts: Iterable[str], status: int) -> None:
+        """One answered request for a mix: each of its parts' adapters (the mix itself is `observe_request`'s)."""
+        for part in parts:
+            self.mix_parts.labels(tenant, self.adapter_label(part), str(status)).inc()
 
     def count_budget_alert(self, tenant: str, window: str, level: float) -> None:
         self.budget_alerts.labels(tenant, window, f"{round(level * 100)}%").inc()

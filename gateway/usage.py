@@ -2,9 +2,12 @@
 
 `Generate` (gateway/generate.py) records each request once, when it has finished however it ended: its
 tenant, adapter (and version, when the id names one as `ID@version`), the rollout that routed it, prompt and
-completion tokens, HTTP status, priority, latency and trace id. A retry inside the gateway is the same
-request (one record); a stream cut by a client disconnect records the tokens that were sent (its prompt
-tokens then are the engine's count if it reported one, else the gateway's estimate).
+completion tokens, HTTP status, priority, latency and trace id. A mix of adapters is recorded under its canonical
+name (loragate_common/adapter_mix.py `mix_name`, version ""), with its parts as they were served: `parts`, a list
+of {"adapter": ref, "weight": w} (and "rollout" for a part a rollout chose), and the rollouts of its parts
+joined by '+'. A retry inside the gateway is the same request (one record); a stream cut by a client disconnect
+records the tokens that were sent (its prompt tokens then are the engine's count if it reported one, else the
+gateway's estimate).
 
 Recording never waits on Redis: a record goes into a bounded in-memory buffer, and `flush()` (the
 housekeeping round, about once a second, and the app's shutdown) writes the buffer to the shared store.
@@ -20,6 +23,7 @@ entries (XADD MAXLEN ~), shared by every gateway replica; `MemoryUsageLedger` ke
 
 from __future__ import annotations
 
+import json
 import logging
 from abc import ABC, abstractmethod
 from collections import deque
@@ -53,9 +57,13 @@ class UsageRecord:
     priority: str
     latency_ms: float
     trace_id: str  # "" without a sampled trace
+    parts: tuple[dict[str, Any], ...] = ()  # a mix's: {"adapter": ref, "weight": w[, "rollout": name]}, by ref
 
     def to_fields(self) -> dict[str, str]:
-        return {name: str(value) for name, value in asdict(self).items()}
+        fields = {name: str(value) for name, value in asdict(self).items() if name != "parts"}
+        if self.parts:
+            fields["parts"] = json.dumps(list(self.parts))
+        return fields
 
     @classmethod
     def from_fields(cls, data: dict[str, str]) -> UsageRecord | None:
@@ -74,6 +82,7 @@ class UsageRecord:
                 priority=data.get("priority", ""),
                 latency_ms=float(data.get("latency_ms", 0)),
                 trace_id=data.get("trace_id", ""),
+                parts=_parts(data.get("parts")),
             )
         except (KeyError, ValueError):
             return None
@@ -86,6 +95,16 @@ class UsageRecord:
             return datetime.fromtimestamp(self.at, timezone.utc).strftime("%Y-%m")
         value: str | int = getattr(self, name)
         return value
+
+
+def _parts(text: str | None) -> tuple[dict[str, Any], ...]:
+    """A record's `parts` read back: a JSON list of objects (ValueError for anything else)."""
+    if not text:
+        return ()
+    parts = json.loads(text)
+    if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+        raise ValueError("parts: not a list of objects")
+    return tuple(parts)
 
 
 def parse_when(text: str, now: float) -> float:

@@ -34,6 +34,7 @@ from engine.core.request import Request, RequestStatus, SamplingParams, TokenLog
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.lora.device_tier import LOAD_BUCKETS, DeviceAdapterTier
 from engine.lora.files import load_weights
+from engine.lora.mixes import PartUnusable
 from engine.lora.peft_config import AdapterError, AdapterSpec
 from engine.lora.registry import AdapterRegistry, HostAdapterCache
 from engine.lora.routes import ROUTES
@@ -48,6 +49,7 @@ from engine.worker.cuda_graphs import CudaGraph, DecodeGraphs, Graph
 from engine.worker.runner import ModelRunner
 from engine.worker.sampler import Sampler
 from engine.worker.threads import ThreadTuner, TransientWorker, make_current, usable_cpus
+from loragate_common.adapter_mix import is_mix
 from loragate_common.prefix import PromptChunks
 from loragate_common.priority import Priority
 from loragate_kernels.backends import Backends
@@ -203,10 +205,29 @@ class LLMEngine:
             )
 
     def check_adapter(self, adapter: AdapterSpec) -> None:
-        """AdapterUnusable if this adapter version's weights already failed to load."""
-        reason = self.adapters.broken(adapter)
-        if reason is not None:
-            raise AdapterUnusable(reason)
+        """AdapterUnusable if this adapter version's weights (or a mix's, or one of its parts') already failed to
+        load."""
+        for spec in (adapter, *(part for part, _ in adapter.parts)):
+            reason = self.adapters.broken(spec)
+            if reason is not None:
+                raise AdapterUnusable(reason)
+
+    def resolve_adapter(self, name: str) -> AdapterSpec:
+        """The adapter version a request naming `name` runs with: the registered one, or for a mix
+        (`a*0.7+b*0.3`) its derived adapter over its parts' current versions (engine/lora/mixes.py). KeyError
+        naming the adapter (or the mix's part) that is not registered; AdapterError for a mix that cannot be served,
+        among them one whose summed ranks need more pages than the pool holds."""
+        if not is_mix(name):
+            return self.adapters.get(name)
+        spec = self.adapters.mix(name)
+        pages = self.device_adapters.pages_needed(spec)
+        if pages > self.pool.num_pages:
+            raise AdapterError(
+                f"adapter mix {spec.adapter_id!r}: its parts' ranks add up to {spec.max_rank} in places, which "
+                f"needs {pages} pages of the pool; it holds {self.pool.num_pages} (mix fewer or smaller adapters, "
+                "or raise --pool-mb)"
+            )
+        return spec
 
     def verify_adapter(self, spec: AdapterSpec) -> None:
         """Read an adapter's weights as the device tier would (AdapterError if any is not finite in the
@@ -233,7 +254,7 @@ class LLMEngine:
         could never run here, KeyError for an unknown adapter, AdapterUnusable for an adapter version whose weights
         failed to load. Returns the adapter version it will use (None: the base model)."""
         params.validate()
-        adapter = None if adapter_id is None else self.adapters.get(adapter_id)  # KeyError: unknown
+        adapter = None if adapter_id is None else self.resolve_adapter(adapter_id)  # KeyError: unknown
         self.check_request(prompt_token_ids, params, adapter)
         if adapter is not None:
             self.check_adapter(adapter)
@@ -311,6 +332,20 @@ class LLMEngine:
         self.scheduler.kv.invalidate_adapter(adapter_id)
         if current is None:
             self.host_adapters.discard(adapter_id)
+        self._retire_mixes(adapter_id)
+
+    def _retire_mixes(self, part_id: str) -> None:
+        """The mixes built from an older version of `part_id` (or from it, unloaded) go as an adapter's old versions
+        do: device copies once no request uses them, cached prefix blocks, host weights. A mix built from current
+        versions only stays. Derived specs the registry no longer keeps are found on the device."""
+        keep = self.adapters.retire_mixes(part_id)
+        for res in self.device_adapters.resident.values():
+            if any(part.adapter_id == part_id for part, _ in res.spec.parts):
+                keep.setdefault(res.spec.adapter_id, None)
+        for mix_id, version in keep.items():
+            self.device_adapters.retire(mix_id, keep_version=version)
+            self.scheduler.kv.invalidate_adapter(mix_id)
+            self.host_adapters.discard(mix_id, keep_version=version)
 
     def enable_graphs(self, make_graph: Callable[[], Graph], **options: Any) -> DecodeGraphs:
         """Steps of decodes alone replay graphs (engine/worker/cuda_graphs.py; on CUDA unless --no-cuda-graphs, and
@@ -458,18 +493,17 @@ class LLMEngine:
 
     def adapter_statuses(self) -> list[AdapterStatus]:
         """Every registered adapter and where its weights are (safe to call from another thread)."""
-        return [
-            AdapterStatus(spec.adapter_id, spec.version, spec.max_rank, spec.modules, self._residence(spec))
-            for spec in self.adapters.list()
-        ]
+        return [AdapterStatus.of(spec, self._residence(spec)) for spec in self.adapters.list()]
 
     def adapter_residence(self, adapter_id: str) -> str | None:
-        """Where a registered adapter's weights are (device, host or disk), None if it is not registered; safe
-        to call from another thread."""
+        """Where a registered adapter's weights are (device, host or disk), None if it is not registered; for a
+        mix's canonical name, its newest derived adapter's ("disk": not built yet), None if none is kept. Safe to
+        call from another thread."""
         try:
             return self._residence(self.adapters.get(adapter_id))
         except KeyError:
-            return None
+            mix = self.adapters.derived(adapter_id) if is_mix(adapter_id) else None
+            return None if mix is None else self._residence(mix)
 
     def adapter_error(self, adapter_id: str) -> str | None:
         """Why a registered adapter's weights could not be loaded (None: they could, or it is not registered)."""
@@ -593,7 +627,11 @@ class LLMEngine:
         """A request whose adapter could not be brought onto the device (already finished)."""
         assert request.adapter is not None
         if isinstance(exc, AdapterError):  # its files: every later request of this version would fail too
-            self.adapters.mark_broken(request.adapter, str(exc))
+            # A mix is never remembered as broken (its names are the clients' to make up): the part whose files
+            # failed is, and later mixes of it are refused at once (check_adapter).
+            broken = exc.part if isinstance(exc, PartUnusable) else request.adapter
+            if not broken.parts:
+                self.adapters.mark_broken(broken, str(exc))
             message = str(exc)
         else:
             logger.error(

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.core.request import TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.lora.peft_config import AdapterSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +60,14 @@ class AdapterStatus:
     adapter_id: str
     version: int
     rank: int  # the largest rank over its modules
-    target_modules: tuple[str, ...]
+    target_modules: tuple[str, ...]  # the decoder's projections, then embed_tokens and lm_head
     residence: str  # "device" (in the page pool), "host" (parsed in RAM) or "disk"
+    kind: str = "LoRA"  # AdapterSpec.kind: "LoRA" or "DoRA"
+
+    @classmethod
+    def of(cls, spec: AdapterSpec, residence: str) -> AdapterStatus:
+        modules = spec.modules + spec.vocab_modules
+        return cls(spec.adapter_id, spec.version, spec.max_rank, modules, residence, spec.kind)
 
 
 @dataclass(frozen=True, slots=True)

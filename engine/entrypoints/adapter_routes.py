@@ -57,7 +57,7 @@ class AdapterRoutes:
             spec = await self.engine.load_adapter(req.id, req.resolve_path(self.adapter_dir))
         except ValueError as exc:  # AdapterError is one: unusable directory, files or shapes
             raise bad_request(str(exc)) from None
-        registered = AdapterStatus(spec.adapter_id, spec.version, spec.max_rank, spec.modules, "disk")
+        registered = AdapterStatus.of(spec, "disk")
         status = next((a for a in self.engine.list_adapters() if (a.adapter_id, a.version) == spec.key), registered)
         return JSONResponse(adapter_card(status, self.base_model))
 

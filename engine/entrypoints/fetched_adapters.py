@@ -9,6 +9,13 @@ the download goes on. A failed download answers 502 `adapter_fetch_failed` with 
 tried again before its backoff has passed. The headers and these answers are loragate_common/fetched.py's, which
 the vLLM agent shares.
 
+A weighted mix (loragate_common/adapter_mix.py) names several adapters at once; its catalog parts come with one
+`X-Adapter-Part-Sources` header, JSON: [{"ref": "ID@N", "source": ..., "sha256": ..., "size": int | null}, ...], a
+catalog part each (`part_sources_from_headers`: as hostile as the single adapter's headers, so bounded in size and
+checked field by field, every ref a part of the mix). `ensure_parts` fetches and registers them as single pinned
+adapters would be, all at once: the request waits for the slowest within the same bound, and gets 503
+`adapter_loading` until every part is ready.
+
 Trust boundary: any caller that can reach the engine may name a source, as any caller may POST
 /v1/adapters; what bounds it is the engine's own `--adapter-source-allow` (nothing outside it is ever
 fetched, 403 `adapter_source_not_allowed`) and the pinned digest (content that does not match is never
@@ -20,19 +27,86 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import re
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from starlette.requests import HTTPConnection
+
 from engine.core.async_engine import AsyncEngine
 from loragate_common.adapter_cache import AdapterCache, FetchBackoff
+from loragate_common.adapter_ids import split_ref
+from loragate_common.adapter_mix import MAX_PARTS, PART_SOURCES_HEADER, MixPart
 from loragate_common.adapter_sources import AllowList, SourceError
-from loragate_common.errors import ApiError
-from loragate_common.fetched import Wanted, fetch_failed, source_refused, still_loading
+from loragate_common.errors import ApiError, bad_request, shown
+from loragate_common.fetched import MAX_SOURCE_CHARS, Wanted, fetch_failed, source_refused, still_loading
 
 logger = logging.getLogger(__name__)
+
+# A header of MAX_PARTS entries, each a source of the longest allowed length with its ref, digest and size.
+MAX_PART_SOURCES_CHARS = MAX_PARTS * (MAX_SOURCE_CHARS + 512)
+_PART_SOURCE_KEYS = frozenset(("ref", "source", "sha256", "size"))
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def part_sources_from_headers(request: HTTPConnection, parts: Sequence[MixPart]) -> dict[str, Wanted]:
+    """{part ref: its pinned source} from a mix request's X-Adapter-Part-Sources ({} without it); 400 naming the
+    problem when it is malformed, names a ref that is not a part of the mix, or comes with X-Adapter-Source (which
+    names one adapter's source, not a mix's)."""
+    if request.headers.get("x-adapter-source") is not None:
+        raise bad_request(
+            f"X-Adapter-Source: names the source of one adapter; the catalog parts of a mix go in {PART_SOURCES_HEADER}"
+        )
+    values = request.headers.getlist(PART_SOURCES_HEADER.lower())
+    if not values:
+        return {}
+    if len(values) > 1:
+        raise bad_request(f"{PART_SOURCES_HEADER}: given more than once")
+    if len(values[0]) > MAX_PART_SOURCES_CHARS:
+        raise bad_request(f"{PART_SOURCES_HEADER}: longer than {MAX_PART_SOURCES_CHARS} characters")
+    try:
+        items = json.loads(values[0])
+    except (ValueError, RecursionError):
+        raise bad_request(f"{PART_SOURCES_HEADER}: not valid JSON") from None
+    if not isinstance(items, list) or not 1 <= len(items) <= len(parts):
+        raise bad_request(f"{PART_SOURCES_HEADER}: must be a list of 1 to {len(parts)} sources, one per catalog part")
+    refs = {part.ref for part in parts}
+    wanted: dict[str, Wanted] = {}
+    for i, item in enumerate(items):
+        ref, source = _part_source(f"{PART_SOURCES_HEADER}[{i}]", item, refs)
+        if ref in wanted:
+            raise bad_request(f"{PART_SOURCES_HEADER}[{i}].ref: {shown(ref)} is given twice")
+        wanted[ref] = source
+    return wanted
+
+
+def _part_source(field: str, item: Any, refs: set[str]) -> tuple[str, Wanted]:
+    """One entry of X-Adapter-Part-Sources, checked as wanted_from_headers checks a single adapter's headers."""
+    if not isinstance(item, dict):
+        raise bad_request(f'{field}: must be an object {{"ref", "source", "sha256", "size"}}')
+    unknown = sorted(str(key) for key in item if key not in _PART_SOURCE_KEYS)
+    if unknown:
+        raise bad_request(f"{field}: unknown field {shown(unknown[0])}")
+    ref = item.get("ref")
+    if not isinstance(ref, str) or (parsed := split_ref(ref)) is None or parsed[1] is None:
+        raise bad_request(f"{field}.ref: must be a catalog version `ID@N`")
+    if ref not in refs:
+        raise bad_request(f"{field}.ref: {shown(ref)} is not a part of the mix")
+    source = item.get("source")
+    if not isinstance(source, str) or not source.strip() or len(source) > MAX_SOURCE_CHARS:
+        raise bad_request(f"{field}.source: must be a source URI of 1 to {MAX_SOURCE_CHARS} characters")
+    sha256 = item.get("sha256")
+    if not isinstance(sha256, str) or _SHA256_RE.fullmatch(sha256.strip().lower()) is None:
+        raise bad_request(f"{field}.sha256: must be the content's sha256 (64 hex digits)")
+    size = item.get("size")
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+        raise bad_request(f"{field}.size: must be a number of bytes or null")
+    return ref, Wanted(source.strip(), sha256.strip().lower(), size)
 
 
 class FetchedAdapters:
@@ -86,6 +160,18 @@ class FetchedAdapters:
             self.store.unpin(wanted.sha256)
             raise
         return wanted.sha256
+
+    async def ensure_parts(self, wanted: dict[str, Wanted]) -> list[str]:
+        """`ensure` for each catalog part of a mix ({ref: its source}), all at once: the sha256s pinned (each to
+        release when the request ends), or the first part's error, with nothing left pinned."""
+        results = await asyncio.gather(*(self.ensure(ref, w) for ref, w in wanted.items()), return_exceptions=True)
+        pinned = [result for result in results if isinstance(result, str)]
+        failed = [result for result in results if isinstance(result, BaseException)]
+        if failed:
+            for sha256 in pinned:
+                self.release(sha256)
+            raise failed[0]
+        return pinned
 
     def release(self, sha256: str) -> None:
         if self.store is not None:
@@ -162,6 +248,7 @@ class FetchedAdapters:
                 "last_used": entry.get("last_used"),
                 "loads": 0,
                 "evictions": 0,
+                "adapter": entry.get("adapter"),
             }
             for entry in self.store.status()
             if entry["sha256"] not in registered

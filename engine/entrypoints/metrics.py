@@ -9,7 +9,9 @@ The per-adapter series (`loragate_engine_adapter_*{adapter}`) have a bounded `ad
 (`AdapterLabels`): token counters are fed by the HTTP layer with the `usage` each request answered; requests
 running and waiting are read at scrape time from the load report the engine thread publishes
 (`LLMEngine.load_report`), device loads and evictions from the device tier's per-id counters, residence from
-the adapter tiers.
+the adapter tiers. A weighted mix of adapters counts as one adapter under its canonical name (engine/lora/mixes.py:
+the id of its derived adapter, the same for every version of its parts), in every one of these series; its
+residence is its newest derived adapter's.
 """
 
 from __future__ import annotations

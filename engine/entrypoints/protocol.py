@@ -7,7 +7,8 @@ Requests are parsed strictly (a string is never coerced to a number) and unknown
 since OpenAI clients send extras. Fields we cannot honour without changing the answer (`suffix`, a `best_of`
 other than `n`, the legacy `functions`) are rejected with an error that names them. `response_format`,
 `tools` and `tool_choice` are checked by engine/entrypoints/guided.py, which also compiles them into a
-grammar. `describe()` turns a pydantic ValidationError into one "field: problem" line for the 400 body.
+grammar. `adapter_mix` follows loragate_common/adapter_mix.py's rules, the same as a mix named in `X-Adapter-ID`
+or `model`. `describe()` turns a pydantic ValidationError into one "field: problem" line for the 400 body.
 
 Sampling fields a request leaves unset (absent or null) take the model's defaults from its generation_config.json
 (engine/model/generation.py, `--generation-config`), then the built-in ones; a value the request sets always wins.
@@ -46,7 +47,8 @@ from engine.entrypoints.guided import (
 from engine.lora.files import resolve_inside
 from engine.lora.peft_config import AdapterError, validate_adapter_id
 from engine.model.generation import NO_DEFAULTS, SamplingDefaults
-from loragate_common.errors import bad_request, shown
+from loragate_common.adapter_mix import BODY_FIELD, MixPart, mix_from_body
+from loragate_common.errors import ApiError, bad_request, shown
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 16  # choices per request; each is a sequence in the engine
@@ -93,6 +95,8 @@ class _GenerationRequest(BaseModel):
     best_of: int | None = Field(default=None, ge=1)
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    # a weighted mix of adapters, {"support-v3": 0.7, "legal-tone": 0.3} (loragate_common/adapter_mix.py)
+    adapter_mix: tuple[MixPart, ...] | None = None
     # vLLM extras
     top_k: int | None = None  # -1 or 0: no top-k filter, whatever the model's default
     min_tokens: int = Field(default=0, ge=0)
@@ -122,6 +126,18 @@ class _GenerationRequest(BaseModel):
     @classmethod
     def _response_format(cls, v: object) -> ResponseFormat | None:
         return _parsed(parse_response_format, v)
+
+    @field_validator("adapter_mix", mode="plain")
+    @classmethod
+    def _adapter_mix(cls, v: object) -> tuple[MixPart, ...] | None:
+        if v is None:
+            return None
+        try:
+            return mix_from_body(v)
+        except ApiError as exc:  # the shared rules' message, without the field name `describe` puts first
+            raise PydanticCustomError(
+                "adapter_mix", "{reason}", {"reason": exc.message.removeprefix(f"{BODY_FIELD}: ")}
+            ) from None
 
     @field_validator("top_k")
     @classmethod

@@ -55,6 +55,7 @@ def adapter_card(status: AdapterStatus, base_model: str) -> dict[str, Any]:
         "id": status.adapter_id,
         "object": "adapter",
         "version": status.version,
+        "kind": status.kind,
         "rank": status.rank,
         "target_modules": list(status.target_modules),
         "residence": status.residence,

@@ -11,7 +11,11 @@ client that goes away aborts its request, every choice of it, which frees their 
 
 Adapters: a request names one with `X-Adapter-ID` or `model`; any id that is not registered (hostile
 ones included: they can never be registered) is a 404, never the base model. The /v1/adapters admin
-routes, which load and unload them at run time, are in engine/entrypoints/adapter_routes.py.
+routes, which load and unload them at run time, are in engine/entrypoints/adapter_routes.py. A weighted mix of
+adapters (loragate_common/adapter_mix.py) is named the same way (`a*0.7+b*0.3`) or in the body's `adapter_mix`
+(not both: 400); the request then runs with the mix's derived adapter (engine/lora/mixes.py) under the mix's
+canonical name, which its response's `model` and the per-adapter metrics show. A part that is not registered is a
+404 `adapter_not_found` naming it, as one adapter is; a malformed mix, or a part that cannot be mixed, a 400.
 
 Load: GET /load and the `X-Loragate-Load` header of every generation answer (errors included) report the
 engine's requests running and waiting and its pool use, for the gateway's routing (gateway/admission.py
@@ -44,7 +48,7 @@ from engine.core.outputs import LoadReport, RequestOutput
 from engine.core.request import SamplingParams
 from engine.entrypoints.adapter_routes import AdapterRoutes
 from engine.entrypoints.choices import Choices
-from engine.entrypoints.fetched_adapters import FetchedAdapters
+from engine.entrypoints.fetched_adapters import FetchedAdapters, part_sources_from_headers
 from engine.entrypoints.guided import ToolPlan, compile_constraint
 from engine.entrypoints.metrics import EngineMetrics, RequestTracker
 from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, parse_body
@@ -53,7 +57,16 @@ from engine.entrypoints.tracing import engine_span, record_error, record_output
 from engine.lora.peft_config import AdapterError, validate_adapter_id
 from engine.structured import template_supports_tools
 from loragate_common.adapter_ids import requested_adapter
-from loragate_common.errors import ApiError, adapter_not_found, bad_request, error_body, error_response, unavailable
+from loragate_common.adapter_mix import PART_SOURCES_HEADER, is_mix, mix_name, parse_mix
+from loragate_common.errors import (
+    ApiError,
+    adapter_not_found,
+    bad_request,
+    error_body,
+    error_response,
+    shown,
+    unavailable,
+)
 from loragate_common.fetched import wanted_from_headers
 from loragate_common.http_io import SSE_DONE, ClientGone, list_body, read_json, sse, unless_disconnected
 from loragate_common.prefix import HEADER as PREFIX_HEADER
@@ -87,14 +100,25 @@ def _engine_errors(adapter_id: str | None) -> Iterator[None]:
         yield
     except ValueError as exc:  # the request can never run here (too long, bad token ids, ...)
         raise bad_request(str(exc)) from None
-    except KeyError:
+    except KeyError as exc:
         if adapter_id is None:
             raise
-        raise adapter_not_found(adapter_id) from None
+        raise _not_found(adapter_id, exc) from None
     except RequestFailed as exc:  # this request alone: its adapter is broken, or computing it failed
         raise ApiError(500, exc.type, exc.message) from None
     except EngineDeadError as exc:
         raise _unavailable(str(exc), exc.reason) from None
+
+
+def _not_found(adapter_id: str, exc: KeyError) -> ApiError:
+    """404 `adapter_not_found` naming the adapter, or for a mix the part that is not registered (the registry's
+    KeyError carries it)."""
+    part = exc.args[0] if exc.args else None
+    if is_mix(adapter_id) and isinstance(part, str):
+        return ApiError(
+            404, "adapter_not_found", f"adapter {shown(part)} (a part of the mix {shown(adapter_id)}) is not loaded"
+        )
+    return adapter_not_found(adapter_id)
 
 
 def _priority(request: Request) -> Priority:
@@ -177,7 +201,7 @@ class EngineRoutes:
 
     async def completions(self, request: Request) -> Response:
         req = parse_body(CompletionRequest, await read_json(request))
-        adapter_id = self._adapter_id(request, req.model)
+        adapter_id = self._adapter_id(request, req)
         prompt = req.prompt
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         echo = None
@@ -189,7 +213,7 @@ class EngineRoutes:
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await read_json(request))
-        adapter_id = self._adapter_id(request, req.model)
+        adapter_id = self._adapter_id(request, req)
         try:
             tools = req.tool_plan()
         except ValueError as exc:
@@ -211,14 +235,27 @@ class EngineRoutes:
             raise TypeError(f"the tokenizer decoded a prompt to {type(text).__name__}, not str")
         return text
 
-    def _adapter_id(self, request: Request, model: str | None) -> str | None:
-        """X-Adapter-ID wins over `model`; neither, or the base model's name, means the base model.
+    def _adapter_id(self, request: Request, req: GenerationRequest) -> str | None:
+        """X-Adapter-ID wins over `model`; neither, or the base model's name, means the base model. A mix, there or
+        in `adapter_mix`, is returned as its canonical name; `adapter_mix` beside an adapter or a mix named in
+        X-Adapter-ID or `model` is a 400 (which one would the request mean?).
 
         An id that could never be registered is answered 404 here, before it reaches the engine.
         """
-        name = requested_adapter(request.headers.getlist("x-adapter-id"), model)
+        header = request.headers.getlist("x-adapter-id")
+        name = requested_adapter(header, req.model)
+        if req.adapter_mix is not None:
+            if name not in ("", self.base_model):
+                where = "X-Adapter-ID" if header and header[0].strip() else "model"
+                raise bad_request(
+                    f"adapter_mix: the request also names {shown(name)} in {where}; name one adapter or mix, in "
+                    "one place"
+                )
+            return mix_name(req.adapter_mix)
         if name in ("", self.base_model):
             return None
+        if is_mix(name):
+            return mix_name(parse_mix(name, "X-Adapter-ID" if header and header[0].strip() else "model"))
         try:
             return validate_adapter_id(name)
         except AdapterError:
@@ -290,11 +327,7 @@ class EngineRoutes:
             raise _unavailable("the engine is draining; retry on another replica", "draining")
         if not self.engine.running:
             raise _unavailable("the engine loop is not running; retry on another replica", "engine_failure")
-        wanted = wanted_from_headers(request) if adapter_id is not None else None
-        if adapter_id is not None and wanted is not None:  # a catalog adapter: fetched on its first request
-            sha256 = await self.fetched.ensure(adapter_id, wanted)
-            scope.callback(self.fetched.release, sha256)  # pinned in the disk cache until the request ends
-        self.fetched.touch(adapter_id)
+        await self._fetch(request, adapter_id, scope)
         tracker = self.metrics.start_request(priority.name.lower())
         with _engine_errors(adapter_id):
             choices = Choices(
@@ -323,6 +356,30 @@ class EngineRoutes:
         if any(out.finish_reason == "abort" for out in fmt.lasts):
             raise _unavailable("the request was aborted: the engine is shutting down", "draining")
         return JSONResponse(fmt.response(), headers=self.load_headers())
+
+    async def _fetch(self, request: Request, adapter_id: str | None, scope: contextlib.ExitStack) -> None:
+        """Fetch and register the request's catalog adapter, or its mix's catalog parts, that this engine has not
+        registered yet (the gateway sends their sources); each stays pinned in the disk cache until the request
+        ends."""
+        if adapter_id is None:
+            return
+        if not is_mix(adapter_id):
+            if request.headers.get(PART_SOURCES_HEADER) is not None:
+                raise bad_request(
+                    f"{PART_SOURCES_HEADER}: names the sources of a mix's parts; this request names one adapter"
+                )
+            wanted = wanted_from_headers(request)
+            if wanted is not None:  # a catalog adapter: fetched on its first request
+                scope.callback(self.fetched.release, await self.fetched.ensure(adapter_id, wanted))
+            self.fetched.touch(adapter_id)
+            return
+        parts = parse_mix(adapter_id)
+        sources = part_sources_from_headers(request, parts)
+        if sources:
+            for sha256 in await self.fetched.ensure_parts(sources):
+                scope.callback(self.fetched.release, sha256)
+        for part in parts:
+            self.fetched.touch(part.ref)
 
     async def _events(
         self,

@@ -3,6 +3,10 @@
 Registering validates an adapter directory from its config and safetensors header only
 (engine/lora/files.py), so a registered adapter costs a few KB; weights are read on first use into
 `HostAdapterCache`. The device tier above this one is engine/lora/device_tier.py.
+
+A weighted mix a request names resolves here too (`AdapterRegistry.mix`): each part to its registered version, the
+whole to a derived spec kept in a bounded LRU (engine/lora/mixes.py), whose weights the host tier builds from its
+parts' rather than reading files.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 import torch
 
 from engine.lora.files import LoraWeights, load_weights, read_adapter, resolve_inside
+from engine.lora.mixes import DerivedMixes, PartUnusable, mix_weights, parse
 from engine.lora.peft_config import AdapterError, AdapterKey, AdapterSpec, validate_adapter_id
 from engine.model.config import ModelConfig
 
@@ -37,6 +42,7 @@ class AdapterRegistry:
         # (id, version) -> why its weights could not be loaded. A version's content never changes, so
         # its later requests fail at once; registering the id again makes a new version.
         self._broken: dict[AdapterKey, str] = {}
+        self._mixes = DerivedMixes()  # derived specs of mixes, by their parts' versions
 
     def register(self, adapter_id: str, path: Path, verify: Callable[[AdapterSpec], None] | None = None) -> AdapterSpec:
         """Validate and (re-)register an adapter; the first registration of an id is version 1.
@@ -85,6 +91,25 @@ class AdapterRegistry:
         """The current spec of an adapter; KeyError if it is not registered."""
         with self._lock:
             return self._specs[adapter_id]
+
+    def mix(self, name: str) -> AdapterSpec:
+        """The derived adapter of the mix `name` writes (`a*0.7+b*0.3`, parts in any order) over its parts' current
+        versions: one object per set of part versions while kept. KeyError(ref) for a part that is not registered,
+        AdapterError for a malformed name or a part that cannot be mixed (engine/lora/mixes.py)."""
+        parts = parse(name)
+        with self._lock:
+            return self._mixes.get([(self._specs[part.ref], part.weight) for part in parts])
+
+    def derived(self, mix_id: str) -> AdapterSpec | None:
+        """The newest derived spec kept for a mix's canonical name, None if none is."""
+        with self._lock:
+            return self._mixes.newest(mix_id)
+
+    def retire_mixes(self, adapter_id: str) -> dict[str, int | None]:
+        """After `adapter_id` was registered again or unregistered: forget the mixes built from an older version
+        of it; {mix id: the version to keep, or None} of every kept mix it is a part of (DerivedMixes.retire)."""
+        with self._lock:
+            return self._mixes.retire(adapter_id, lambda part: self._specs.get(part.adapter_id) is part)
 
     def list(self) -> list[AdapterSpec]:
         with self._lock:
@@ -166,14 +191,23 @@ class HostAdapterCache:
         with self._lock:
             return spec.key in self._entries
 
-    def discard(self, adapter_id: str) -> None:
-        """Drop every cached version of an adapter."""
+    def discard(self, adapter_id: str, keep_version: int | None = None) -> None:
+        """Drop every cached version of an adapter but `keep_version`."""
         with self._lock:
-            for key in [key for key in self._entries if key[0] == adapter_id]:
+            for key in [key for key in self._entries if key[0] == adapter_id and key[1] != keep_version]:
                 self._used -= self._entries.pop(key).nbytes
 
+    def _part(self, mix: AdapterSpec, part: AdapterSpec) -> LoraWeights:
+        try:
+            return self.get(part)
+        except AdapterError as exc:
+            raise PartUnusable(part, f"adapter mix {mix.adapter_id!r}: {exc}") from None
+
     def _load(self, spec: AdapterSpec) -> LoraWeights:
-        weights = load_weights(spec, self._model, self._dtype)
+        if spec.parts:  # a mix: built from its parts' weights, each cached (or read) here as an adapter of its own
+            weights = mix_weights(spec, [self._part(spec, part) for part, _ in spec.parts])
+        else:
+            weights = load_weights(spec, self._model, self._dtype)
         key = spec.key
         with self._lock:
             self.loads += 1
