@@ -84,7 +84,20 @@ class EngineCards:
         if card is None:
             return {"state": "not loaded"}
         fields = ("error", "last_used", "loads", "evictions", "sha256")
-        return {"state": card.get("state") or card.get("residence") or "unknown", **{f: card.get(f) for f in fields}}
+        state = card.get("state") or card.get("residence") or "unknown"
+        return {"state": state, **{f: card.get(f) for f in fields}, "adapter": _summary(card)}
+
+
+def _summary(card: dict[str, Any]) -> dict[str, Any] | None:
+    """What an engine's card says the adapter is (loragate_common/adapter_kinds.py): a loragate engine's card carries
+    kind, rank and target_modules; a card of the disk cache (a vLLM agent's, or a download no id is registered from
+    yet) carries the fetcher's `adapter`."""
+    summary = card.get("adapter")
+    if isinstance(summary, dict):
+        return summary
+    if card.get("kind"):
+        return {f: card.get(f) for f in ("kind", "rank", "target_modules")}
+    return None
 
 
 class AdapterRoutes:
@@ -168,7 +181,11 @@ class AdapterRoutes:
 
     def _describe(self, entry: CatalogEntry, engines: list[EngineCards]) -> dict[str, Any]:
         digests = {f"{entry.id}@{v.version}": v.sha256 for v in entry.versions}
-        return entry.describe(lambda ref: {e.url: e.state(ref, digests.get(ref)) for e in engines})
+        body = entry.describe(lambda ref: {e.url: e.state(ref, digests.get(ref)) for e in engines})
+        for version in body["versions"]:  # what the version is: from the first engine that has read its files
+            cards = version["engines"].values()
+            version["adapter"] = next((c["adapter"] for c in cards if c.get("adapter")), None)
+        return body
 
     async def _engines(self, caller: Caller) -> list[EngineCards]:
         """Every engine's cards, read at once; a tenant sees the engines by position, not by URL."""

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from loragate.admin_cli import AdminCallFailed, add_gateway_args, call, write_stdout
+from loragate_common.adapter_kinds import describe
 from loragate_common.adapter_sources import ADAPTER_FILES, Source, SourceError, content_digest, fetch, parse_source
 
 PROG = "loragate adapters"
@@ -204,19 +205,25 @@ def _details(ref: str, engines: dict[str, Any]) -> list[str]:
 
 
 def render_list(answer: dict[str, Any]) -> str:
-    """The catalog as a table: a row per version, a column per engine; then, for each version an engine
-    holds, fetches or failed to fetch, that engine's detail (the reason, last used, loads, evictions)."""
+    """The catalog as a table: a row per version (its kind, e.g. `DoRA r16`, once an engine has read its files), a
+    column per engine; then what each version adapts, and for each version an engine holds, fetches or failed to
+    fetch, that engine's detail (the reason, last used, loads, evictions)."""
     engines = [e["url"] for e in answer.get("engines", [])]
-    rows = [["ID", "VERSION", "STATE", "SOURCE", *(_engine_name(u) for u in engines)]]
+    rows = [["ID", "VERSION", "STATE", "KIND", "SOURCE", *(_engine_name(u) for u in engines)]]
     details: list[str] = []
+    kinds: list[str] = []  # what each version is, once an engine has read its files
     for entry in answer["data"]:
         for v in entry["versions"]:
             states = [str(v.get("engines", {}).get(u, {}).get("state", "")) for u in engines]
-            rows.append([entry["id"], str(v["version"]), v["state"], v["source"], *states])
+            kind = describe(v.get("adapter"), modules=False) or "-"
+            rows.append([entry["id"], str(v["version"]), v["state"], kind, v["source"], *states])
+            if v.get("adapter"):
+                kinds.append(f"  {entry['id']}@{v['version']}: {describe(v['adapter'])}\n")
             details += _details(f"{entry['id']}@{v['version']}", v.get("engines", {}))
     if len(rows) == 1:
         return "no adapters in the catalog\n"
-    return _table(rows) + ("on the engines:\n" + "".join(details) if details else "")
+    out = _table(rows) + ("what each is:\n" + "".join(kinds) if kinds else "")
+    return out + ("on the engines:\n" + "".join(details) if details else "")
 
 
 def render_show(entry: dict[str, Any]) -> str:

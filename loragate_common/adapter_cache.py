@@ -34,6 +34,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from loragate_common.adapter_kinds import summarize_dir
 from loragate_common.adapter_sources import ADAPTER_FILES, AllowList, Fetched, Source, SourceError, fetch, parse_source
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class _Entry:
     failures: int = 0  # failures in a row
     retry_at: float = 0.0  # time.monotonic() before which a failed fetch is not tried again
     future: Future[Path] | None = None  # the download in progress
+    adapter: dict[str, Any] | None = None  # what it is (loragate_common/adapter_kinds.py), once on disk
 
 
 class AdapterCache:
@@ -184,6 +186,7 @@ class AdapterCache:
             "downloads": e.downloads,
             "download_s": e.download_s,
             "pins": self._pins.get(e.sha256, 0),
+            "adapter": e.adapter,
         }
 
     def total_bytes(self) -> int:
@@ -240,13 +243,14 @@ class AdapterCache:
             fetched = fetch(
                 source, tmp, sha256=sha256, size=size, max_bytes=self.max_adapter_bytes, deadline_s=self.fetch_timeout_s
             )
-            _write_meta(tmp, source, sha256, fetched)
+            adapter = _write_meta(tmp, source, sha256, fetched)
             with self._lock:
                 evicted = self._evict_locked(fetched.size)
                 os.rename(tmp, self.root / sha256)
                 entry = self._entries[sha256]
                 entry.state, entry.size, entry.future = "disk", fetched.size, None
                 entry.last_used, entry.error, entry.failures = time.time(), None, 0
+                entry.adapter = adapter
                 entry.downloads += 1
                 entry.download_s = time.monotonic() - started
                 self.downloads += 1
@@ -315,7 +319,9 @@ class AdapterCache:
                 logger.exception("on_evict(%s) failed", sha256[:12])
 
 
-def _write_meta(directory: Path, source: Source, sha256: str, fetched: Fetched) -> None:
+def _write_meta(directory: Path, source: Source, sha256: str, fetched: Fetched) -> dict[str, Any] | None:
+    """Write and fsync meta.json beside the fetched files; returns what the adapter is (`summarize_dir`)."""
+    adapter = summarize_dir(directory)
     meta = {
         "source": str(source),
         "sha256": sha256,
@@ -324,12 +330,14 @@ def _write_meta(directory: Path, source: Source, sha256: str, fetched: Fetched) 
         "content_sha256": fetched.digest,
         "archive_sha256": fetched.archive_digest,
         "revision": fetched.revision,
+        "adapter": adapter,
     }
     (directory / META).write_text(json.dumps(meta, indent=1) + "\n")
     for name in (*ADAPTER_FILES, META):
         with open(directory / name, "rb") as f:
             os.fsync(f.fileno())
     _fsync(directory)
+    return adapter
 
 
 def _fsync(directory: Path) -> None:
@@ -347,7 +355,10 @@ def _read_entry(directory: Path) -> _Entry | None:
         size = sum((directory / name).stat().st_size for name in ADAPTER_FILES)
         if not isinstance(meta, dict) or meta.get("sha256") != directory.name or meta.get("size") != size:
             return None
-        return _Entry(directory.name, str(meta.get("source", "")), "disk", size)
+        adapter = meta.get("adapter")
+        entry = _Entry(directory.name, str(meta.get("source", "")), "disk", size)
+        entry.adapter = adapter if isinstance(adapter, dict) else summarize_dir(directory)
+        return entry
     except (OSError, ValueError):
         return None
 

@@ -305,4 +305,5 @@ class VllmAdapters:
             "download_s": entry["download_s"],
             "load_s": lora.load_s if lora is not None and lora.loaded else None,
             "last_used": entry["last_used"],
+            "adapter": entry.get("adapter"),
         }

@@ -120,6 +120,7 @@ def test_adapters_from_the_dir_are_listed(server: str, client: openai.OpenAI) ->
     assert {"alpha", "beta"} <= set(cards) and "incoming" not in cards
     alpha, beta = cards["alpha"], cards["beta"]
     assert (alpha["object"], alpha["rank"], alpha["target_modules"]) == ("adapter", 8, ["q_proj", "v_proj"])
+    assert alpha["kind"] == beta["kind"] == "LoRA"
     assert (beta["rank"], beta["target_modules"]) == (4, ["o_proj", "gate_proj", "down_proj"])
     assert alpha["version"] >= 1 and alpha["parent"] == MODEL
     assert {c["residence"] for c in cards.values()} <= {"disk", "host", "device"}

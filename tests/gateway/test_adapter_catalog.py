@@ -379,7 +379,9 @@ def test_each_versions_state_on_each_engine(engine: CatalogEngine, engine_b: Cat
         "loads": 3,
         "evictions": 1,
         "sha256": SHA_A,
+        "adapter": None,  # the card does not say what it is (an engine's says kind, rank and target_modules)
     }
+    assert v1["adapter"] is None
     assert v1["engines"][engine_b.url] == {"state": "unknown", "error": "GET /v1/adapters failed: HTTPStatusError"}
     assert v1["engines"][dead]["state"] == "unknown"
     assert v2["engines"][engine.url]["state"] == "failed" and "digest_mismatch" in v2["engines"][engine.url]["error"]

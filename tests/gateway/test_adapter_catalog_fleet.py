@@ -118,7 +118,18 @@ def test_the_cli_against_two_replicas_sharing_redis(
     adapter = synthetic_adapter(tmp_path / "support", payload_bytes=4096, seed=1)
     digest = sha256sum_digest(adapter)
     size = sum((adapter / name).stat().st_size for name in ("adapter_config.json", "adapter_model.safetensors"))
-    engine.cards = [{"id": "support@1", "state": "device", "loads": 1, "evictions": 0, "last_used": 1.7e9}]
+    engine.cards = [
+        {
+            "id": "support@1",
+            "state": "device",
+            "loads": 1,
+            "evictions": 0,
+            "last_used": 1.7e9,
+            "kind": "DoRA",
+            "rank": 8,
+            "target_modules": ["q_proj", "v_proj", "embed_tokens"],
+        }
+    ]
     one, url_one = start_gateway(tmp_path, "one", fleet_yaml(), [engine.url], "--redis", fresh_redis)
     try:
         two, url_two = start_gateway(tmp_path, "two", fleet_yaml(), [engine.url], "--redis", fresh_redis)
@@ -146,11 +157,15 @@ def test_the_cli_against_two_replicas_sharing_redis(
         poll(lambda: len(cli.json("list", "--url", url_two)["data"][0]["versions"]) == 2, 10, 0.1, "two sees v2")
         status, table, _ = cli("list", "--url", url_two)
         host = engine.url.split("://")[1]
-        assert status == 0 and table.splitlines()[0].split() == ["ID", "VERSION", "STATE", "SOURCE", host]
-        assert table.splitlines()[1].split() == ["support", "1", "active", str(adapter), "device"]
-        assert table.splitlines()[2].split() == ["support", "2", "active", ARCHIVE, "not", "loaded"]
-        # Then each engine's detail of the versions it holds or failed: the reason, last used, loads, evictions.
+        assert status == 0 and table.splitlines()[0].split() == ["ID", "VERSION", "STATE", "KIND", "SOURCE", host]
+        # The kind as the engine that read the files says it; "-" before any engine has.
+        assert table.splitlines()[1].split() == ["support", "1", "active", "DoRA", "r8", str(adapter), "device"]
+        assert table.splitlines()[2].split() == ["support", "2", "active", "-", ARCHIVE, "not", "loaded"]
+        # Then what each version adapts, and each engine's detail of the versions it holds or failed: the reason,
+        # last used, loads, evictions.
         assert table.splitlines()[3:] == [
+            "what each is:",
+            "  support@1: DoRA r8: q_proj, v_proj, embed_tokens",
             "on the engines:",
             f"  support@1 on {host}: device, last used 2023-11-14T22:13:20Z, 1 load, 0 evictions",
         ]

@@ -54,7 +54,16 @@ def test_the_adapters_section_shows_each_version_on_each_engine(browser: Any) ->
     text = policies.policy_yaml(tenant_yaml("acme", "acme-secret", '["*"]'))
     with CatalogEngine() as engine, CatalogEngine() as other:
         engine.cards = [
-            {"id": "support@1", "state": "device", "last_used": 1.7e9, "loads": 3, "evictions": 1},
+            {
+                "id": "support@1",
+                "state": "device",
+                "last_used": 1.7e9,
+                "loads": 3,
+                "evictions": 1,
+                "kind": "DoRA",
+                "rank": 16,
+                "target_modules": ["q_proj", "lm_head"],
+            },
             {"id": "support@2", "state": "failed", "error": EVIL_ERROR},
         ]
         app = build_app(parse_policy(text), [engine.url, other.url], MemoryRateLimiter(), metrics=GatewayMetrics())
@@ -78,12 +87,14 @@ def test_the_adapters_section_shows_each_version_on_each_engine(browser: Any) ->
             assert page.evaluate("window.pwned") is None and page.locator("#adapters img").count() == 0
             assert problems == []
             page.close()
-    assert header == ["version", "state", "source", "sha256", "published", engine.url, other.url]
+    assert header == ["version", "state", "kind", "source", "sha256", "published", engine.url, other.url]
     assert [r[0] for r in rows] == ["1", "2"]
     assert [r[1] for r in rows] == ["deprecated", "active"]
+    # What each version is, as the engine that read its files says: unknown before any has.
+    assert [r[2] for r in rows] == ["DoRA r16\nq_proj, lm_head", "-"]
     # Each engine's state, then the reason of a failure, when it was last used, its loads and evictions.
-    assert [(r[5], r[6]) for r in rows] == [
+    assert [(r[6], r[7]) for r in rows] == [
         ("device\nused 2023-11-14 22:13:20Z · 3 loads · 1 eviction", "not loaded"),
         (f"failed\n{EVIL_ERROR}", "not loaded"),
     ]
-    assert rows[0][2] == "s3://models/support" and rows[0][3] == "a" * 12
+    assert rows[0][3] == "s3://models/support" and rows[0][4] == "a" * 12

@@ -299,3 +299,25 @@ def test_a_kept_cache_larger_than_its_new_bound_is_trimmed(archives: ArchiveServ
     make_store(root, archives, evicted, max_bytes=2 * size)
     assert evicted == [shas[0]]
     assert sorted(p.name for p in root.iterdir()) == sorted(shas[1:])
+
+
+def test_an_entry_says_what_the_adapter_is(archives: ArchiveServer, tmp_path: Path) -> None:
+    """The fetcher reads a PEFT adapter's kind, rank and modules from its files (torch-free), keeps them in meta.json
+    and shows them in its status, after a restart too: what PEFT's own config and model say."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base = LlamaForCausalLM(
+        LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    )
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "embed_tokens"], use_dora=True)
+    peft_model = get_peft_model(base, config)
+    peft_model.save_pretrained(str(tmp_path / "dora"), save_embedding_layers=False)
+    adapted = sorted({name.split(".")[-1] for name, module in peft_model.named_modules() if hasattr(module, "r")})
+    url, sha = publish(archives, tmp_path / "dora", "dora")
+    store = make_store(tmp_path / "cache", archives)
+    path = asyncio.run(store.ensure(url, sha, None))
+    expected = {"kind": "DoRA", "rank": 4, "target_modules": adapted}
+    assert store.status_of(sha)["adapter"] == expected  # type: ignore[index]
+    assert json.loads((path / "meta.json").read_text())["adapter"] == expected
+    assert make_store(tmp_path / "cache", archives).status_of(sha)["adapter"] == expected  # type: ignore[index]
