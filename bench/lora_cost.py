@@ -16,6 +16,11 @@ tokens (first calls, adapter loads), so the figures are warm ones.
 Sides (`--sides`, comma-separated; default `base,mixed`):
 - `base`: no adapter;
 - `mixed`: W1's mixed LoRA, request i on W1 adapter i % 8;
+- `dora`: 8 DoRA adapters of W1's ranks and modules (request i on DoRA adapter i % 8; `kind_adapter_dirs`);
+- `vocab`: 8 adapters of W1's ranks and modules plus a LoRA on the embeddings and on the LM head;
+- `mix2`: request i names the 2-part mix of W1 adapters i % 8 and (i + 1) % 8 (docs/adapters.md);
+- `sum`: 8 plain adapters whose ranks are those mixes' summed ranks (request i on the one of mix i % 8), so
+  `--sides sum,mix2` compares a mix with a single adapter of the same total rank;
 - `zipf:N`: N registered adapters (the 8 W1 weight sets under N ids, bench/throughput.py `scale_adapter_dir`),
   request ids drawn with Zipf popularity as bench/throughput.py's adapter-scale pass draws them.
 Every engine registers the largest N's ids (at least 8; the first 8 are W1's weight sets, which `mixed` uses) with
@@ -23,7 +28,9 @@ a device tier of 64 adapters.
 
     python bench/lora_cost.py [--dtype float32|bfloat16] [--rounds 4] [--sides base,mixed] [--backend cpp|torch]
 
-`--sides mixed,zipf:512` is the adapter-scale target (512 registered adapters within 10% of 8). Rounds in a multiple
+`--sides mixed,zipf:512` is the adapter-scale target (512 registered adapters within 10% of 8); `--sides
+mixed,dora,vocab` and `--sides sum,mix2` are the adapter formats' (docs/adapters.md: a DoRA step within 1.1x of a
+plain one, a mix within 1.05x of one adapter of its summed rank). Rounds in a multiple
 of the number of sides put every side on every engine equally often. `--backend` picks the CPU's LoRA path
 (LORAGATE_LORA_BACKEND, loragate_kernels/backends.py).
 
@@ -40,13 +47,16 @@ figures).
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import math
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,14 +67,17 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.core.request import SamplingParams  # noqa: E402
 from engine.model.sources import cache_root, load_tokenizer, resolve_model  # noqa: E402
+from loragate_common.adapter_mix import MixPart, is_mix, parse_mix  # noqa: E402
 
 
 def side_ids(side: str, requests: int) -> list[str | None]:
     """The adapter id of each W1 request on a side (ids as `shared_config`'s adapter directory names them)."""
     if side == "base":
         return [None] * requests
-    if side == "mixed":
-        return [f"a{i % 8:04d}" for i in range(requests)]
+    if side in KIND_PREFIX:
+        return [f"{KIND_PREFIX[side]}{i % 8:04d}" for i in range(requests)]
+    if side == "mix2":
+        return [f"a{i % 8:04d}*0.7+a{(i + 1) % 8:04d}*0.3" for i in range(requests)]
     kind, _, count = side.partition(":")
     if kind != "zipf" or not count.isdigit() or int(count) < 1:
         raise SystemExit(f"unknown side {side!r}: base, mixed or zipf:N")
@@ -72,20 +85,20 @@ def side_ids(side: str, requests: int) -> list[str | None]:
 
 
 def adapter_elements(adapter_dir: Path) -> int:
-    """How many LoRA weights (every lora_A and lora_B) the PEFT adapter in `adapter_dir` holds, from its safetensors
-    header (no tensor is read)."""
+    """How many LoRA weights (every lora_A, lora_B, lora_embedding_A/B and DoRA magnitude) the PEFT adapter in
+    `adapter_dir` holds, from its safetensors header (no tensor is read)."""
     from safetensors import safe_open
 
     with safe_open(str(adapter_dir / "adapter_model.safetensors"), framework="pt") as f:
-        return sum(
-            math.prod(f.get_slice(name).get_shape()) for name in f.keys() if ".lora_A." in name or ".lora_B." in name
-        )
+        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys() if ".lora_" in name)
 
 
 def decode_adapter_bytes(ids: list[str | None], adapter_dir: Path, element_size: int) -> int:
-    """The adapter bytes one decode step of a batch naming `ids` reads: each distinct adapter's weights once, at the
-    engine's `element_size` (the unified pool holds them in the model's dtype)."""
-    return sum(adapter_elements(adapter_dir / name) for name in {i for i in ids if i is not None}) * element_size
+    """The adapter bytes one decode step of a batch naming `ids` reads: each distinct adapter's weights once (a mix:
+    its parts' together, the derived adapter's size), at the engine's `element_size` (the unified pool holds them in
+    the model's dtype)."""
+    names = [p.ref for i in set(ids) if i is not None for p in (parse_mix(i) if is_mix(i) else [MixPart(i, 1.0)])]
+    return sum(adapter_elements(adapter_dir / name) for name in names) * element_size
 
 
 def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
@@ -107,12 +120,62 @@ def ratio_ceiling(seconds: float, decode_steps: int, extra_bytes: int, bandwidth
     return seconds / (seconds + decode_steps * max(0, extra_bytes) / bandwidth)
 
 
+KIND_PREFIX = {"mixed": "a", "dora": "d", "vocab": "v", "sum": "s"}  # side -> its adapters' id prefix
+
+
+def kind_adapter_dirs(base_dir: Path, root: Path) -> dict[str, list[Path]]:
+    """The 8 adapters of each adapter-format side (`KIND_PREFIX`), built once with PEFT into `root` like W1's: W1's
+    ranks (4, 8, 16 by i % 3), all-linear, lora_B N(0, 0.02^2) from seed i; DoRA's magnitudes PEFT's (the base's
+    row norms) times 1 + N(0, 0.1^2); the embedding LoRA's A and B N(0, 0.02^2); `sum` i of rank r(i) + r(i + 1)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def rank(i: int) -> int:
+        return [4, 8, 16][i % 3]
+
+    kinds: dict[str, Callable[[int], dict[str, Any]]] = {
+        "d": lambda i: dict(r=rank(i), use_dora=True),
+        "v": lambda i: dict(r=rank(i), extra=["embed_tokens", "lm_head"]),
+        "s": lambda i: dict(r=rank(i) + rank((i + 1) % 8)),
+    }
+    dirs = {prefix: [root / f"{prefix}-{i}" for i in range(8)] for prefix in kinds}
+    missing = [
+        (p, i) for p, ds in dirs.items() for i, d in enumerate(ds) if not (d / "adapter_model.safetensors").exists()
+    ]
+    if not missing:
+        return dirs
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    for prefix, i in missing:
+        kw = kinds[prefix](i)
+        r, extra = kw.pop("r"), kw.pop("extra", [])
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", *extra]
+        config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=targets, **kw)
+        model = get_peft_model(copy.deepcopy(base), config)
+        gen = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+                if ".lora_B." in name or ".lora_embedding_" in name:
+                    param.copy_(0.02 * torch.randn(param.shape, generator=gen))
+                elif "lora_magnitude_vector" in name:
+                    param.mul_(1 + 0.1 * torch.randn(param.shape, generator=gen))
+        model.save_pretrained(str(dirs[prefix][i]), safe_serialization=True, save_embedding_layers=False)
+    return dirs
+
+
 def shared_config(dtype: str, registered: int) -> EngineConfig:
     """One configuration for every engine, so any can run any side: `registered` adapter ids over the 8 W1 weight
-    sets (id k on set k % 8)."""
+    sets (id k on set k % 8), and the adapter-format sides' 8 each (`kind_adapter_dirs`), hard-linked beside them."""
     root = cache_root() / "bench-adapters"
-    weight_dirs = make_w1_adapters(resolve_model("smollm2").path, root / "w1")
+    base_dir = resolve_model("smollm2").path
+    weight_dirs = make_w1_adapters(base_dir, root / "w1")
     scale_dir = scale_adapter_dir(weight_dirs, root, registered)
+    for prefix, dirs in kind_adapter_dirs(base_dir, root / "kinds").items():
+        for i, source in enumerate(dirs):
+            target = scale_dir / f"{prefix}{i:04d}"
+            if not target.is_dir():
+                target.mkdir()
+                for f in source.iterdir():
+                    os.link(f, target / f.name)
     return EngineConfig(
         model="smollm2", dtype=dtype, pool_mb=1024, adapter_dir=str(scale_dir), max_device_adapters=SCALE_TIER
     )
