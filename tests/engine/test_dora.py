@@ -141,6 +141,12 @@ def test_mixed_batch_equals_peft(adapter_dir, prompts, reference, route, monkeyp
     assert engine.runner.lora is not None and engine.runner.lora.kernel.value == route
     jobs = _jobs(ALL, len(prompts))
     assert_matches(run_jobs(engine, jobs, prompts), reference)
+    # GET /v1/adapters' cards say which are DoRA, as their PEFT configs do
+    kinds = {status.adapter_id: status.kind for status in engine.adapter_statuses()}
+    for name, kind in kinds.items():
+        use_dora = json.loads((adapter_dir / name / "adapter_config.json").read_text()).get("use_dora")
+        assert kind == ("DoRA" if use_dora else "LoRA")
+    assert set(kinds.values()) == {"DoRA", "LoRA"}
     if route == "torch":  # the stacked decode path ran, and DoRA's torch scaler
         assert isinstance(engine.runner.lora, TorchLora) and engine.runner.lora.stacks.builds >= 1
         assert engine.runner.lora.dora.builds >= 1

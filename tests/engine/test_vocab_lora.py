@@ -6,6 +6,7 @@ prompt logprobs, the copies of the base's matrices PEFT saves beside them, and h
 from __future__ import annotations
 
 import functools
+import json
 import random
 import shutil
 from collections.abc import Iterator
@@ -383,6 +384,11 @@ def test_a_vocabulary_lora_is_served_over_http(
 ) -> None:
     resp = httpx.post(f"{server}/v1/adapters", json={"id": "embed", "path": "incoming/embed"}, timeout=60)
     assert resp.status_code == 200, resp.text
+    # the card says what it adapts, as PEFT's own config names it
+    config = json.loads((server_root / "incoming/embed/adapter_config.json").read_text())
+    card = resp.json()
+    assert card["kind"] == "LoRA" and "embed_tokens" in card["target_modules"]
+    assert set(card["target_modules"]) == {m.split(".")[-1] for m in config["target_modules"]}
     for name in ("embed", "head"):
         body = {"prompt": prompts[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         answer = httpx.post(f"{server}/v1/completions", json=body, headers={"X-Adapter-ID": name}, timeout=60)
