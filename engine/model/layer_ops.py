@@ -114,7 +114,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CppLayerOps:
-    """The C++ form (see the module docstring): each op one pass over the rows, fp32 inside, rounded once."""
+    """The C++ form (see the module docstring): each op one pass over the rows, fp32 inside, rounded once; the gated
+    activations round the activation to the model's dtype before the product, as HF's modeling code (and
+    `TorchLayerOps`) computes act(gate) * up: in bf16, keeping it in fp32 measured no closer to fp32's outputs and
+    moved SmolLM2's greedy chat answer off HF's (docs/performance.md, *bf16 against HF's bf16*)."""
 
     rope_dtype: torch.dtype | None = torch.float32  # the op rotates in fp32 from fp32 tables
     fused_activation = True

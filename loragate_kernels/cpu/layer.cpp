@@ -8,6 +8,8 @@
 //                                       rms_norm(residual, w, eps)                         -> new [T, n], x's dtype
 //   silu_mul(gate_up)                   silu(gate_up[:, :I]) * gate_up[:, I:]              -> new [T, I]
 //   gelu_tanh_mul(gate_up)              gelu_tanh(gate_up[:, :I]) * gate_up[:, I:]         -> new [T, I]
+//                                       (the activation rounded to the model's dtype before the product, as HF's
+//                                       modeling code and the torch twin compute it)
 //   rope_write_kv(qkv!, cos, sin, layer_cache!, k_rows, v_rows, num_heads, q_norm?, k_norm?, eps)
 //       q and k heads of qkv [T, (H + 2 kvh) * hd] rotated in place (x * cos + roll(x, rot/2) * sin over each head's
 //       first rot dims, rot = cos's width <= hd, the rest passed through; the sign of rotate_half folded into sin),
@@ -229,19 +231,29 @@ at::Tensor gated_mul(const at::Tensor& gate_up) {
     T* o = out.data_ptr<T>();
     const int64_t in_stride = gate_up.stride(0);
     at::parallel_for(0, rows, grain(n), [&](int64_t lo, int64_t hi) {
-      std::vector<float> gate(n), up(n);
+      std::vector<float> gate(n), up(n), ones(n, 1.f);
       for (int64_t t = lo; t < hi; ++t) {
         const T* g = in + t * in_stride;
         T* dst = o + t * n;
+        // The activation is rounded to T before the product, as HF computes act(gate) * up in the model's dtype: in
+        // bf16 keeping it in fp32 moved a SmolLM2 greedy answer off HF's (docs/performance.md, *bf16 against HF's
+        // bf16*) without bringing the text's log-probabilities closer to fp32's.
 #if defined(__AVX512F__)
         if (n % 16 == 0) {
-          for (int64_t e = 0; e < n; e += 16) store16(dst + e, act_mul16<A>(load16(g + e), load16(g + n + e)));
+          const __m512 one = _mm512_set1_ps(1.f);
+          for (int64_t e = 0; e < n; e += 16) {
+            store16(dst + e, act_mul16<A>(load16(g + e), one));
+            store16(dst + e, _mm512_mul_ps(load16(dst + e), load16(g + n + e)));
+          }
           continue;
         }
 #endif
         to_float_row(g, gate.data(), n);
         to_float_row(g + n, up.data(), n);
-        act_mul_f32<A>(gate.data(), up.data(), n);
+        act_mul_f32<A>(gate.data(), ones.data(), n);
+        from_float_row(gate.data(), dst, n);
+        to_float_row(dst, gate.data(), n);
+        for (int64_t e = 0; e < n; ++e) gate[e] *= up[e];
         from_float_row(gate.data(), dst, n);
       }
     });

@@ -5,7 +5,8 @@ from the same directory).
 
 The greedy chat answer to "What is the capital of France?" is not asserted in bf16: its first token is a near tie in
 fp32 ("The" ahead of "L" by 0.08), below the resolution of bf16 logits of that size (0.125), so which one bf16 picks
-depends on the order of the sums (the GEMM and attention routes of the machine), for HF as for loragate.
+depends on the order of the sums (the GEMM and attention routes of the machine), for HF as for loragate
+(docs/performance.md says what each route answers on the machines measured).
 """
 
 from __future__ import annotations
