@@ -106,7 +106,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         kv_cache = allocate_kv_cache(mc, num_blocks, config.block_size, dtype, device)
-        self.adapters = AdapterRegistry(mc)
+        self.adapters = AdapterRegistry(mc, self.model.base_vocab)
         if config.adapter_dir is not None:
             self.adapters.scan_dir(Path(config.adapter_dir))
         self.host_adapters = HostAdapterCache(config.host_adapter_mb << 20, mc, dtype)

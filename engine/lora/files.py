@@ -33,7 +33,7 @@ from engine.lora.peft_config import (
     plan_vocab,
     validate_adapter_id,
 )
-from engine.lora.vocab_lora import VocabWeights, check_vocab_file, read_vocab_weights, vocab_params
+from engine.lora.vocab_lora import BaseVocab, VocabWeights, check_vocab_file, read_vocab_weights, vocab_params
 from engine.model.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -227,9 +227,12 @@ def _check_shape(adapter_id: str, key: str, shape: tuple[int, ...], expected: tu
         )
 
 
-def read_adapter(path: Path, adapter_id: str, version: int, model: ModelConfig) -> AdapterSpec:
+def read_adapter(
+    path: Path, adapter_id: str, version: int, model: ModelConfig, base: BaseVocab | None = None
+) -> AdapterSpec:
     """Validate an adapter directory from its config and safetensors header (no tensor data is read, but copies of the
-    base's embedding or LM head that PEFT saved beside a LoRA on them, compared with the base's own)."""
+    base's embedding or LM head that PEFT saved beside a LoRA on them, compared with the base's own: `base`, the
+    served model's digests of them; an adapter with such copies is refused without it)."""
     validate_adapter_id(adapter_id)
     root = _adapter_dir(adapter_id, path)
     cfg = parse_config(adapter_id, _read_config(adapter_id, root))
@@ -238,7 +241,7 @@ def read_adapter(path: Path, adapter_id: str, version: int, model: ModelConfig) 
     vocab = plan_vocab(adapter_id, cfg, model)
     header = _check_magnitudes(adapter_id, _read_header(adapter_id, weights_file), layers, model, cfg.dora)
     # the embedding's and LM head's tensors, and any copies of the base's matrices (read and compared here)
-    header = check_vocab_file(adapter_id, weights_file, header, vocab, model)
+    header = check_vocab_file(adapter_id, weights_file, header, vocab, model, base)
     _check_tensors(adapter_id, header, layers, model)
     ranks = [t.rank for by_module in layers for t in by_module.values()] + [t.rank for t in vocab.targets.values()]
     num_params = sum(

@@ -24,6 +24,7 @@ import torch
 from engine.lora.files import LoraWeights, load_weights, read_adapter, resolve_inside
 from engine.lora.mixes import DerivedMixes, PartUnusable, mix_weights, parse
 from engine.lora.peft_config import AdapterError, AdapterKey, AdapterSpec, validate_adapter_id
+from engine.lora.vocab_lora import BaseVocab
 from engine.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -32,8 +33,11 @@ logger = logging.getLogger(__name__)
 class AdapterRegistry:
     """Registered adapters by id; thread-safe (the HTTP thread registers while the engine thread reads)."""
 
-    def __init__(self, model: ModelConfig) -> None:
+    def __init__(self, model: ModelConfig, base: BaseVocab | None = None) -> None:
+        """`base`: the served model's digests of its embedding and LM head, which copies of them saved beside an
+        adapter are compared with (engine/lora/vocab_lora.py); without it such an adapter is refused."""
         self._model = model
+        self._base = base
         self._lock = threading.Lock()
         self._specs: dict[str, AdapterSpec] = {}
         # Survives unregister(): a re-registered id never reuses a version, so caches keyed by
@@ -51,7 +55,7 @@ class AdapterRegistry:
         only the config and the safetensors header are read.
         """
         validate_adapter_id(adapter_id)
-        spec = read_adapter(path, adapter_id, 0, self._model)  # file reads happen outside the lock
+        spec = read_adapter(path, adapter_id, 0, self._model, self._base)  # file reads happen outside the lock
         if verify is not None:
             verify(spec)
         with self._lock:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,10 +71,13 @@ def lora_shapes(module: str, rank: int, model: ModelConfig) -> dict[str, tuple[i
     return {"A": (rank, hidden), "B": (vocab, rank)}
 
 
-def check_vocab_file(adapter_id: str, file: Path, header: Header, plan: VocabPlan, model: ModelConfig) -> Header:
+def check_vocab_file(
+    adapter_id: str, file: Path, header: Header, plan: VocabPlan, model: ModelConfig, base: BaseVocab | None
+) -> Header:
     """Check the header's embedding and LM-head tensors (a LoRA tensor for every planned module, none for another,
     shapes, float dtypes) and that every saved copy of a base matrix equals the base's (read from `file`, compared
-    with `BaseVocab`); returns the rest of the header. AdapterError names the tensor and what is wrong."""
+    with `base`, the served model's `BaseVocab`; without one a copy is refused); returns the rest of the header.
+    AdapterError names the tensor and what is wrong."""
     mine = {key: entry for key, entry in header.items() if key in COPY_KEYS or key in _LORA_MODULE}
     for key, (_, dtype) in mine.items():
         if dtype not in _FLOAT_DTYPES:
@@ -100,7 +102,7 @@ def check_vocab_file(adapter_id: str, file: Path, header: Header, plan: VocabPla
     for key in copies:
         _check_copy_shape(adapter_id, key, mine[key][0], model)
     if copies:
-        _compare_copies(adapter_id, file, copies, model)
+        _compare_copies(adapter_id, file, copies, base)
     return {key: entry for key, entry in header.items() if key not in mine}
 
 
@@ -137,8 +139,7 @@ def _differs(adapter_id: str, module: str) -> str:
     )
 
 
-def _compare_copies(adapter_id: str, file: Path, keys: list[str], model: ModelConfig) -> None:
-    base = base_of(model)
+def _compare_copies(adapter_id: str, file: Path, keys: list[str], base: BaseVocab | None) -> None:
     if base is None:
         raise AdapterError(
             f"adapter {adapter_id!r} carries copies of the base's {' and '.join(sorted({COPY_KEYS[k] for k in keys}))} "
@@ -229,8 +230,7 @@ class BaseVocab:
     and drops the plain ones (engine/model/decoder.py CausalLM.prepack): in the served dtype and each coarser float
     dtype a copy may come in (SmolLM2's tied fp32 embeddings, 28M weights: under half a second on two cores)."""
 
-    def __init__(self, config: ModelConfig, source: Callable[[], dict[str, torch.Tensor] | None]) -> None:
-        self.config = config
+    def __init__(self, source: Callable[[], dict[str, torch.Tensor] | None]) -> None:
         self._source: Callable[[], dict[str, torch.Tensor] | None] | None = source
         self._served: dict[str, torch.dtype] = {}
         self._digests: dict[tuple[str, torch.dtype], list[bytes]] = {}
@@ -292,25 +292,6 @@ def digests(matrix: torch.Tensor, dtype: torch.dtype) -> list[bytes]:
 
 def _eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
-
-
-# The adapter tiers see the base model only through its ModelConfig (engine/lora/files.py reads adapters with it), so
-# the model registers its BaseVocab here, by the identity of the config object it was built with.
-_BASES: dict[int, weakref.ref[BaseVocab]] = {}
-
-
-def register_base(base: BaseVocab) -> None:
-    """Make `base` the one `base_of(base.config)` finds while it lives."""
-    for key, ref in list(_BASES.items()):
-        if ref() is None:
-            del _BASES[key]
-    _BASES[id(base.config)] = weakref.ref(base)
-
-
-def base_of(config: ModelConfig) -> BaseVocab | None:
-    ref = _BASES.get(id(config))
-    base = None if ref is None else ref()
-    return base if base is not None and base.config is config else None
 
 
 # ---- the device side: each slot's weights, and a step's use of them --------------------------------------------

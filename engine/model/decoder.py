@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.lora.vocab_lora import BaseVocab, register_base
+from engine.lora.vocab_lora import BaseVocab
 from engine.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 from engine.model.cpu_gemm import PackedLinear, PanelEmbedding, packed_linear, prepack_linears
 from engine.model.layer_ops import LAYER_OPS, LayerOps, TorchLayerOps
@@ -293,8 +293,7 @@ class CausalLM(nn.Module):
         self.windows = sorted({config.window(i) for i in range(config.num_layers)})
         # what adapters' saved copies of the embedding and head are compared with (engine/lora/vocab_lora.py)
         model = weakref.ref(self)
-        self.base_vocab = BaseVocab(config, lambda: None if (m := model()) is None else m.vocab_matrices())
-        register_base(self.base_vocab)
+        self.base_vocab = BaseVocab(lambda: None if (m := model()) is None else m.vocab_matrices())
 
     def forward(
         self,
