@@ -33,6 +33,7 @@ from engine.core.preemption import KVSwapper
 from engine.core.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.lora.device_tier import LOAD_BUCKETS, DeviceAdapterTier
+from engine.lora.dora import DoraNorms
 from engine.lora.files import load_weights
 from engine.lora.mixes import PartUnusable
 from engine.lora.peft_config import AdapterError, AdapterSpec
@@ -118,6 +119,7 @@ class LLMEngine:
             self.host_adapters,
             reclaim=kv.evict_cached,
             mirror=ROUTES[backends.lora].mirror,
+            base=DoraNorms(self.model),  # DoRA adapters' row scales come from the base's projections
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -93,9 +93,11 @@ class DeviceAdapterTier:
         host: HostAdapterCache,
         reclaim: Callable[[], bool] | None = None,
         mirror: bool = False,
+        base: DoraNorms | None = None,
     ) -> None:
         """`mirror`: keep a tensor copy of the slot tables on the pool's device (the C++ and Triton LoRA routes read
-        it: engine/lora/routes.py `LoraRoute.mirror`)."""
+        it: engine/lora/routes.py `LoraRoute.mirror`). `base`: the base model's side of DoRA (its projections, for the
+        row scales); without it a DoRA adapter cannot be brought onto the device."""
         self.pool = pool
         # Frees one idle page held elsewhere (a cached KV block); False when there is none. Tried before
         # evicting idle adapters when no run of free pages is long enough.
@@ -120,9 +122,7 @@ class DeviceAdapterTier:
         self.counters = TierCounters()
         # each slot's LoRA on the embedding and the LM head, beside the pool (engine/lora/vocab_lora.py)
         self.vocab = VocabSlots(max_adapters + 1, kv_cache.device, kv_cache.dtype)
-        # The base model's side of DoRA (its projections, for the row scales), handed over by whoever runs the model
-        # (engine/worker/runner.py); without it a DoRA adapter cannot be brought onto the device.
-        self.base: DoraNorms | None = None
+        self.base = base
 
     # ---- sizing ---------------------------------------------------------------------------------------
 

@@ -23,7 +23,6 @@ from engine.core.outputs import RunnerOutput
 from engine.core.request import Request, TokenLogprob
 from engine.core.scheduler import SchedulerOutput
 from engine.lora.device_tier import DeviceAdapterTier
-from engine.lora.dora import DoraNorms
 from engine.lora.routes import ROUTES, LoraBatch, LoraRoute
 from engine.lora.vocab_lora import VocabStep
 from engine.model.attention import AttentionMetadata, PrefillSeq
@@ -72,8 +71,6 @@ class ModelRunner:
         self.device = device
         # how the steps' LoRA deltas are computed (model.backends.lora: loragate_kernels/backends.py)
         self.lora: LoraRoute[Any] | None = None if adapters is None else ROUTES[model.backends.lora](adapters.weights)
-        if adapters is not None:
-            adapters.base = DoraNorms(model)  # DoRA adapters' row scales come from the base's projections
         max_len = max_model_len or model.config.max_position_embeddings
         self.batch = InputBatch(max_num_seqs, -(-max_len // block_size), model.config.vocab_size, device)
         self.staging = HostStaging(device) if device.type == "cuda" else None
