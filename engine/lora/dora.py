@@ -16,13 +16,12 @@ implementation for every route; loragate_kernels/reference.py `dora_scale_group`
 The base's side without its plain weights (the CPU's GEMM routes keep only a packed copy, engine/model/cpu_gemm.py):
 ‖W_o + (B_s A)_o‖² = ‖W_o‖² + 2 (W Aᵀ)_o · B_s,o + ‖(B_s A)_o‖², with B_s the scale-folded B, W Aᵀ the projection of
 A's rows less the bias (one GEMM of r rows through the group's fused projection) and ‖W_o‖² the base's squared row
-norms, recorded from the plain weights before they are packed (`record_row_norms`, called by
-engine/model/loader.py) or read from a projection that keeps its weight.
+norms, taken from the plain weights before they are packed (`row_norms`, called by
+engine/model/decoder.py CausalLM.prepack) or read from a projection that keeps its weight.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -37,9 +36,6 @@ from engine.lora.tables import PoolWeights, group_out_cols
 if TYPE_CHECKING:
     from engine.model.decoder import CausalLM
 
-# Squared row norms of each layer's group projections ([layer][group] fp32 [out]), recorded before packing drops the
-# plain weights; keyed by the model, so they go with it.
-_ROW_NORMS: weakref.WeakKeyDictionary[nn.Module, list[dict[str, torch.Tensor]]] = weakref.WeakKeyDictionary()
 # A step's DoRA rows up to this span gather their scales row by row (one op per group); a longer span (a prompt chunk)
 # scales segment by segment, without a [rows, out] copy of the scales.
 GATHER_ROWS = 64
@@ -75,10 +71,11 @@ def _row_norms_sq(weight: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(weight, dim=1, dtype=torch.float32).square()
 
 
-def record_row_norms(model: CausalLM) -> None:
-    """Keep the squared row norms of every group projection's plain weight, for DoRA; the model's GEMM route is about
-    to lay its weights out in a form they cannot be read back from (CausalLM.prepack). One pass over the weights."""
-    _ROW_NORMS[model] = [
+def row_norms(model: CausalLM) -> list[dict[str, torch.Tensor]]:
+    """The squared row norms of every group projection's plain weight ([layer][group] fp32 [out]), for DoRA: taken by
+    CausalLM.prepack before the GEMM route lays the weights out in a form they cannot be read back from. One pass over
+    the weights."""
+    return [
         {group: _row_norms_sq(_weight(proj)) for group, proj in layer.items()} for layer in group_projections(model)
     ]
 
@@ -89,8 +86,8 @@ class DoraNorms:
     def __init__(self, model: CausalLM) -> None:
         self.projections = group_projections(model)
         self.out_cols = group_out_cols(model.config)
-        # recorded before packing (the loader), else filled here from the projections' own weights on first use
-        self._row_norms = _ROW_NORMS.get(model) or [{} for _ in self.projections]
+        # taken before packing (CausalLM.prepack), else filled here from the projections' own weights on first use
+        self._row_norms = model.dora_row_norms or [{} for _ in self.projections]
 
     def row_norms_sq(self, layer: int, group: str) -> torch.Tensor:
         """‖W_o‖² of the group's fused projection, fp32 [out], on the weights' device."""
@@ -98,7 +95,7 @@ class DoraNorms:
         if found is None:
             proj = self.projections[layer][group]
             if not isinstance(proj, nn.Linear):  # packed, and nothing recorded before: not loaded by the loader
-                raise RuntimeError("DoRA needs the base's row norms: load the model with engine/model/loader.py")
+                raise RuntimeError("DoRA needs the base's row norms, taken by CausalLM.prepack before packing")
             found = self._row_norms[layer][group] = _row_norms_sq(proj.weight)
         return found
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.lora.dora import row_norms
 from engine.lora.vocab_lora import BaseVocab
 from engine.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 from engine.model.cpu_gemm import PackedLinear, PanelEmbedding, packed_linear, prepack_linears
@@ -294,6 +295,8 @@ class CausalLM(nn.Module):
         # what adapters' saved copies of the embedding and head are compared with (engine/lora/vocab_lora.py)
         model = weakref.ref(self)
         self.base_vocab = BaseVocab(lambda: None if (m := model()) is None else m.vocab_matrices())
+        # the base's side of DoRA adapters' row scales (engine/lora/dora.py), taken by `prepack` from the plain weights
+        self.dora_row_norms: list[dict[str, torch.Tensor]] | None = None
 
     def forward(
         self,
@@ -364,9 +367,11 @@ class CausalLM(nn.Module):
         as they are on cpu/gemm.cpp's row-major route; on cpu/panels.cpp's route the embeddings are then read from
         the head's copy, `PanelEmbedding`, and the row-major one is dropped). Returns how many GEMMs were laid out
         (0 on the plain F.linear route). Adapters' copies of the embedding and head are compared with digests of the
-        plain matrices, taken first where those are about to go (engine/lora/vocab_lora.py BaseVocab)."""
+        plain matrices, taken first where those are about to go (engine/lora/vocab_lora.py BaseVocab), and so are the
+        projections' row norms DoRA's scales need (engine/lora/dora.py `row_norms`)."""
         if self.backends.gemm is not Gemm.TORCH:
             self.base_vocab.capture()
+            self.dora_row_norms = row_norms(self)
         count = prepack_linears(self, self.backends)
         if count and self.lm_head is None and isinstance(self.embed_tokens, nn.Embedding):
             embeddings = self.embed_tokens.weight

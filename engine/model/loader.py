@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.lora.dora import record_row_norms
 from engine.model.config import ModelConfig, load_model_config, read_json_object
 from engine.model.decoder import CausalLM
-from loragate_kernels.backends import Backends, Gemm
+from loragate_kernels.backends import Backends
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +56,6 @@ def load_model(model_dir: Path, backends: Backends, prepack: bool = True) -> Cau
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)  # serving only: no autograd graph even outside inference_mode
     parameters = sum(p.numel() for p in model.parameters())
-    if prepack and backends.gemm is not Gemm.TORCH:  # packing drops the plain weights DoRA's row norms come from
-        record_row_norms(model)
     packed = model.prepack() if prepack else 0
     logger.info(
         "loaded %s: %d layers, %.1fM parameters, %d GEMMs laid out for the %s route",
