@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,9 +32,16 @@ from torch import nn
 
 from engine.lora.peft_config import GROUPS, AdapterError, AdapterSpec, module_name
 from engine.lora.tables import PoolWeights, group_out_cols
+from engine.model.config import ModelConfig
 
-if TYPE_CHECKING:
-    from engine.model.decoder import CausalLM
+
+class BaseModel(Protocol):
+    """What DoRA reads of the base model (engine/model/decoder.py CausalLM, which imports this module)."""
+
+    config: ModelConfig
+    layers: nn.ModuleList
+    dora_row_norms: list[dict[str, torch.Tensor]] | None
+
 
 # A step's DoRA rows up to this span gather their scales row by row (one op per group); a longer span (a prompt chunk)
 # scales segment by segment, without a [rows, out] copy of the scales.
@@ -49,7 +56,7 @@ _GROUP_PATHS = {
 }
 
 
-def group_projections(model: CausalLM) -> list[dict[str, nn.Module]]:
+def group_projections(model: BaseModel) -> list[dict[str, nn.Module]]:
     """Each layer's projection per module group (GROUPS): the fused q|k|v, o, gate|up and down."""
     return [{group: layer.get_submodule(path) for group, path in _GROUP_PATHS.items()} for layer in model.layers]
 
@@ -71,7 +78,7 @@ def _row_norms_sq(weight: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(weight, dim=1, dtype=torch.float32).square()
 
 
-def row_norms(model: CausalLM) -> list[dict[str, torch.Tensor]]:
+def row_norms(model: BaseModel) -> list[dict[str, torch.Tensor]]:
     """The squared row norms of every group projection's plain weight ([layer][group] fp32 [out]), for DoRA: taken by
     CausalLM.prepack before the GEMM route lays the weights out in a form they cannot be read back from. One pass over
     the weights."""
@@ -83,7 +90,7 @@ def row_norms(model: CausalLM) -> list[dict[str, torch.Tensor]]:
 class DoraNorms:
     """The base model's side of DoRA: the row scales g of an adapter's modules, from the model's own projections."""
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: BaseModel) -> None:
         self.projections = group_projections(model)
         self.out_cols = group_out_cols(model.config)
         # taken before packing (CausalLM.prepack), else filled here from the projections' own weights on first use
