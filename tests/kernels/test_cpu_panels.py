@@ -58,6 +58,14 @@ def test_wide_weights_and_rows_split_across_threads() -> None:
     torch.set_num_threads(1)
     assert torch.equal(got, panel(x, w, b))  # the rows' split does not change any sum
     torch.set_num_threads(2)
+    # 7 panels on 2 threads (hidden 640's o and down projections): each panel in two runs of rows, 7 items a thread
+    for m in (1, 5, 32, 512):
+        x, w, b = operands(m, 640, 2048, seed=9 + m)
+        got = panel(x, w, b)
+        close_to_oracle(got, x, w, b)
+        torch.set_num_threads(1)
+        assert torch.equal(got, panel(x, w, b))
+        torch.set_num_threads(2)
 
 
 def test_strided_and_odd_inputs() -> None:
@@ -88,7 +96,7 @@ def test_bad_arguments_are_refused(
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 32, 77, 512])
-@pytest.mark.parametrize(("half", "k"), [(96, 64), (192, 65), (1536, 576)])
+@pytest.mark.parametrize(("half", "k"), [(96, 64), (192, 65), (480, 640), (1536, 576)])
 def test_the_fused_activation_equals_the_two_ops(m: int, half: int, k: int, threads: int) -> None:
     """silu(gate) * up straight from the tiles: the very floats panel_linear and silu_mul give (same sums in the same
     order, the same activation), and within fp32 rounding of F.silu over a float64 product (sums of up to ~10). Rows
