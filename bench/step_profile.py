@@ -19,11 +19,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.throughput import make_w1_adapters, w1_prompts  # noqa: E402
+from bench.throughput import make_w1_adapters, w1_adapter_root, w1_prompts  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.core.request import SamplingParams  # noqa: E402
-from engine.model.sources import cache_root, load_tokenizer, resolve_model  # noqa: E402
+from engine.model.sources import load_tokenizer, resolve_model  # noqa: E402
 
 
 def main() -> None:
@@ -43,7 +43,7 @@ def main() -> None:
     config: dict = {"model": args.model, "dtype": args.dtype, "pool_mb": 256}
     adapters: list[str | None] = [None] * len(prompts)
     if args.lora:
-        dirs = make_w1_adapters(resolved.path, cache_root() / "bench-adapters" / "w1")
+        dirs = make_w1_adapters(resolved.path, w1_adapter_root(args.model, resolved.path))
         config["adapter_dir"] = str(dirs[0].parent)
         adapters = [dirs[i % 8].name for i in range(len(prompts))]
     engine = LLMEngine(EngineConfig(**config))
