@@ -13,7 +13,10 @@ in its persistent batch (engine/worker/input_batch.py); without one they are bui
 
 A seeded request draws its own uniform from `request.generator`, so it samples the same tokens whatever
 else shares the batch; every other row draws from the sampler's shared generator. The draw itself is an
-inverse-CDF lookup batched over rows, so the per-row Python loop only produces one float per row.
+inverse-CDF lookup batched over rows, so the per-row Python loop only produces one float per row. A sampled row
+whose top-k / top-p set lies among its largest logits is drawn there (`draw_from_candidates`: the same token as over
+its whole row, without a pass per [rows, vocab] tensor), the others over their whole row;
+`python bench/sampling.py` measures both.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from engine.core.request import Request, TokenLogprob
+from engine.core.request import Request, SamplingParams, TokenLogprob
 from engine.worker.token_masks import apply_logit_bias, constrained_copy
 from loragate_kernels.backends import Kernel
 from loragate_kernels.cpu.ops import greedy_rows_cpu
@@ -33,6 +36,14 @@ from loragate_kernels.cpu.ops import greedy_rows_cpu
 _NEG_INF = float("-inf")
 # Top-p looks for the nucleus among this many most likely tokens before falling back to a full sort.
 _CANDIDATES = 1024
+# A sampled row is drawn among its FEW_CANDIDATES largest logits (or its top-k and one more), then among
+# _CANDIDATES, before its whole row (`Sampler._draw`): a top-k of 1,024 costs ~5x one of 64 (32 rows, SmolLM2's
+# 49,152-token vocabulary: 7.1 against 1.5 ms), and a peaked row's nucleus is usually a few tokens.
+FEW_CANDIDATES = 64
+# Passes over whole rows run on blocks of rows of at most this many bytes: glibc maps a block above its mmap
+# threshold (32 MiB at most) fresh from the kernel each time, and faulting 32 MiB in cost ~10 ms (32 rows of Gemma
+# 3's 262,144-token vocabulary: exp(x / T - top).sum() took 37 ms at once, ~9 in blocks).
+_BLOCK_BYTES = 8 << 20
 NO_TOKEN = -1  # the token id of a row that has none to sample
 NON_FINITE = -2  # the token id of a row whose logits are not all finite (it is not sampled)
 
@@ -147,10 +158,10 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request], tables: TokenTables | None) -> SamplerOutput:
         """The full path (penalties, temperature, top-k/top-p, logprobs) for rows whose logits are finite."""
         raw = logits.float()
-        processed = self.process(raw, requests, tables)  # [B, V]
-        token_ids = self._draw(processed, requests).clamp_(0, processed.shape[1] - 1)  # [B]
+        adjusted = self._adjust(raw, requests, tables)  # [B, V]
+        token_ids = self._draw(adjusted, requests).clamp_(0, adjusted.shape[1] - 1)  # [B]
         # Every token masked: the draw's token is -inf too (a drawn token has a probability > 0 if any has).
-        empty = ~torch.isfinite(processed.gather(1, token_ids[:, None]).squeeze(1))  # [B]
+        empty = ~torch.isfinite(adjusted.gather(1, token_ids[:, None]).squeeze(1))  # [B]
         if bool(empty.any()):
             token_ids = token_ids.masked_fill(empty, NO_TOKEN)
         logprobs = _logprobs(raw, token_ids.clamp(min=0), requests)
@@ -163,8 +174,24 @@ class Sampler:
 
         Shapes: logits [B, V] -> [B, V] float32. Greedy rows are masked and penalised but not scaled or
         filtered (their token is the argmax); sampled rows are also divided by the temperature and have
-        -inf outside their top-k / top-p set, so softmax(row) is the row's sampling distribution.
+        -inf outside their top-k / top-p set, so softmax(row) is the row's sampling distribution. A step does not
+        build this whole: it draws sampled rows from their top candidates (`draw_from_candidates`).
         """
+        out = self._adjust(logits, requests, tables)
+        if out is logits:
+            out = out.clone()
+        rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if rows:
+            index = torch.tensor(rows, device=out.device)
+            out[index] = _filtered(out[index], [requests[i].sampling_params for i in rows])
+        return out
+
+    def _adjust(self, logits: torch.Tensor, requests: Sequence[Request], tables: TokenTables | None) -> torch.Tensor:
+        """A float32 copy of `logits` [B, V] with every row's constraint, logit_bias, min_tokens mask and penalties
+        applied: a greedy row's final logits, a sampled row's before its temperature and top-k / top-p. Where none
+        applies to any row, float32 `logits` itself (a copy is 32 MiB at 32 rows of Gemma 3's vocabulary)."""
+        if not any(map(_adjusts, requests)):
+            return logits.float()
         out = constrained_copy(logits.float(), requests)  # [B, V]
         apply_logit_bias(out, requests)
         self._mask_below_min_tokens(out, requests)
@@ -172,20 +199,6 @@ class Sampler:
             tables = ListTables(requests, out.shape[1], out.device)
         _apply_repetition_penalty(out, requests, tables)
         _apply_presence_frequency_penalties(out, requests, tables)
-        rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-        if not rows:
-            return out
-        params = [requests[i].sampling_params for i in rows]
-        index = torch.tensor(rows, device=out.device)
-        temperature = torch.tensor([p.temperature for p in params], device=out.device)  # [S]
-        scaled = out[index] / temperature[:, None]  # [S, V]
-        top_k = top_p = None
-        if any(p.top_k is not None for p in params):
-            vocab = out.shape[1]
-            top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=out.device)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=out.device)
-        out[index] = apply_top_k_top_p(scaled, top_k, top_p)
         return out
 
     def _banned(self, requests: Sequence[Request], vocab: int) -> tuple[list[int], list[int]]:
@@ -257,16 +270,53 @@ class Sampler:
             )
         return self._eos_index[key]
 
-    def _draw(self, processed: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """processed: [B, V] from `process`. Returns [B] int64 token ids."""
-        token_ids = argmax(processed)  # [B]; the answer for greedy rows
+    def _draw(self, adjusted: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """adjusted: [B, V] from `_adjust`. Returns [B] int64 token ids: a greedy row's argmax, a sampled row's draw
+        from softmax(`process`'s row), by the inverse CDF at the row's uniform (`sample_inverse_cdf`). Rows whose
+        kept set lies among their top candidates are drawn there (`draw_from_candidates`), the others from their
+        whole filtered row."""
         rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if len(rows) < len(requests):
+            token_ids = argmax(adjusted)  # [B]; the answer for greedy rows
+        else:
+            token_ids = torch.zeros(len(requests), dtype=torch.int64, device=adjusted.device)
         if not rows:
             return token_ids
-        index = torch.tensor(rows, device=processed.device)
-        probs = torch.softmax(processed[index], dim=-1)  # [S, V]
-        u = self._uniforms([requests[i] for i in rows]).to(processed.device)  # [S]
-        token_ids[index] = sample_inverse_cdf(probs, u)
+        index = torch.tensor(rows, device=adjusted.device)
+        x = adjusted if len(rows) == len(requests) else adjusted[index]  # [S, V]
+        params = [requests[i].sampling_params for i in rows]
+        u = self._uniforms([requests[i] for i in rows]).to(adjusted.device)  # [S]
+        vocab = x.shape[1]
+        temperature, top_k, top_p = _filter_tensors(params, vocab, x.device)
+        drawn = torch.zeros(len(rows), dtype=torch.int64, device=x.device)
+        # the rows not drawn yet; rows without top-k or top-p keep every token: no candidates can hold them
+        filtering = [(p.top_k or vocab) < vocab or p.top_p < 1.0 for p in params]
+        rest = torch.tensor([i for i, f in enumerate(filtering) if f], dtype=torch.int64, device=x.device)  # [R]
+        every_k = max((p.top_k or vocab for p in params), default=vocab)  # below vocab where every row has a top-k
+        first = every_k + 1 if every_k < _CANDIDATES else FEW_CANDIDATES
+        for num in sorted({min(vocab, first), min(vocab, _CANDIDATES)}) if rest.numel() else []:
+            sub = x if len(rest) == len(rows) else x[rest]
+            got, covered = draw_from_candidates(
+                sub,
+                temperature[rest],
+                None if top_k is None else top_k[rest],
+                None if top_p is None else top_p[rest],
+                u[rest],
+                num,
+            )
+            drawn[rest[covered]] = got[covered]
+            rest = rest[~covered]
+            if rest.numel() == 0:
+                break
+        # kept sets reaching past the candidates, and rows without filters: from the whole filtered row, in blocks
+        # of rows (the CDF is float64: twice the logits' bytes)
+        dense = sorted(set(rest.tolist()) | {i for i, f in enumerate(filtering) if not f})
+        step = max(1, _BLOCK_BYTES // (8 * vocab))
+        for lo in range(0, len(dense), step):
+            block = dense[lo : lo + step]
+            filtered = _filtered(x[block], [params[i] for i in block])
+            drawn[block] = sample_inverse_cdf(torch.softmax(filtered, dim=-1), u[block])
+        token_ids[index] = drawn
         return token_ids
 
     def _uniforms(self, requests: Sequence[Request]) -> torch.Tensor:
@@ -336,6 +386,98 @@ class RowTables:
         return self.tables.seen([self.rows[i] for i in index])
 
 
+def _adjusts(request: Request) -> bool:
+    """Whether `Sampler._adjust` changes the request's row: a constraint, a logit_bias, min_tokens still masking,
+    or a penalty."""
+    p = request.sampling_params
+    return bool(
+        request.constraint is not None
+        or p.logit_bias
+        or request.num_output_tokens < p.min_tokens
+        or p.repetition_penalty != 1.0
+        or (request.output_token_ids and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0))
+    )
+
+
+def _filter_tensors(
+    params: Sequence[SamplingParams], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Sampled rows' temperature [S] float32, top-k [S] int64 in [1, vocab] (vocab: none; None where no row has
+    one) and top-p [S] float32 (None where no row has one below 1)."""
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    top_k = top_p = None
+    if any(p.top_k is not None for p in params):
+        top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=device)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+    return temperature, top_k, top_p
+
+
+def _filtered(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Sampled rows [S, V] divided by their temperature, with -inf outside their top-k / top-p set."""
+    temperature, top_k, top_p = _filter_tensors(params, x.shape[1], x.device)
+    return apply_top_k_top_p(x / temperature[:, None], top_k, top_p)
+
+
+def draw_from_candidates(
+    x: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    u: torch.Tensor,
+    num: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled rows drawn among their largest logits, where their top-k / top-p set lies within them.
+
+    A step of 32 rows over Gemma 3's 262,144-token vocabulary at its model card's top-k 64 and top-p 0.95 took
+    ~240 ms on two cores the dense way (`_filtered`, a softmax over the row and a CDF over the whole vocabulary,
+    each a new [S, V] tensor), more than the step's forward pass; most rows keep a few dozen tokens. Here each row's
+    `num` largest logits are found in one pass, the filters run on them alone, and the draw is over the kept ones in
+    token-id order: the same inverse CDF at the same uniform as `sample_inverse_cdf` over `process`'s row (whose
+    other entries have probability 0), the weights left unnormalised (the CDF's last entry is the total). A row
+    with top-p and no top-k reads its whole row once more, for the total its nucleus takes its mass from.
+
+    Semantics, per row: covered = (the row's top logit is finite) and (the last candidate is not kept by the
+    filters, or the candidates are the whole vocabulary); if covered, token = the draw described above, equal to
+    `sample_inverse_cdf(softmax(process's row), u)` up to the rounding of the weights' sum. Rows not covered are
+    for the caller to draw from their whole row.
+    Shapes: x [S, V] float32 (`_adjust`'s rows), temperature [S] > 0, top_k [S] int64 in [1, V] (V: none) or None,
+    top_p [S] or None, u [S] float64 in [0, 1), 1 <= num <= V (a top-k row needs k + 1 to be covered: a tie with
+    its k-th logit reaching past the candidates shows there). Returns (token ids [S] int64, covered [S] bool).
+    """
+    vocab = x.shape[1]
+    has_k = None if top_k is None else top_k < vocab  # [S]
+    values, ids = _by_value_then_id(*x.topk(num, dim=-1))  # [S, num]
+    scaled = values / temperature[:, None]  # as `_filtered`: x / T is monotone in x, so these are its top `num`
+    top = scaled[:, :1]  # [S, 1]
+    keep = torch.isfinite(scaled)  # [S, num]
+    covered = torch.isfinite(top.squeeze(1))  # [S]
+    if top_k is not None and has_k is not None:
+        kth = scaled.gather(1, (top_k.clamp(max=num) - 1)[:, None])  # [S, 1]
+        keep &= ~has_k[:, None] | (scaled >= kth)
+        if num < vocab:  # a top-k set reaching the last candidate (k past them, or ties) may reach past it
+            covered &= ~has_k | ~keep[:, -1]
+    if top_p is not None:
+        # the mass of the kept set: among the candidates where a top-k keeps it there, else over the whole row
+        total = torch.where(keep, torch.exp(scaled - top), 0.0).sum(dim=-1)  # [S]
+        whole = torch.arange(len(x), device=x.device) if has_k is None else (~has_k).nonzero().squeeze(1)
+        step = max(1, _BLOCK_BYTES // (4 * vocab))
+        for lo in range(0, whole.numel(), step):
+            block = whole[lo : lo + step]
+            scaled_rows = x.index_select(0, block).div_(temperature[block, None]).sub_(top[block])  # a copy, in place
+            # e^x below e^-87 is subnormal or 0, and computing it took ~10x as long a value (a peaked row at a low
+            # temperature is mostly such values); the term that is 1 keeps them from changing the sum's bits
+            total[block] = scaled_rows.clamp_(min=-87.0).exp_().sum(dim=-1)
+        probs = (torch.exp(scaled - top) / total[:, None]).double().masked_fill(~keep, 0.0)  # [S, num]
+        keep &= _in_nucleus(probs, top_p)
+    if num < vocab:  # a kept set reaching the last candidate's value may reach past it
+        covered &= ~_reaches_last(keep, scaled)
+    weights = torch.where(keep, torch.exp(scaled - top), 0.0)  # [S, num], unnormalised probabilities
+    by_id, order = ids.sort(dim=-1)  # the CDF runs in token-id order, as over the whole row
+    token_ids = by_id.gather(1, sample_inverse_cdf(weights.gather(1, order), u).clamp(max=num - 1)[:, None])
+    return token_ids.squeeze(1), covered
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Set to -inf every logit outside the row's top-k, then outside its top-p nucleus.
 
@@ -355,17 +497,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     # the top candidates first; rows whose nucleus (or top-k set) reaches past them are sorted in full.
     masked = logits if top_k is None else logits.masked_fill(logits < kth, _NEG_INF)  # [B, V]
     num = min(logits.shape[1], _CANDIDATES)
-    values, ids = masked.topk(num, dim=-1)  # [B, num], descending
+    values, ids = _by_value_then_id(*masked.topk(num, dim=-1))  # [B, num]
     top = values[:, :1]  # [B, 1]
     total = torch.exp(masked - top).sum(dim=-1, keepdim=True)  # [B, 1]
     probs = (torch.exp(values - top) / total).double()  # [B, num]
-    mass_above = probs.cumsum(dim=-1) - probs  # [B, num]
-    keep = (values > _NEG_INF) & (mass_above < top_p.double()[:, None])
-    keep[:, 0] = True  # always keep the most probable token
+    keep = (values > _NEG_INF) & _in_nucleus(probs, top_p)
     out = torch.full_like(logits, _NEG_INF).scatter_(1, ids, values.masked_fill(~keep, _NEG_INF))
     if num < logits.shape[1]:
         # Covered rows drop their last candidate, and with it every less likely token.
-        rows = keep[:, -1].nonzero().squeeze(1)  # [U]
+        rows = _reaches_last(keep, values).nonzero().squeeze(1)  # [U]
         if rows.numel() > 0:
             out[rows] = _top_p_sorted(masked[rows], top_p[rows])
     return out
@@ -383,12 +523,41 @@ def _kth_largest(logits: torch.Tensor, top_k: torch.Tensor | None) -> torch.Tens
 
 
 def _top_p_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-p by a full ascending sort, as HF's TopPLogitsWarper. logits [R, V], top_p [R] -> [R, V]."""
-    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    """Top-p by a full sort, as HF's TopPLogitsWarper: the tokens whose ascending cumulative mass is at most 1 - p
+    are dropped. logits [R, V], top_p [R] -> [R, V]. Equal logits sort by token id, the lower nearer the top, as in
+    `_by_value_then_id`."""
+    vocab = logits.shape[1]
+    sorted_logits, flipped = logits.flip(-1).sort(dim=-1, stable=True)  # ascending; ties: higher ids first
+    order = vocab - 1 - flipped
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [R, V]
     drop = cum <= (1.0 - top_p)[:, None]
     drop[:, -1] = False  # always keep the most probable token
     return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, _NEG_INF))
+
+
+def _reaches_last(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[R] bool: whether a row keeps a candidate whose value equals its last candidate's. Such a row's kept set may
+    reach past its candidates: tokens of that value outside them, and which tied tokens `topk` took in is its own
+    choice. keep, values [R, n] in `_by_value_then_id`'s order."""
+    return (keep & (values == values[:, -1:])).any(dim=-1)
+
+
+def _in_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[R, n] bool: whether each of a row's tokens, most probable first (`probs` float64 in that order), has less
+    than the row's top-p of mass above it; the first always, and every one where top-p is 1 (the sum's rounding
+    may reach 1 before the row's last token)."""
+    keep = (probs.cumsum(dim=-1) - probs < top_p.double()[:, None]) | (top_p >= 1.0)[:, None]
+    keep[:, 0] = True
+    return keep
+
+
+def _by_value_then_id(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk`'s output [R, n] reordered by value (descending), equal values by token id: top-p's cut falls among
+    tied tokens the same way on every path (topk orders ties as it likes, and one vocabulary row of bf16 logits
+    holds many ties)."""
+    by_id, order = ids.sort(dim=-1)
+    values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
+    return values, by_id.gather(1, order)
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

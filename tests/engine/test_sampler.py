@@ -15,7 +15,17 @@ from transformers.generation.logits_process import (
 )
 
 from engine.core.request import Request, SamplingParams
-from engine.worker.sampler import NO_TOKEN, NON_FINITE, Sampler, argmax, argmax_list, greedy_one_copy
+from engine.worker.sampler import (
+    FEW_CANDIDATES,
+    NO_TOKEN,
+    NON_FINITE,
+    Sampler,
+    argmax,
+    argmax_list,
+    draw_from_candidates,
+    greedy_one_copy,
+    sample_inverse_cdf,
+)
 from engine.worker.token_masks import unpack_bitmask
 
 EOS = 3
@@ -81,6 +91,73 @@ def test_filtered_distribution_matches_hf_processors(scale: float, vocab: int) -
     assert torch.isfinite(processed[4]).sum() == 1  # top_k=1
 
 
+# Rows of a step as the model cards' defaults and requests give them: top-k alone, top-p alone, both, a top-k past
+# the candidates, and rows that keep every token (no filter) or one.
+_DRAW_PARAMS = [
+    dict(temperature=1.0, top_k=64, top_p=0.95),  # Gemma 3's generation_config
+    dict(temperature=0.7, top_k=20, top_p=0.8),  # Qwen2.5's
+    dict(temperature=0.2, top_p=0.9),  # SmolLM2's card
+    dict(temperature=1.3, top_p=0.99),
+    dict(temperature=0.5, top_k=3),
+    dict(temperature=1.0, top_k=1500, top_p=0.9),  # a top-k past the candidates
+    dict(temperature=0.9),  # every token kept
+    dict(temperature=0.8, top_k=1),
+]
+
+
+def _dense_draws(sampler_raw: torch.Tensor, reqs: list[Request], u: torch.Tensor) -> list[int]:
+    """The reference draw: `process`'s whole rows (the filters, checked against HF's above), softmax, and the
+    inverse CDF over the whole vocabulary at each row's uniform."""
+    processed = Sampler((EOS,), seed=0).process(sampler_raw, reqs)
+    return sample_inverse_cdf(torch.softmax(processed, dim=-1), u).tolist()
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0], ids=["flat", "peaked", "sharp"])
+@pytest.mark.parametrize("vocab", [300, 5000, 70000])
+def test_candidate_draws_equal_whole_row_draws(scale: float, vocab: int) -> None:
+    """A step draws sampled rows among their top candidates (`draw_from_candidates`) where their kept set lies
+    there, the others from their whole row: each row's token equals the whole-row draw at the same uniform, for
+    uniforms across [0, 1) including its ends, with ties at the k-th logit (rounded logits) as well."""
+    gen = torch.Generator().manual_seed(vocab + int(scale * 10))
+    reqs = [_request(SamplingParams(**kw), rid=str(i)) for i, kw in enumerate(_DRAW_PARAMS)]
+    rows = len(reqs)
+    for rounded in (False, True):
+        raw = torch.randn(rows, vocab, generator=gen) * scale
+        if rounded:
+            raw = raw.mul(2).round().div(2)  # many equal logits: ties at every rank
+        for trial in range(6):
+            u = torch.rand(rows, generator=gen, dtype=torch.float64)
+            if trial == 0:
+                u[: rows // 2], u[rows // 2 :] = 0.0, 1.0 - 2**-53
+            sampler = Sampler((EOS,), seed=0)
+            sampler._uniforms = lambda requests, u=u: u.clone()  # the draws' uniforms, given
+            got = sampler(raw, reqs).token_ids
+            assert got == _dense_draws(raw, reqs, u), (rounded, trial)
+
+
+def test_candidate_draws_cover_what_they_can_and_only_that() -> None:
+    """Which rows the candidates decide: a top-k row with its k + 1 largest (not when its k-th ties past them), a
+    peaked top-p row, a flat one only with enough candidates; never a row that keeps every token."""
+    vocab = 5000
+    gen = torch.Generator().manual_seed(3)
+    peaked, flat = torch.randn(vocab, generator=gen) * 8, torch.randn(vocab, generator=gen) * 0.1
+    tied = peaked.clone()
+    top = tied.topk(100).indices
+    tied[top[3:100]] = tied[top[3]].item()  # the 4th to 100th largest equal: past FEW_CANDIDATES
+    x = torch.stack([peaked, tied, peaked, flat, flat, peaked])
+    temperature = torch.ones(6)
+    top_k = torch.tensor([4, 4, vocab, vocab, vocab, vocab])
+    top_p = torch.tensor([1.0, 1.0, 0.9, 0.9, 0.3, 1.0])
+    u = torch.full((6,), 0.5, dtype=torch.float64)
+    _, covered = draw_from_candidates(x, temperature, top_k, top_p, u, FEW_CANDIDATES)
+    assert covered.tolist() == [True, False, True, False, False, False]
+    _, covered = draw_from_candidates(x, temperature, top_k, top_p, u, vocab)
+    assert covered.tolist() == [True] * 6  # the whole vocabulary: every row's kept set is among them
+    assert draw_from_candidates(x.new_full((1, vocab), float("-inf")), temperature[:1], None, top_p[2:3], u[:1], 8)[
+        1
+    ].tolist() == [False]  # nothing finite: for the whole-row path, which gives NO_TOKEN
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -98,6 +175,20 @@ def test_does_not_modify_its_input(params: dict) -> None:
     out = Sampler((EOS,), seed=0)(raw, reqs)
     assert torch.equal(raw, before)
     assert EOS not in out.token_ids
+
+
+def test_a_batch_with_nothing_to_adjust_is_read_in_place_and_left_as_it_was() -> None:
+    """Without a constraint, bias, min_tokens or penalty the logits are not copied: the draws and logprobs read
+    them, and neither `process` nor a step writes into them."""
+    raw = torch.randn(4, 3000, generator=torch.Generator().manual_seed(5)) * 3
+    before = raw.clone()
+    reqs = [_request(SamplingParams(temperature=0.9, top_k=5, top_p=0.9, logprobs=2)) for _ in range(4)]
+    out = Sampler((EOS,), seed=0)(raw, reqs)
+    processed = Sampler((EOS,), seed=0).process(raw, reqs)
+    assert torch.equal(raw, before)
+    for i, token in enumerate(out.token_ids):
+        assert token in raw[i].topk(5).indices.tolist() and torch.isfinite(processed[i, token])
+        assert out.logprobs[i] is not None and out.logprobs[i].token_id == token
 
 
 def test_fast_path_greedy_is_argmax_and_returns_python_ints() -> None:
