@@ -3,9 +3,11 @@ requests (W1's prompts, all decoding), base model and mixed LoRA (the 8 W1 adapt
 
 The engine is built and warmed, all 32 requests are added and stepped past their prefill, then `--steps` decode
 steps are profiled; the table lists the ops with the most self CPU time per step, and the step's mean wall time
-(with and without the profiler, which adds a few µs an op).
+(with and without the profiler, which adds a few µs an op). Rows are greedy unless `--temperature` is set (a model
+card's sampling defaults, e.g. Gemma 3's `--temperature 1 --top-k 64 --top-p 0.95`).
 
     python bench/step_profile.py [--dtype float32|bfloat16] [--lora] [--steps 10] [--threads 2] [--top 20]
+        [--temperature T --top-k K --top-p P]
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default: greedy)")
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     resolved = resolve_model(args.model)
@@ -47,7 +52,14 @@ def main() -> None:
         config["adapter_dir"] = str(dirs[0].parent)
         adapters = [dirs[i % 8].name for i in range(len(prompts))]
     engine = LLMEngine(EngineConfig(**config))
-    params = SamplingParams(max_tokens=1_000, min_tokens=1_000, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=1_000,
+        min_tokens=1_000,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        ignore_eos=True,
+    )
     for i, (p, adapter) in enumerate(zip(prompts, adapters, strict=True)):
         engine.add_request(f"r{i}", p, params, adapter_id=adapter)
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running) or (
@@ -65,7 +77,9 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step()
         profiled_ms = (time.perf_counter() - start) / args.steps * 1e3
-    label = f"{args.dtype}, {'mixed LoRA' if args.lora else 'base'}, {len(prompts)} decoding, {args.threads} threads"
+    sampling = "greedy" if args.temperature == 0 else f"T {args.temperature}, top-k {args.top_k}, top-p {args.top_p}"
+    rows = "mixed LoRA" if args.lora else "base"
+    label = f"{args.dtype}, {rows}, {len(prompts)} decoding, {sampling}, {args.threads} threads"
     print(f"decode step ({label}): {plain_ms:.1f} ms ({profiled_ms:.1f} ms under the profiler)")
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
