@@ -16,6 +16,8 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,10 +29,10 @@ from engine.worker.sampler import Sampler, sample_inverse_cdf  # noqa: E402
 
 # (model, vocabulary, its generation_config's sampling defaults)
 CASES = [
-    ("SmolLM2", 49_152, dict(temperature=0.2, top_p=0.9)),
-    ("Qwen2.5", 151_936, dict(temperature=0.7, top_k=20, top_p=0.8)),
-    ("Gemma 3", 262_144, dict(temperature=1.0, top_k=64, top_p=0.95)),
-    ("Gemma 3, temperature alone", 262_144, dict(temperature=1.0)),
+    ("SmolLM2", 49_152, SamplingParams(temperature=0.2, top_p=0.9)),
+    ("Qwen2.5", 151_936, SamplingParams(temperature=0.7, top_k=20, top_p=0.8)),
+    ("Gemma 3", 262_144, SamplingParams(temperature=1.0, top_k=64, top_p=0.95)),
+    ("Gemma 3, temperature alone", 262_144, SamplingParams(temperature=1.0)),
 ]
 
 
@@ -51,11 +53,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"{args.rows} rows, {args.threads} threads, logits N(0, 1) x {args.scale}; median ms per step")
     print(f"{'model (defaults)':58s} {'vocab':>7s} {'sampler':>8s} {'whole-row':>9s} {'ratio':>6s}")
-    for name, vocab, defaults in CASES:
+    for name, vocab, params in CASES:
         logits = torch.randn(args.rows, vocab, generator=torch.Generator().manual_seed(vocab)) * args.scale
-        requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(**defaults)) for i in range(args.rows)]
+        requests = [Request(f"r{i}", [1, 2, 3], params) for i in range(args.rows)]
         sampler = Sampler((2,), seed=0)
-        sides = {"sampler": lambda: sampler(logits, requests), "whole": lambda: whole_row(sampler, logits, requests)}
+        sides: dict[str, Callable[[], object]] = {
+            "sampler": partial(sampler, logits, requests),
+            "whole": partial(whole_row, sampler, logits, requests),
+        }
         times: dict[str, list[float]] = {side: [] for side in sides}
         for _ in range(2):  # warm
             for run in sides.values():
@@ -66,7 +71,7 @@ def main() -> None:
                 run()
                 times[side].append(time.perf_counter() - start)
         ours, whole = (statistics.median(times[side]) * 1e3 for side in ("sampler", "whole"))
-        label = f"{name} {defaults}"
+        label = f"{name} (T {params.temperature}, top-k {params.top_k}, top-p {params.top_p})"
         print(f"{label[:58]:58s} {vocab:7d} {ours:8.1f} {whole:9.1f} {whole / ours:5.1f}x")
 
 
