@@ -437,8 +437,9 @@ def draw_from_candidates(
     other entries have probability 0), the weights left unnormalised (the CDF's last entry is the total). A row
     with top-p and no top-k reads its whole row once more, for the total its nucleus takes its mass from.
 
-    Semantics, per row: covered = (the row's top logit is finite) and (the last candidate is not kept by the
-    filters, or the candidates are the whole vocabulary); if covered, token = the draw described above, equal to
+    Semantics, per row: covered = (the row's top logit is finite) and (no candidate the filters keep has the last
+    candidate's value, or the candidates are the whole vocabulary: `_reaches_last`); if covered, token = the draw
+    described above, equal to
     `sample_inverse_cdf(softmax(process's row), u)` up to the rounding of the weights' sum. Rows not covered are
     for the caller to draw from their whole row.
     Shapes: x [S, V] float32 (`_adjust`'s rows), temperature [S] > 0, top_k [S] int64 in [1, V] (V: none) or None,
@@ -504,7 +505,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     keep = (values > _NEG_INF) & _in_nucleus(probs, top_p)
     out = torch.full_like(logits, _NEG_INF).scatter_(1, ids, values.masked_fill(~keep, _NEG_INF))
     if num < logits.shape[1]:
-        # Covered rows drop their last candidate, and with it every less likely token.
+        # A row whose kept set reaches its last candidate's value may reach past the candidates: sorted in full.
         rows = _reaches_last(keep, values).nonzero().squeeze(1)  # [U]
         if rows.numel() > 0:
             out[rows] = _top_p_sorted(masked[rows], top_p[rows])
