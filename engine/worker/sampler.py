@@ -452,6 +452,7 @@ def draw_from_candidates(
     scaled = values / temperature[:, None]  # as `_filtered`: x / T is monotone in x, so these are its top `num`
     top = scaled[:, :1]  # [S, 1]
     keep = torch.isfinite(scaled)  # [S, num]
+    exps = torch.exp(scaled - top)  # [S, num]: unnormalised probabilities
     covered = torch.isfinite(top.squeeze(1))  # [S]
     if top_k is not None and has_k is not None:
         kth = scaled.gather(1, (top_k.clamp(max=num) - 1)[:, None])  # [S, 1]
@@ -460,7 +461,7 @@ def draw_from_candidates(
             covered &= ~has_k | ~keep[:, -1]
     if top_p is not None:
         # the mass of the kept set: among the candidates where a top-k keeps it there, else over the whole row
-        total = torch.where(keep, torch.exp(scaled - top), 0.0).sum(dim=-1)  # [S]
+        total = torch.where(keep, exps, 0.0).sum(dim=-1)  # [S]
         whole = torch.arange(len(x), device=x.device) if has_k is None else (~has_k).nonzero().squeeze(1)
         step = max(1, _BLOCK_BYTES // (4 * vocab))
         for lo in range(0, whole.numel(), step):
@@ -469,11 +470,11 @@ def draw_from_candidates(
             # e^x below e^-87 is subnormal or 0, and computing it took ~10x as long a value (a peaked row at a low
             # temperature is mostly such values); the term that is 1 keeps them from changing the sum's bits
             total[block] = scaled_rows.clamp_(min=-87.0).exp_().sum(dim=-1)
-        probs = (torch.exp(scaled - top) / total[:, None]).double().masked_fill(~keep, 0.0)  # [S, num]
+        probs = (exps / total[:, None]).double().masked_fill(~keep, 0.0)  # [S, num]
         keep &= _in_nucleus(probs, top_p)
     if num < vocab:  # a kept set reaching the last candidate's value may reach past it
         covered &= ~_reaches_last(keep, scaled)
-    weights = torch.where(keep, torch.exp(scaled - top), 0.0)  # [S, num], unnormalised probabilities
+    weights = torch.where(keep, exps, 0.0)  # [S, num]
     by_id, order = ids.sort(dim=-1)  # the CDF runs in token-id order, as over the whole row
     token_ids = by_id.gather(1, sample_inverse_cdf(weights.gather(1, order), u).clamp(max=num - 1)[:, None])
     return token_ids.squeeze(1), covered
