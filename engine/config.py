@@ -201,6 +201,16 @@ class EngineConfig:
             off="--no-prefix-cache",
         ),
     )
+    head_screen: bool = _setting(
+        True,
+        Flag(
+            "fp32 on a CPU with the bf16 dot instruction: greedy rows compute the whole fp32 LM head, instead of a "
+            "bf16 screen of it and the exact fp32 logits of the few tokens it leaves (the same tokens; the screen "
+            "keeps a bf16 copy of the head, half the fp32 head's memory: engine/model/head_screen.py)",
+            _SWITCH,
+            off="--no-head-screen",
+        ),
+    )
     metrics_max_adapters: int = _setting(
         50,
         Flag(

@@ -284,6 +284,12 @@ class Backends:
             tuple(sorted(forced.items())),
         )
 
+    @property
+    def head_screen(self) -> bool:
+        """Whether greedy rows can take their token from a bf16 screen of the fp32 LM head
+        (engine/model/head_screen.py): the fp32 panels route, on a CPU with the bf16 dot instruction."""
+        return self.gemm is Gemm.PANELS and self.machine.bf16_dot
+
     def describe(self) -> dict[str, Any]:
         """What GET /load and the start log show."""
         machine = self.machine

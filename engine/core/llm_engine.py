@@ -90,7 +90,7 @@ class LLMEngine:
         self.backends = backends = Backends.resolve(device, config.dtype)
         logger.info("backends: %s", backends.summary())
         self.dtype = dtype = backends.dtype
-        self.model = load_model(resolved.path, backends)
+        self.model = load_model(resolved.path, backends, head_screen=config.head_screen)
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         self.max_model_len = self._max_model_len(config, mc.max_position_embeddings)

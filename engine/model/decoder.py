@@ -23,6 +23,7 @@ from engine.lora.dora import row_norms
 from engine.lora.vocab_lora import BaseVocab
 from engine.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 from engine.model.cpu_gemm import PackedLinear, PanelEmbedding, packed_linear, prepack_linears
+from engine.model.head_screen import HeadScreen
 from engine.model.layer_ops import LAYER_OPS, LayerOps, TorchLayerOps
 from loragate_kernels.backends import Backends, Gemm
 
@@ -297,6 +298,8 @@ class CausalLM(nn.Module):
         self.base_vocab = BaseVocab(lambda: None if (m := model()) is None else m.vocab_matrices())
         # the base's side of DoRA adapters' row scales (engine/lora/dora.py), taken by `prepack` from the plain weights
         self.dora_row_norms: list[dict[str, torch.Tensor]] | None = None
+        # greedy rows' tokens without the whole fp32 head, where `prepack` built one (engine/model/head_screen.py)
+        self.head_screen: HeadScreen | None = None
 
     def forward(
         self,
@@ -361,14 +364,17 @@ class CausalLM(nn.Module):
             return F.linear(hidden, self.embed_tokens.weight)
         return self.lm_head(hidden)
 
-    def prepack(self) -> int:
+    def prepack(self, head_screen: bool = True) -> int:
         """Every projection and the LM head with weights laid out for the GEMM route of `backends`
         (engine/model/cpu_gemm.py; a tied head gets a copy of the embeddings in its route's layout, and reads them
         as they are on cpu/gemm.cpp's row-major route; on cpu/panels.cpp's route the embeddings are then read from
         the head's copy, `PanelEmbedding`, and the row-major one is dropped). Returns how many GEMMs were laid out
         (0 on the plain F.linear route). Adapters' copies of the embedding and head are compared with digests of the
         plain matrices, taken first where those are about to go (engine/lora/vocab_lora.py BaseVocab), and so are the
-        projections' row norms DoRA's scales need (engine/lora/dora.py `row_norms`)."""
+        projections' row norms DoRA's scales need (engine/lora/dora.py `row_norms`). Where `head_screen` and the route
+        allow it (loragate_kernels/backends.py `Backends.head_screen`), the head's plain matrix also gives its greedy
+        screen (engine/model/head_screen.py)."""
+        plain_head = self.vocab_matrices()["lm_head"]
         if self.backends.gemm is not Gemm.TORCH:
             self.base_vocab.capture()
             self.dora_row_norms = row_norms(self)
@@ -379,4 +385,8 @@ class CausalLM(nn.Module):
             count += head is not None
             if isinstance(head, PackedLinear) and head.panels and head.weight.dtype == embeddings.dtype:
                 self.embed_tokens = PanelEmbedding(head.weight)
+        packed = self.lm_head
+        if head_screen and self.backends.head_screen and isinstance(packed, PackedLinear) and packed.panels:
+            if HeadScreen.supports(plain_head, packed.bias):
+                self.head_screen = HeadScreen(plain_head, packed.weight)
         return count

@@ -42,10 +42,10 @@ _GEMMA_NORMS = {
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 
-def load_model(model_dir: Path, backends: Backends, prepack: bool = True) -> CausalLM:
+def load_model(model_dir: Path, backends: Backends, prepack: bool = True, head_screen: bool = True) -> CausalLM:
     """Our CausalLM with the directory's safetensors weights on `backends.device` in `backends.dtype`, in eval
-    mode; its GEMMs' weights laid out for the GEMM route of `backends` unless `prepack` is False
-    (CausalLM.prepack)."""
+    mode; its GEMMs' weights laid out for the GEMM route of `backends` unless `prepack` is False, with the LM head's
+    greedy screen where `head_screen` and the route allow it (CausalLM.prepack)."""
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     tensors = _read_safetensors(model_dir)
@@ -56,7 +56,7 @@ def load_model(model_dir: Path, backends: Backends, prepack: bool = True) -> Cau
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)  # serving only: no autograd graph even outside inference_mode
     parameters = sum(p.numel() for p in model.parameters())
-    packed = model.prepack() if prepack else 0
+    packed = model.prepack(head_screen) if prepack else 0
     logger.info(
         "loaded %s: %d layers, %.1fM parameters, %d GEMMs laid out for the %s route",
         model_dir.name,

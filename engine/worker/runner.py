@@ -30,7 +30,7 @@ from engine.model.decoder import CausalLM
 from engine.worker.cuda_graphs import DecodeGraphs, Graph, GraphStep
 from engine.worker.input_batch import InputBatch
 from engine.worker.prompt_logprobs import HeadLora, PromptChunk, plan_chunk, score_prompt_chunks
-from engine.worker.sampler import NON_FINITE, RowTables, Sampler
+from engine.worker.sampler import NO_TOKEN, NON_FINITE, RowTables, Sampler, SamplerOutput
 
 NON_FINITE_LOGITS = (
     "the model computed non-finite logits (NaN or inf) for this request; its adapter's weights are the usual cause"
@@ -154,10 +154,7 @@ class ModelRunner:
             hidden = hidden[step.sample_rows]
             sampling = [requests[i] for i in step.sample_idx]
             sampling_rows = [rows[i] for i in step.sample_idx]
-        logits = self.model.compute_logits(hidden)  # [S, vocab]
-        if vocab is not None and vocab.heads:  # the LM-head LoRA of the rows whose adapter has one
-            vocab.head(logits, hidden, [slots[i] for i in step.sample_idx])
-        out = self.sampler(logits, sampling, RowTables(self.batch, sampling_rows))
+        out = self._sample(hidden, sampling, sampling_rows, vocab, [slots[i] for i in step.sample_idx])
         if order is None and step.sample_rows is None and min(out.token_ids) >= 0:  # all sampled, in batch order
             return RunnerOutput(out.token_ids, out.logprobs, errors, scored)
         for i, token, logprob in zip(step.sample_idx, out.token_ids, out.logprobs, strict=True):
@@ -167,6 +164,45 @@ class ModelRunner:
             else:
                 errors[j] = NON_FINITE_LOGITS if token == NON_FINITE else NO_TOKEN_LEFT
         return RunnerOutput(sampled, logprobs, errors, scored)
+
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        requests: list[Request],
+        rows: list[int],
+        vocab: VocabStep | None,
+        slots: list[int | None],
+    ) -> SamplerOutput:
+        """The tokens of the sampling rows (hidden [S, hidden]): where every row's token is an argmax of its raw logits
+        and the model has a screen of its head (engine/model/head_screen.py), from the screen, and from the full
+        logits only for the rows it cannot vouch for; otherwise from the full logits (plus the rows' LM-head LoRA)."""
+        screen = self.model.head_screen
+        if screen is not None and (vocab is None or not vocab.heads):
+            banned = self.sampler.argmax_bans(requests, screen.vocab, hidden.device)
+            if banned is not None:
+                screened = screen.tokens(hidden, banned)
+                rest = [i for i, token in enumerate(screened) if token is None]
+                tokens = [NO_TOKEN if token is None else token for token in screened]
+                if rest:
+                    part = self._sample_logits(hidden[rest], [requests[i] for i in rest], [rows[i] for i in rest])
+                    for i, token in zip(rest, part.token_ids, strict=True):
+                        tokens[i] = token
+                return SamplerOutput(tokens, [None] * len(tokens))
+        return self._sample_logits(hidden, requests, rows, vocab, slots)
+
+    def _sample_logits(
+        self,
+        hidden: torch.Tensor,
+        requests: list[Request],
+        rows: list[int],
+        vocab: VocabStep | None = None,
+        slots: list[int | None] | None = None,
+    ) -> SamplerOutput:
+        logits = self.model.compute_logits(hidden)  # [S, vocab]
+        if vocab is not None and vocab.heads:  # the LM-head LoRA of the rows whose adapter has one
+            assert slots is not None
+            vocab.head(logits, hidden, slots)
+        return self.sampler(logits, requests, RowTables(self.batch, rows))
 
     def _slot(self, request: Request) -> int | None:
         if request.adapter is None:

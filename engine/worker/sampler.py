@@ -132,7 +132,7 @@ class Sampler:
             return SamplerOutput(greedy_one_copy(logits), [None] * len(requests))
         greedy = all(r.sampling_params.plain_greedy for r in requests)
         if greedy:
-            picked = self._greedy_cpp(logits, requests, plain)
+            picked = self._greedy_cpp(logits, requests)
             if picked is not None:
                 return SamplerOutput(picked, [None] * len(requests))
         ok = finite_rows(logits)  # [B]
@@ -221,19 +221,27 @@ class Sampler:
         if rows:
             logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
 
-    def _greedy_cpp(self, logits: torch.Tensor, requests: Sequence[Request], plain: bool) -> list[int] | None:
+    def _greedy_cpp(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int] | None:
         """Greedy rows' tokens in one pass of loragate_kernels/cpu/sampling.cpp (argmax, finiteness and the EOS mask of
         min_tokens together), where the CPU's C++ ops run and every row is plain or masks EOS alone (W1's rows);
         None otherwise. The same tokens as the torch path below (`finite_rows`, `argmax_list`, `_greedy_masked`)."""
         if not self.greedy_cpp or logits.device.type != "cpu":
             return None
-        if plain:
-            banned = torch.empty(0, dtype=torch.long)
-        elif _mask_eos_alone(requests):
-            banned = self._eos_columns(logits.shape[1], logits.device)
-        else:
+        banned = self.argmax_bans(requests, logits.shape[1], logits.device)
+        if banned is None:
             return None
         return greedy_rows_cpu(logits, banned, NON_FINITE, NO_TOKEN)
+
+    def argmax_bans(self, requests: Sequence[Request], vocab: int, device: torch.device) -> torch.Tensor | None:
+        """[n] int64 token ids, the same for every row, when each row's token is the first maximal raw logit outside
+        them (plain greedy rows: none; greedy rows whose min_tokens masks EOS alone: the EOS ids); None otherwise."""
+        if not all(r.sampling_params.plain_greedy for r in requests):
+            return None
+        if all(map(_is_plain_greedy, requests)):
+            return torch.empty(0, dtype=torch.long, device=device)
+        if _mask_eos_alone(requests):
+            return self._eos_columns(vocab, device)
+        return None
 
     def _greedy_masked(self, logits: torch.Tensor, requests: Sequence[Request], finite: list[bool]) -> list[int]:
         """Argmax per row after the min_tokens mask; NON_FINITE for a row whose logits are not all finite, NO_TOKEN

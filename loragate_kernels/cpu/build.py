@@ -3,9 +3,9 @@
 
 The sources: batched LoRA (`lora.cpp`), paged decode attention (`attention.cpp`), a decoder layer's fused
 elementwise ops (`layer.cpp`: RMSNorm with the residual add, SiLU-and-mul, RoPE with the K/V cache write), the greedy
-pick (`sampling.cpp`) and the GEMMs (`panels.cpp` for fp32 on AVX-512, `gemm.cpp` for fp32 on AVX2, `amx.cpp` for
-bf16 on AMX tiles or the bf16 dot instruction), with `common.h` (vector helpers) and `lora.h` (the LoRA op's entry,
-which every GEMM's fused twin calls on its output).
+pick (`sampling.cpp`), the GEMMs (`panels.cpp` for fp32 on AVX-512, `gemm.cpp` for fp32 on AVX2, `amx.cpp` for bf16
+on AMX tiles or the bf16 dot instruction) and the greedy screen of a wide fp32 LM head (`screen.cpp`), with
+`common.h` (vector helpers) and `lora.h` (the LoRA op's entry, which every GEMM's fused twin calls on its output).
 
 `load()` builds the ops the first time a process asks (torch.utils.cpp_extension with ninja and the system C++
 compiler, ~20 s on 2 cores; later processes reuse the build), for this CPU (`-march=native`; the build's name
@@ -32,7 +32,16 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("lora.cpp", "attention.cpp", "layer.cpp", "sampling.cpp", "gemm.cpp", "amx.cpp", "panels.cpp")
+    for name in (
+        "lora.cpp",
+        "attention.cpp",
+        "layer.cpp",
+        "sampling.cpp",
+        "gemm.cpp",
+        "amx.cpp",
+        "panels.cpp",
+        "screen.cpp",
+    )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "lora.h")]
 # -fno-trapping-math lets GCC vectorize the float -> int conversion in the ops' e^x (no value changes).

@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <type_traits>
@@ -255,6 +256,52 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const 
   return y;
 }
 
+// out[m, i] = panel_linear(x, panels, bias, n)[m, cols[m, i]], to the bit, for the few columns each row lists (-1:
+// none, -inf out): each one's sums in panel_linear's order (blocks of PANEL_K products, one fused multiply-add each, a
+// block's sum then added to the running sum, then the bias), a row's columns 8 at a time so their reads overlap.
+// The greedy head screen's exact step (engine/model/head_screen.py).
+at::Tensor panel_columns(const at::Tensor& x_in, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                         int64_t n, const at::Tensor& cols) {
+  const auto [x, bias_ptr] = checked("panel_columns", x_in, panels, bias, n);
+  TORCH_CHECK(cols.dim() == 2 && cols.size(0) == x.size(0) && cols.scalar_type() == at::kLong && cols.is_contiguous(),
+              "cols must be a contiguous int64 [", x.size(0), ", C]");
+  const int64_t m = x.size(0), k = x.size(1), width = cols.size(1);
+  const int64_t* col = cols.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m * width; ++i)
+    TORCH_CHECK(col[i] >= -1 && col[i] < n, "column ", col[i], " is outside the weight's ", n, " rows");
+  at::Tensor out = at::empty({m, width}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* xs = x.data_ptr<float>();
+  const float* base = panels.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  constexpr int64_t LANES = 8;
+  at::parallel_for(0, m * ((width + LANES - 1) / LANES), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t row = item / ((width + LANES - 1) / LANES), i0 = item % ((width + LANES - 1) / LANES) * LANES;
+      const float* xr = xs + row * x.stride(0);
+      const float* w[LANES];
+      float part[LANES], acc[LANES];
+      for (int64_t l = 0; l < LANES; ++l) {
+        const int64_t c = i0 + l < width ? col[row * width + i0 + l] : -1;
+        w[l] = c < 0 ? nullptr : base + (c / PANEL) * k * PANEL + c % PANEL;
+        part[l] = 0.0f;
+      }
+      for (int64_t k0 = 0; k0 < k; k0 += PANEL_K) {
+        for (int64_t l = 0; l < LANES; ++l) acc[l] = 0.0f;
+        const int64_t k1 = std::min(k, k0 + PANEL_K);
+        for (int64_t kk = k0; kk < k1; ++kk)
+          for (int64_t l = 0; l < LANES; ++l)
+            if (w[l] != nullptr) acc[l] = std::fma(w[l][kk * PANEL], xr[kk], acc[l]);
+        for (int64_t l = 0; l < LANES; ++l) part[l] = k0 == 0 ? acc[l] : part[l] + acc[l];
+      }
+      for (int64_t l = 0; l < LANES && i0 + l < width; ++l) {
+        const int64_t c = col[row * width + i0 + l];
+        y[row * width + i0 + l] = c < 0 ? -INFINITY : part[l] + (bias_ptr ? bias_ptr[c] : 0.0f);
+      }
+    }
+  });
+  return out;
+}
+
 // panel_linear of a [gate; up] weight with cpu/layer.cpp's silu_mul on its output, in one pass: equal to
 // silu_mul(panel_linear(x, panels, bias, n)) to the bit, without the [M, n] product in memory.
 at::Tensor panel_linear_silu(const at::Tensor& x_in, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
@@ -290,6 +337,7 @@ TORCH_LIBRARY_FRAGMENT(loragate_cpu, m) {
   m.def("panel_pack_weight(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
   m.def("panel_linear_silu(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
+  m.def("panel_columns(Tensor x, Tensor panels, Tensor? bias, int n, Tensor cols) -> Tensor");
   m.def(
       "panel_linear_lora(Tensor x, Tensor panels, Tensor? bias, int n, Tensor segments, Tensor pool, Tensor block, "
       "int[] out_cols) -> Tensor");
@@ -299,5 +347,6 @@ TORCH_LIBRARY_IMPL(loragate_cpu, CPU, m) {
   m.impl("panel_pack_weight", &panel_pack_weight);
   m.impl("panel_linear", &panel_linear);
   m.impl("panel_linear_silu", &panel_linear_silu);
+  m.impl("panel_columns", &panel_columns);
   m.impl("panel_linear_lora", &panel_linear_lora);
 }
