@@ -40,12 +40,13 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default: greedy)")
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--no-head-screen", action="store_true", help="greedy rows compute the whole fp32 LM head")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     resolved = resolve_model(args.model)
     tok = load_tokenizer(resolved.path)
     prompts = [tok(t)["input_ids"] for t in w1_prompts(args.requests)]
-    config: dict = {"model": args.model, "dtype": args.dtype, "pool_mb": 256}
+    config: dict = {"model": args.model, "dtype": args.dtype, "pool_mb": 256, "head_screen": not args.no_head_screen}
     adapters: list[str | None] = [None] * len(prompts)
     if args.lora:
         dirs = make_w1_adapters(resolved.path, w1_adapter_root(args.model, resolved.path))

@@ -65,6 +65,12 @@ def load_model(model_dir: Path, backends: Backends, prepack: bool = True, head_s
         packed,
         backends.gemm.value,
     )
+    if model.head_screen is not None:
+        logger.info(
+            "greedy head screen: a bf16 copy of the LM head, %.0f MB (engine/model/head_screen.py; --no-head-screen "
+            "drops it)",
+            model.head_screen.nbytes / 2**20,
+        )
     return model.eval()
 
 
