@@ -126,7 +126,12 @@ def test_preemption_by_recompute_records_each_position_once(tiny_model_dir, tiny
     name, adapter_dir = next(iter(tiny_adapters.items()))
     engine = LLMEngine(
         EngineConfig(
-            dtype="float32", model="tiny-random", adapter_dir=str(adapter_dir.parent), preemption="recompute", **CHUNKED
+            dtype="float32",
+            model="tiny-random",
+            adapter_dir=str(adapter_dir.parent),
+            preemption="recompute",
+            head_screen=False,  # the head's rows are counted: greedy rows through the whole head too
+            **CHUNKED,
         )
     )
     head_rows = count_head_rows(engine)
@@ -169,7 +174,8 @@ def test_prefix_cache_gives_no_blocks_to_a_request_that_scores_its_prompt(tiny_m
 
 
 def test_requests_that_do_not_ask_send_only_their_sampled_rows_through_the_head(prompts) -> None:
-    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", **CHUNKED))
+    # greedy rows through the whole head (engine/model/head_screen.py would take their tokens without it)
+    engine = LLMEngine(EngineConfig(dtype="float32", model="tiny-random", head_screen=False, **CHUNKED))
     head_rows = count_head_rows(engine)
     for i, prompt in enumerate(prompts):
         engine.add_request(
