@@ -385,8 +385,8 @@ class CausalLM(nn.Module):
             count += head is not None
             if isinstance(head, PackedLinear) and head.panels and head.weight.dtype == embeddings.dtype:
                 self.embed_tokens = PanelEmbedding(head.weight)
-        packed = self.lm_head
-        if head_screen and self.backends.head_screen and isinstance(packed, PackedLinear) and packed.panels:
+        packed = self.lm_head  # a PackedLinear on the panels route, where Backends.head_screen holds
+        if head_screen and self.backends.head_screen and isinstance(packed, PackedLinear):
             if HeadScreen.supports(plain_head, packed.bias):
                 self.head_screen = HeadScreen(plain_head, packed.weight)
         return count

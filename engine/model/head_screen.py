@@ -28,12 +28,9 @@ states that are not finite or so large the fp32 sums could overflow, or more tha
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 U = 2.0**-8  # bf16's unit roundoff
 SLACK_MARGIN = 1.0 + 2.0**-16
@@ -56,7 +53,7 @@ class HeadScreen:
         vocab, hidden = weight.shape
         assert hidden % 2 == 0, "the bf16 layout holds K in pairs (`supports`)"
         plain = weight.detach().float()
-        self.vocab, self.hidden = vocab, hidden
+        self.vocab = vocab
         self.packed = torch.ops.loragate_cpu.screen_pack(plain)
         # in float64, a block of rows at a time (a whole float64 copy of Gemma 3's head would be 1.3 GB)
         norms = torch.cat([block.double().norm(dim=1) for block in plain.split(8192)])

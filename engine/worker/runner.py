@@ -139,8 +139,8 @@ class ModelRunner:
         logprobs: list[TokenLogprob | None] = [None] * n
         errors: dict[int, str] = {}
         scored: dict[int, tuple[int, list[TokenLogprob]]] = {}
+        head = None if vocab is None or not vocab.heads else _head_lora(vocab, slots)  # LM-head LoRA, by batch index
         if step.prompt_chunks:  # only requests that asked for prompt logprobs
-            head = None if vocab is None or not vocab.heads else _head_lora(vocab, slots)
             by_order, failed = score_prompt_chunks(
                 hidden, self.model.compute_logits, requests, step.prompt_chunks, head
             )
@@ -154,7 +154,7 @@ class ModelRunner:
             hidden = hidden[step.sample_rows]
             sampling = [requests[i] for i in step.sample_idx]
             sampling_rows = [rows[i] for i in step.sample_idx]
-        out = self._sample(hidden, sampling, sampling_rows, vocab, [slots[i] for i in step.sample_idx])
+        out = self._sample(hidden, sampling, sampling_rows, head, step.sample_idx)
         if order is None and step.sample_rows is None and min(out.token_ids) >= 0:  # all sampled, in batch order
             return RunnerOutput(out.token_ids, out.logprobs, errors, scored)
         for i, token, logprob in zip(step.sample_idx, out.token_ids, out.logprobs, strict=True):
@@ -166,42 +166,33 @@ class ModelRunner:
         return RunnerOutput(sampled, logprobs, errors, scored)
 
     def _sample(
-        self,
-        hidden: torch.Tensor,
-        requests: list[Request],
-        rows: list[int],
-        vocab: VocabStep | None,
-        slots: list[int | None],
+        self, hidden: torch.Tensor, requests: list[Request], rows: list[int], head: HeadLora | None, owners: list[int]
     ) -> SamplerOutput:
-        """The tokens of the sampling rows (hidden [S, hidden]): where every row's token is an argmax of its raw logits
-        and the model has a screen of its head (engine/model/head_screen.py), from the screen, and from the full
-        logits only for the rows it cannot vouch for; otherwise from the full logits (plus the rows' LM-head LoRA)."""
+        """The tokens of the sampling rows (hidden [S, hidden]; `owners`: their batch indices, for `head`, the rows'
+        LM-head LoRA): where no row has one, every row's token is an argmax of its raw logits and the model has a
+        screen of its head (engine/model/head_screen.py), from the screen, and from the full logits only for the rows
+        it cannot vouch for; otherwise from the full logits."""
         screen = self.model.head_screen
-        if screen is not None and (vocab is None or not vocab.heads):
-            banned = self.sampler.argmax_bans(requests, screen.vocab, hidden.device)
-            if banned is not None:
-                screened = screen.tokens(hidden, banned)
-                rest = [i for i, token in enumerate(screened) if token is None]
-                tokens = [NO_TOKEN if token is None else token for token in screened]
-                if rest:
-                    part = self._sample_logits(hidden[rest], [requests[i] for i in rest], [rows[i] for i in rest])
-                    for i, token in zip(rest, part.token_ids, strict=True):
-                        tokens[i] = token
-                return SamplerOutput(tokens, [None] * len(tokens))
-        return self._sample_logits(hidden, requests, rows, vocab, slots)
+        if screen is None or head is not None:
+            return self._sample_logits(hidden, requests, rows, head, owners)
+        banned = self.sampler.argmax_bans(requests, screen.vocab, hidden.device)
+        if banned is None:
+            return self._sample_logits(hidden, requests, rows, None, owners)
+        screened = screen.tokens(hidden, banned)
+        rest = [i for i, token in enumerate(screened) if token is None]
+        tokens = [NO_TOKEN if token is None else token for token in screened]
+        if rest:
+            part = self._sample_logits(hidden[rest], [requests[i] for i in rest], [rows[i] for i in rest], None, [])
+            for i, token in zip(rest, part.token_ids, strict=True):
+                tokens[i] = token
+        return SamplerOutput(tokens, [None] * len(tokens))
 
     def _sample_logits(
-        self,
-        hidden: torch.Tensor,
-        requests: list[Request],
-        rows: list[int],
-        vocab: VocabStep | None = None,
-        slots: list[int | None] | None = None,
+        self, hidden: torch.Tensor, requests: list[Request], rows: list[int], head: HeadLora | None, owners: list[int]
     ) -> SamplerOutput:
         logits = self.model.compute_logits(hidden)  # [S, vocab]
-        if vocab is not None and vocab.heads:  # the LM-head LoRA of the rows whose adapter has one
-            assert slots is not None
-            vocab.head(logits, hidden, slots)
+        if head is not None:
+            head(logits, hidden, owners)
         return self.sampler(logits, requests, RowTables(self.batch, rows))
 
     def _slot(self, request: Request) -> int | None:
@@ -373,7 +364,7 @@ class ModelRunner:
 
 
 def _head_lora(vocab: VocabStep, slots: list[int | None]) -> HeadLora:
-    """Prompt logprobs' rows get their request's LM-head LoRA: `slots` by batch index."""
+    """Rows get their request's LM-head LoRA (prompt logprobs' and sampled ones): `slots` by batch index."""
     return lambda logits, hidden, owners: vocab.head(logits, hidden, [slots[i] for i in owners])
 
 

@@ -141,16 +141,7 @@ void multiply(const c10::BFloat16* a, int64_t a_stride, int64_t m_pad, int64_t m
 #define LORAGATE_DOT_BF16 1
 constexpr int64_t DOT_PREFETCH_KB = 4;  // how many K blocks (2 KB of a column block each) ahead a first pass asks for
 
-// A thread's next run of column blocks, asked for into L2 a few lines per K block of the current run's passes, so
-// that memory fetches it while the core computes.
-struct Ahead {
-  const char* next = nullptr;
-  const char* end = nullptr;
-  int64_t per_kb = 0;  // lines a K block asks for
-  inline void issue() {
-    for (int64_t i = 0; i < per_kb && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
-  }
-};
+using loragate_cpu::Ahead;  // the thread's next run of column blocks, asked for a few lines per K block
 
 // Rows [0, MT) of x against NB consecutive column blocks (32 output columns each) of the tile layout, on the bf16 dot
 // instruction: for each pair of K columns, a 64-byte row of the layout holds that pair for 16 output columns, and
@@ -230,9 +221,8 @@ void dot_multiply(const c10::BFloat16* a, int64_t a_stride, int64_t m, const c10
       // the thread's next run, asked for over this run's passes (its first run asks ahead in its own first pass)
       Ahead ahead;
       if (g + 1 < hi) {
-        ahead.next = reinterpret_cast<const char*>(blocks + nbs * block_elems);
-        ahead.end = std::min(end, ahead.next + DOT_GROUP * block_elems * 2);
-        ahead.per_kb = ((ahead.end - ahead.next) / 64 + m_tiles * k_blocks - 1) / (m_tiles * k_blocks);
+        const char* next = reinterpret_cast<const char*>(blocks + nbs * block_elems);
+        ahead = Ahead::over(next, std::min(end, next + DOT_GROUP * block_elems * 2) - next, m_tiles * k_blocks);
       }
       for (int64_t m0 = 0; m0 < m; m0 += 4) {
         const int64_t mt = std::min<int64_t>(4, m - m0);

@@ -1,6 +1,6 @@
 // Scalar helpers the CPU ops share (loragate_kernels/cpu/lora.cpp, cpu/attention.cpp, cpu/layer.cpp,
-// cpu/panels.cpp): conversions between the model's dtypes and fp32, e^x and SiLU, each written so the compiler
-// vectorizes the loops that call them.
+// cpu/panels.cpp, cpu/amx.cpp, cpu/screen.cpp): conversions between the model's dtypes and fp32, e^x and SiLU, each
+// written so the compiler vectorizes the loops that call them; and the GEMMs' `Ahead`.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -16,6 +16,27 @@
 #endif
 
 namespace loragate_cpu {
+
+#if defined(__AVX512F__)
+// A thread's next run of weight (the bytes [next, end)), asked for into L2 a few lines at each of the current run's
+// `steps` issue points, so that memory fetches it while the core computes (cpu/panels.cpp, cpu/amx.cpp's dot
+// kernel, cpu/screen.cpp). A default one asks for nothing.
+struct Ahead {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t per_step = 0;  // lines an issue asks for
+  static Ahead over(const void* begin, int64_t bytes, int64_t steps) {
+    Ahead ahead;
+    ahead.next = static_cast<const char*>(begin);
+    ahead.end = ahead.next + bytes;
+    ahead.per_step = (bytes / 64 + steps - 1) / std::max<int64_t>(steps, 1);
+    return ahead;
+  }
+  inline void issue() {
+    for (int64_t i = 0; i < per_step && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+#endif
 
 inline float to_f(float v) { return v; }
 inline float to_f(c10::Half v) { return static_cast<float>(v); }

@@ -56,15 +56,7 @@ bool panels_ready() {
 }
 
 #if defined(__AVX512F__)
-// The thread's next panel, asked for into L2 a few lines per 8 columns of K of the current panel's passes.
-struct Ahead {
-  const char* next = nullptr;
-  const char* end = nullptr;
-  int64_t per_step = 0;
-  inline void issue() {
-    for (int64_t i = 0; i < per_step && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
-  }
-};
+using loragate_cpu::Ahead;  // the thread's next panel, asked for a few lines per 8 columns of K
 
 // part[m] (+)= x[m, k0 : k1] . the panel's columns for m < MT: the sums in registers (24 at 4 rows), added to `part`
 // (the tile's running sums) at the end, or stored there when `first`. Not inlined: its registers are its own.
@@ -151,12 +143,7 @@ void for_tiles(int64_t r0, int64_t r1, const F& fn) {
 
 // An Ahead over `panel` (panel_elems floats), spread over the passes of an item's tiles of rows [r0, r1).
 Ahead ahead_over(const float* panel, int64_t panel_elems, int64_t r0, int64_t r1, int64_t k) {
-  Ahead ahead;
-  ahead.next = reinterpret_cast<const char*>(panel);
-  ahead.end = ahead.next + panel_elems * static_cast<int64_t>(sizeof(float));
-  const int64_t steps = (r1 - r0 + 3) / 4 * ((k + 7) / 8);
-  ahead.per_step = ((ahead.end - ahead.next) / 64 + steps - 1) / steps;
-  return ahead;
+  return Ahead::over(panel, panel_elems * static_cast<int64_t>(sizeof(float)), (r1 - r0 + 3) / 4 * ((k + 7) / 8));
 }
 
 // y [m, n] = x . the panels (+ bias).

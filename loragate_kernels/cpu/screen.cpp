@@ -33,6 +33,8 @@
 #include <tuple>
 #include <vector>
 
+#include "common.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define LORAGATE_SCREEN 1
 #include <immintrin.h>
@@ -62,15 +64,7 @@ struct Held {
 };
 
 #if defined(LORAGATE_SCREEN)
-// A thread's next panel, asked for into L2 a few lines per 16 K pairs of the current panel's passes.
-struct Ahead {
-  const char* next = nullptr;
-  const char* end = nullptr;
-  int64_t per_step = 0;
-  inline void issue() {
-    for (int64_t i = 0; i < per_step && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
-  }
-};
+using loragate_cpu::Ahead;  // the thread's next panel, asked for a few lines per 16 K pairs
 
 // sums[m][c] = x[m] . the panel's column c for m < MT: MT x 6 vectors of sums in registers (no horizontal sums), then
 // stored for finish(sums): the accumulators' address never escapes, so they stay in registers.
@@ -175,13 +169,8 @@ void screen_rows(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFlo
       const int64_t lo = panels * part / parts, hi = panels * (part + 1) / parts;
       for (int64_t p = lo; p < hi; ++p) {
         const c10::BFloat16* panel = packed + p * panel_elems;
-        Ahead ahead;
-        if (p + 1 < hi) {  // the next panel, over this one's passes
-          ahead.next = reinterpret_cast<const char*>(panel + panel_elems);
-          ahead.end = ahead.next + panel_elems * 2;
-          const int64_t steps = m_tiles * ((pairs + 15) / 16);
-          ahead.per_step = ((ahead.end - ahead.next) / 64 + steps - 1) / steps;
-        }
+        const int64_t steps = m_tiles * ((pairs + 15) / 16);  // the next panel, over this one's passes
+        Ahead ahead = p + 1 < hi ? Ahead::over(panel + panel_elems, panel_elems * 2, steps) : Ahead{};
         for (int64_t m0 = 0; m0 < m; m0 += 4) {
           auto run = [&](auto mt) {
             constexpr int MT = decltype(mt)::value;
